@@ -1,0 +1,84 @@
+"""Typed errors. Every error the library raises on bad input is a :class:`WNA16Error`.
+
+Each subclass also derives from the builtin exception a Python user would expect
+(``ValueError`` for bad values and shapes, ``TypeError`` for dtypes, ``KeyError``-like
+``LookupError`` for missing tensors, ``NotImplementedError`` for refused configurations),
+so ``except ValueError`` keeps working for callers that do not know this library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class WNA16Error(Exception):
+    """Base class of every error raised by wna16_jax on bad input or unsupported requests."""
+
+
+class ConfigError(WNA16Error, ValueError):
+    """A quantization config (or model config) is malformed or names unsupported values."""
+
+
+class ShapeError(WNA16Error, ValueError):
+    """A tensor has the wrong shape, or a size violates a layout's divisibility rule."""
+
+
+class DTypeError(WNA16Error, TypeError):
+    """A tensor has the wrong dtype."""
+
+
+class MissingTensorError(WNA16Error, LookupError):
+    """A checkpoint lacks a tensor the format requires."""
+
+
+class UnexpectedTensorError(WNA16Error, LookupError):
+    """A checkpoint carries a tensor the format does not know what to do with."""
+
+
+class ValueRangeError(WNA16Error, ValueError):
+    """A tensor holds values outside their legal range (g_idx, topk_ids, codes, ...)."""
+
+
+class UnsupportedError(WNA16Error, NotImplementedError):
+    """A backend or function refuses this (otherwise valid) configuration."""
+
+
+class BackendSelectionError(WNA16Error, RuntimeError):
+    """No backend of the dispatch table supports the request; the message lists every reason."""
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_shape(name: str, array: Any, expected: Sequence[int]) -> None:
+    """Raise :class:`ShapeError` naming ``name`` unless ``array.shape == expected``."""
+    actual = tuple(getattr(array, "shape", ()))
+    if actual != tuple(expected):
+        raise ShapeError(
+            f"{name}: expected shape {_fmt_shape(tuple(expected))}, got {_fmt_shape(actual)}"
+        )
+
+
+def check_rank(name: str, array: Any, rank: int) -> None:
+    actual = tuple(getattr(array, "shape", ()))
+    if len(actual) != rank:
+        raise ShapeError(f"{name}: expected a rank-{rank} tensor, got shape {_fmt_shape(actual)}")
+
+
+def check_dtype(name: str, array: Any, expected: Any) -> None:
+    """Raise :class:`DTypeError` unless ``array.dtype`` is ``expected`` (or one of a tuple)."""
+    import numpy as np
+
+    allowed = expected if isinstance(expected, (tuple, list)) else (expected,)
+    actual = np.dtype(array.dtype)
+    if not any(actual == np.dtype(a) for a in allowed):
+        want = " or ".join(str(np.dtype(a)) for a in allowed)
+        raise DTypeError(f"{name}: expected dtype {want}, got {actual}")
+
+
+def check_divisible(name: str, value: int, divisor: int, rule: str = "") -> None:
+    """Raise :class:`ShapeError` unless ``divisor`` divides ``value``."""
+    if divisor <= 0 or value % divisor != 0:
+        extra = f" ({rule})" if rule else ""
+        raise ShapeError(f"{name}: {value} is not a multiple of {divisor}{extra}")

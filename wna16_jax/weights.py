@@ -1,0 +1,258 @@
+"""Weight pytrees: the loader layout (``CheckpointWeights``) and the logical form every layout
+decodes to (``LogicalQuant``).
+
+All classes are frozen dataclasses registered as JAX pytrees: arrays are children, sizes and
+the scheme are static metadata. Every array field of an experts pytree has the expert axis
+first, so selecting experts (``take_experts``) is a gather on axis 0 of every leaf.
+
+Shapes of ``CheckpointWeights`` per method (spec ``vllm_wna16_formats.md`` §1.3–§1.6), with
+``E`` experts, ``H`` hidden size, ``I`` intermediate size, ``pf = 32 // bits``, ``G13 = H/g``,
+``G2 = I/g`` (1 when channelwise):
+
+=============  =========================  =========================  ==========================
+field          AWQ (K-first, N-packed)     GPTQ (K-first, K-packed)    compressed-tensors (N-first)
+=============  =========================  =========================  ==========================
+w13_qweight    [E, H, 2I/8]                [E, H/pf, 2I]               [E, 2I, H/pf]
+w2_qweight     [E, I, H/8]                 [E, I/pf, H]                [E, H, I/pf]
+w13_scales     [E, G13, 2I]                [E, G13, 2I]                [E, 2I, G13]
+w2_scales      [E, G2, H]                  [E, G2, H]                  [E, H, G2]
+w13_qzeros     [E, G13, 2I/8] (AWQ order)  [E, G13, 2I/pf] (v1: z-1)   [E, 2I/pf, G13]
+w2_qzeros      [E, G2, H/8]                [E, G2, H/pf]               [E, H/pf, G2]
+w13_g_idx      —                           [E, H] (act-order)          [E, H] (act-order)
+w2_g_idx       —                           [E, I] (act-order)          [E, I] (act-order)
+w13_bias       [E, 2I]                     [E, 2I]                     [E, 2I]
+w2_bias        [E, H]                      [E, H]                      [E, H]
+=============  =========================  =========================  ==========================
+
+``w13`` is ``[gate; up]`` along its output axis, gate first. Zero points exist only when the
+scheme has them (symmetric GPTQ's constant ``0x77777777`` qzeros are dropped at load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import packing
+from .errors import ShapeError, check_dtype, check_shape
+from .schemes import QuantMethod, QuantScheme
+
+
+def pytree_dataclass(cls=None, *, meta: tuple[str, ...] = ()):
+    """Make ``cls`` a frozen dataclass and register it as a pytree; ``meta`` fields are static."""
+
+    def wrap(c):
+        c = dataclasses.dataclass(frozen=True)(c)
+        names = [f.name for f in dataclasses.fields(c)]
+        data = [n for n in names if n not in meta]
+        return jax.tree_util.register_dataclass(c, data_fields=data, meta_fields=list(meta))
+
+    return wrap if cls is None else wrap(cls)
+
+
+def _take(x: Any, idx: Any) -> Any:
+    if x is None:
+        return None
+    xp = packing.xp_of(x) if not packing.is_jax(idx) else jnp
+    return xp.take(x, idx, axis=0)
+
+
+class ExpertsMixin:
+    """Shared behaviour of all experts pytrees (loader layout and every backend layout)."""
+
+    #: names of array fields that carry the expert axis first (all array fields).
+    def array_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if f.name not in self._meta_names()]
+
+    @classmethod
+    def _meta_names(cls) -> tuple[str, ...]:
+        return cls.META
+
+    def take_experts(self, idx: Any):
+        """The same pytree restricted to experts ``idx`` (a gather along axis 0 of every array)."""
+        return dataclasses.replace(self, **{n: _take(getattr(self, n), idx) for n in self.array_fields()})
+
+    def decode(self) -> tuple["LogicalQuant", "LogicalQuant"]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def num_experts(self) -> int:
+        return int(getattr(self, self.array_fields()[0]).shape[0])
+
+    def dequantize(self, dtype: Any = jnp.float32) -> tuple[Any, Any]:
+        """Dense ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in ``dtype`` (output x input)."""
+        l13, l2 = self.decode()
+        return l13.dequantize(dtype), l2.dequantize(dtype)
+
+    def to_jax(self):
+        """The same pytree with every array as a jax array (host numpy arrays are uploaded)."""
+        return jax.tree_util.tree_map(jnp.asarray, self)
+
+    def to_numpy(self):
+        return jax.tree_util.tree_map(np.asarray, self)
+
+
+@pytree_dataclass(meta=("bits", "group_size"))
+class LogicalQuant:
+    """The logical content of one quantized expert stack, independent of any kernel layout.
+
+    ``codes [E, N, K]`` unsigned integer codes (int32); ``scales [E, N, G]``;
+    ``zeros [E, N, G]`` unsigned zero points or ``None`` (then the implicit ``2**(bits-1)``);
+    ``g_idx [E, K]`` the group of each input row or ``None`` (then ``k // group_size``, or 0
+    when channelwise). ``W[e, n, k] = (codes - zero) * scale`` at group ``g_idx[e, k]``.
+    """
+
+    codes: Any
+    scales: Any
+    zeros: Any = None
+    g_idx: Any = None
+    bits: int = 4
+    group_size: int = 128
+
+    def group_index(self) -> Any:
+        """``[E, K]`` (or ``[K]``) group index of every input row."""
+        if self.g_idx is not None:
+            return self.g_idx
+        k = self.codes.shape[-1]
+        xp = packing.xp_of(self.codes)
+        if self.group_size == -1:
+            return xp.zeros((k,), xp.int32)
+        return xp.arange(k, dtype=xp.int32) // self.group_size
+
+    def expanded(self) -> tuple[Any, Any]:
+        """Per-element ``(zero, scale)`` arrays of shape ``[E, N, K]``."""
+        xp = packing.xp_of(self.codes)
+        gi = self.group_index()
+        if gi.ndim == 1:
+            s = xp.take(self.scales, gi, axis=-1)
+            z = None if self.zeros is None else xp.take(self.zeros, gi, axis=-1)
+        else:
+            s = xp.take_along_axis(self.scales, xp.broadcast_to(gi[:, None, :], self.codes.shape), axis=-1)
+            z = None if self.zeros is None else xp.take_along_axis(
+                self.zeros, xp.broadcast_to(gi[:, None, :], self.codes.shape), axis=-1)
+        if z is None:
+            z = 1 << (self.bits - 1)
+        return z, s
+
+    def dequantize(self, dtype: Any = jnp.float32) -> Any:
+        """``(codes - zero) * scale`` computed in float32 (exact), cast to ``dtype``."""
+        xp = packing.xp_of(self.codes)
+        z, s = self.expanded()
+        diff = (self.codes - z).astype(xp.float32)
+        return (diff * s.astype(xp.float32)).astype(dtype)
+
+
+@pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
+class CheckpointWeights(ExpertsMixin):
+    """One MoE layer's routed experts in the layout vLLM's FusedMoE loader holds (see module doc)."""
+
+    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size")
+
+    w13_qweight: Any
+    w2_qweight: Any
+    w13_scales: Any
+    w2_scales: Any
+    w13_qzeros: Any = None
+    w2_qzeros: Any = None
+    w13_g_idx: Any = None
+    w2_g_idx: Any = None
+    w13_bias: Any = None
+    w2_bias: Any = None
+    scheme: QuantScheme = None  # type: ignore[assignment]
+    hidden_size: int = 0
+    intermediate_size: int = 0
+
+    # ------------------------------------------------------------------ shapes
+    @staticmethod
+    def expected_shapes(scheme: QuantScheme, e: int, h: int, i: int) -> dict[str, tuple[int, ...]]:
+        """Expected shape of every field for ``scheme`` (absent optional fields are omitted)."""
+        pf, g13, g2 = scheme.pack_factor, scheme.num_groups(h), scheme.num_groups(i)
+        cdiv = lambda a, b: -(-a // b)  # noqa: E731
+        m = scheme.method
+        if m is QuantMethod.AWQ:
+            shapes = dict(w13_qweight=(e, h, 2 * i // pf), w2_qweight=(e, i, h // pf),
+                          w13_scales=(e, g13, 2 * i), w2_scales=(e, g2, h),
+                          w13_qzeros=(e, g13, 2 * i // pf), w2_qzeros=(e, g2, h // pf))
+        elif m is QuantMethod.GPTQ:
+            shapes = dict(w13_qweight=(e, h // pf, 2 * i), w2_qweight=(e, i // pf, h),
+                          w13_scales=(e, g13, 2 * i), w2_scales=(e, g2, h),
+                          w13_qzeros=(e, g13, 2 * i // pf), w2_qzeros=(e, g2, h // pf))
+        else:
+            shapes = dict(w13_qweight=(e, 2 * i, cdiv(h, pf)), w2_qweight=(e, h, cdiv(i, pf)),
+                          w13_scales=(e, 2 * i, g13), w2_scales=(e, h, g2),
+                          w13_qzeros=(e, cdiv(2 * i, pf), g13), w2_qzeros=(e, cdiv(h, pf), g2))
+        if not scheme.zero_point:
+            del shapes["w13_qzeros"], shapes["w2_qzeros"]
+        if scheme.act_order:
+            shapes.update(w13_g_idx=(e, h), w2_g_idx=(e, i))
+        shapes.update(w13_bias=(e, 2 * i), w2_bias=(e, h))
+        return shapes
+
+    def validate(self) -> "CheckpointWeights":
+        """Check every field's presence, shape and dtype; return self. Raises typed errors."""
+        from .errors import MissingTensorError, UnexpectedTensorError
+
+        s, h, i = self.scheme, self.hidden_size, self.intermediate_size
+        if s is None:
+            raise ShapeError("CheckpointWeights.scheme: missing")
+        e = int(self.w13_qweight.shape[0]) if self.w13_qweight is not None else 0
+        expected = self.expected_shapes(s, e, h, i)
+        for name in self.array_fields():
+            arr = getattr(self, name)
+            optional = name.endswith("_bias")
+            if name not in expected:
+                if arr is not None:
+                    raise UnexpectedTensorError(
+                        f"{name}: not part of a {s.describe()} layer, but a tensor of shape "
+                        f"{tuple(arr.shape)} was given")
+                continue
+            if arr is None:
+                if optional:
+                    continue
+                raise MissingTensorError(f"{name}: required by {s.describe()}, but missing")
+            check_shape(name, arr, expected[name])
+            if "qweight" in name or "qzeros" in name or "g_idx" in name:
+                check_dtype(name, arr, np.int32)
+            else:
+                check_dtype(name, arr, (np.float16, jnp.bfloat16, np.float32))
+        if (self.w13_bias is None) != (self.w2_bias is None):
+            raise MissingTensorError("w13_bias / w2_bias: either both biases or neither must be given")
+        return self
+
+    # ------------------------------------------------------------------ decoding
+    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
+        s = self.scheme
+        return (self._decode_one(self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w13_g_idx,
+                                 n=2 * self.intermediate_size, k=self.hidden_size),
+                self._decode_one(self.w2_qweight, self.w2_scales, self.w2_qzeros, self.w2_g_idx,
+                                 n=self.hidden_size, k=self.intermediate_size)) if s else None
+
+    def _decode_one(self, qw, sc, qz, gi, *, n: int, k: int) -> LogicalQuant:
+        s = self.scheme
+        xp = packing.xp_of(qw)
+        b = s.bits
+        if s.method is QuantMethod.AWQ:
+            codes = xp.swapaxes(packing.unpack(qw, b, axis=2, order=packing.awq_order(b)), 1, 2)
+            scales = xp.swapaxes(sc, 1, 2)
+            zeros = None if qz is None else xp.swapaxes(
+                packing.unpack(qz, b, axis=2, order=packing.awq_order(b)), 1, 2)
+        elif s.method is QuantMethod.GPTQ:
+            codes = xp.swapaxes(packing.unpack(qw, b, axis=1), 1, 2)
+            scales = xp.swapaxes(sc, 1, 2)
+            zeros = None
+            if qz is not None:
+                zeros = xp.swapaxes(packing.unpack(qz, b, axis=2), 1, 2)
+                if s.gptq_zeros_minus_one:
+                    zeros = (zeros + 1) & ((1 << b) - 1)
+        else:
+            codes = packing.unpack(qw, b, axis=2, size=k)
+            scales = sc
+            zeros = None if qz is None else packing.unpack(qz, b, axis=1, size=n)
+        return LogicalQuant(codes, scales, zeros, gi, bits=b, group_size=s.group_size)
+
+    def has_bias(self) -> bool:
+        return self.w13_bias is not None
