@@ -1,7 +1,13 @@
+"""Shared pytest configuration: hypothesis profiles (the CI profile runs the full example counts)."""
+
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu") if not os.environ.get("WNA16_TEST_GPU") else None
+from hypothesis import HealthCheck, settings
 
-import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", False)
+settings.register_profile(
+    "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
