@@ -168,9 +168,16 @@ class CheckpointWeights(ExpertsMixin):
 
     # ------------------------------------------------------------------ shapes
     @staticmethod
-    def expected_shapes(scheme: QuantScheme, e: int, h: int, i: int) -> dict[str, tuple[int, ...]]:
-        """Expected shape of every field for ``scheme`` (absent optional fields are omitted)."""
+    def expected_shapes(scheme: QuantScheme, e: int, h: int, i: int, w2_groups: int | None = None
+                        ) -> dict[str, tuple[int, ...]]:
+        """Expected shape of every field for ``scheme`` (absent optional fields are omitted).
+
+        ``w2_groups`` overrides ``I / g`` for act-order layers sliced for tensor parallelism,
+        whose w2 scales stay whole (spec §1.4) and are indexed through ``w2_g_idx``.
+        """
         pf, g13, g2 = scheme.pack_factor, scheme.num_groups(h), scheme.num_groups(i)
+        if w2_groups is not None:
+            g2 = w2_groups
         cdiv = lambda a, b: -(-a // b)  # noqa: E731
         m = scheme.method
         if m is QuantMethod.AWQ:
@@ -200,7 +207,10 @@ class CheckpointWeights(ExpertsMixin):
         if s is None:
             raise ShapeError("CheckpointWeights.scheme: missing")
         e = int(self.w13_qweight.shape[0]) if self.w13_qweight is not None else 0
-        expected = self.expected_shapes(s, e, h, i)
+        w2_groups = None
+        if s.act_order and self.w2_scales is not None and self.w2_scales.ndim == 3:
+            w2_groups = int(self.w2_scales.shape[2 if s.method is QuantMethod.COMPRESSED_TENSORS else 1])
+        expected = self.expected_shapes(s, e, h, i, w2_groups)
         for name in self.array_fields():
             arr = getattr(self, name)
             optional = name.endswith("_bias")

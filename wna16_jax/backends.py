@@ -1,0 +1,395 @@
+"""The dispatch table: which backend layout serves a scheme on a device, and why the others don't.
+
+A port of the seed oracle's backend selection (``_get_priority_backends`` and the experts
+classes' support checks, spec ``vllm_wna16_formats.md`` §9) onto JAX platforms. The table
+(:data:`TABLE`) is one literal mapping ``Backend → BackendSpec``; each spec's ``supports``
+returns ``None`` or the reason it refuses. :func:`select_backend` walks the platform's priority
+list and returns the first backend whose check passes; when none does it raises
+:class:`BackendSelectionError` listing every backend with its reason. Forcing an unsupported
+backend raises with the reason; there is never a silent fallback.
+
+Every backend's layout also has an XLA decode (``<Backend>Weights.decode``), so any converted
+pytree runs on any platform through :func:`wna16_jax.moe.fused_moe`; the device gates below say
+where the backend is *selected*, mirroring vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from enum import Enum
+from typing import Any, Callable
+
+from .errors import BackendSelectionError, ConfigError, UnsupportedError
+from .schemes import QuantMethod, QuantScheme
+
+
+class Backend(str, Enum):
+    """The seed's ``WNA16MoEBackend`` members."""
+
+    CPU = "cpu"
+    XPU = "xpu"
+    MARLIN = "marlin"
+    BATCHED_MARLIN = "batched_marlin"
+    FLASHINFER_TRTLLM = "flashinfer_trtllm"
+    HUMMING = "humming"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, name: "str | Backend") -> "Backend":
+        if isinstance(name, Backend):
+            return name
+        key = str(name).strip().lower().replace("-", "_")
+        for b in cls:
+            if b.value == key:
+                return b
+        raise ConfigError(f"backend: expected one of {[b.value for b in cls]}, got {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the dispatch table needs to know about the device a layer will run on."""
+
+    platform: str                       # "cpu", "gpu" (NVIDIA CUDA), "rocm", "xpu", "tpu", ...
+    name: str = ""
+    compute_capability: tuple[int, int] | None = None   # NVIDIA only
+    byteorder: str = sys.byteorder
+
+    @property
+    def is_nvidia(self) -> bool:
+        return self.platform == "gpu" and self.compute_capability is not None
+
+    def describe(self) -> str:
+        cc = f" (SM{self.compute_capability[0]}{self.compute_capability[1]})" if self.compute_capability else ""
+        return f"{self.platform}: {self.name or 'unknown'}{cc}"
+
+    @classmethod
+    def current(cls, jax_device: Any = None) -> "Device":
+        """Describe ``jax_device`` (default: the first JAX device)."""
+        import jax
+
+        d = jax_device if jax_device is not None else jax.devices()[0]
+        platform = str(d.platform).lower()
+        cc = None
+        raw = getattr(d, "compute_capability", None)
+        if platform in ("gpu", "cuda"):
+            platform = "gpu"
+            version = str(getattr(d.client, "platform_version", "")).lower()
+            if "rocm" in version or "hip" in version:
+                platform = "rocm"
+            elif raw:
+                major, _, minor = str(raw).partition(".")
+                cc = (int(major), int(minor or 0))
+        return cls(platform=platform, name=str(getattr(d, "device_kind", "")), compute_capability=cc)
+
+
+#: fp8 activations on Marlin need SM89 or SM12x (Hopper emulates the PTX; spec §2.7, §3.7).
+_FP8_ACT_CC = ((8, 9), (12, 0), (12, 1))
+_ACT_DTYPES = (None, "float16", "bfloat16", "int8", "float8_e4m3fn")
+ACTIVATION_FORMATS = ("standard", "batched")
+
+
+def _dtype_name(input_dtype: Any) -> str | None:
+    if input_dtype is None:
+        return None
+    import numpy as np
+
+    try:
+        name = np.dtype(input_dtype).name
+    except TypeError:
+        name = str(input_dtype)
+    if name not in _ACT_DTYPES:
+        raise ConfigError(f"input_dtype: expected one of float16, bfloat16, int8, float8_e4m3fn, got {name!r}")
+    return None if name in ("float16", "bfloat16") else name
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One layer's needs, as the frontends hand them to the oracle (spec §9.1)."""
+
+    scheme: QuantScheme
+    input_dtype: str | None = None        # None = 16-bit activations; "int8" / "float8_e4m3fn" (Marlin)
+    has_bias: bool = False
+    activation: str = "silu"
+    activation_format: str = "standard"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+
+
+Check = Callable[[Request, Device], "str | None"]
+
+
+def _first(*reasons: str | None) -> str | None:
+    for r in reasons:
+        if r:
+            return r
+    return None
+
+
+# ------------------------------------------------------------------ per-backend gates
+
+
+def _need_nvidia(min_cc: tuple[int, int] = (7, 5)) -> Check:
+    def check(req: Request, dev: Device) -> str | None:
+        if dev.platform == "rocm":
+            return "needs an NVIDIA CUDA GPU (never ROCm)"
+        if not dev.is_nvidia:
+            return f"needs an NVIDIA CUDA GPU (SM{min_cc[0]}{min_cc[1]}+), this device is {dev.describe()}"
+        if dev.compute_capability < min_cc:
+            return f"needs compute capability >= {min_cc[0]}.{min_cc[1]}, got {dev.compute_capability}"
+        return None
+    return check
+
+
+def marlin_padded_intermediate(size_n: int, group_size: int) -> int:
+    """``round_up(I, lcm(64, g))`` (spec §3.2); the same rule as ``convert.marlin``'s."""
+    import math
+
+    unit = math.lcm(64, group_size if group_size > 0 else 1)
+    return -(-size_n // unit) * unit
+
+
+def _marlin_layout(req: Request) -> str | None:
+    s = req.scheme
+    if s.method is QuantMethod.AWQ and not s.zero_point:
+        return "AWQ Marlin MoE requires zero-point tensors"
+    if s.bits == 8 and s.zero_point:
+        return f"weight key {s.weight_key} is not supported (Marlin has no 8-bit zero-point type)"
+    if s.group_size not in (-1, 32, 64, 128):
+        return f"group size must be one of -1, 32, 64, 128, got {s.group_size}"
+    if req.input_dtype == "float8_e4m3fn" and (s.bits != 4 or s.zero_point and s.method is not QuantMethod.AWQ):
+        return "fp8 activations need 4-bit symmetric weights (or AWQ)"
+    if req.hidden_size is not None and req.hidden_size % 128:
+        return f"hidden size must be a multiple of 128, got {req.hidden_size}"
+    if req.intermediate_size is not None:
+        i = req.intermediate_size
+        if s.group_size > 0 and i % s.group_size:
+            return f"intermediate size {i} is not a multiple of group size {s.group_size}"
+        if s.act_order and marlin_padded_intermediate(i, s.group_size) != i:
+            return (f"intermediate size {i} needs padding to the Marlin tile "
+                    f"({marlin_padded_intermediate(i, s.group_size)}), which act-order does not allow")
+    return None
+
+
+def _marlin_device(req: Request, dev: Device) -> str | None:
+    r = _need_nvidia((7, 5))(req, dev)
+    if r:
+        return r
+    if req.input_dtype == "int8" and dev.compute_capability < (8, 0):
+        return "int8 activations need SM80+"
+    if req.input_dtype == "float8_e4m3fn" and dev.compute_capability not in _FP8_ACT_CC:
+        return f"fp8 activations need SM89 or SM12x, got SM{dev.compute_capability[0]}{dev.compute_capability[1]}"
+    return None
+
+
+def _supports_marlin(req: Request, dev: Device) -> str | None:
+    return _first(_marlin_device(req, dev), _marlin_layout(req),
+                  None if req.activation_format == "standard"
+                  else "MarlinExperts takes the standard activation format (use BATCHED_MARLIN)")
+
+
+def _supports_batched_marlin(req: Request, dev: Device) -> str | None:
+    return _first(_marlin_device(req, dev), _marlin_layout(req),
+                  None if req.activation_format == "batched"
+                  else "BatchedMarlinExperts takes the batched-experts activation format only")
+
+
+def _supports_trtllm(req: Request, dev: Device) -> str | None:
+    s = req.scheme
+    dev_reason = None
+    if not dev.is_nvidia or dev.compute_capability[0] != 10:
+        dev_reason = f"needs an SM100-family (Blackwell) GPU, this device is {dev.describe()}"
+    opt_in = os.environ.get("WNA16_JAX_USE_FLASHINFER_MOE_INT4", "0") == "1"
+    return _first(
+        dev_reason,
+        None if s.weight_key == "kInt4Static32" and not s.zero_point
+        else f"needs 4-bit symmetric group-32 weights (kInt4Static32), got {s.weight_key} ({s.describe()})",
+        "bias is not supported" if req.has_bias else None,
+        None if req.activation in ("silu", "swigluoai")
+        else f"activation must be silu or swigluoai, got {req.activation}",
+        "only 16-bit (bf16) activations" if req.input_dtype else None,
+        None if req.activation_format == "standard" else "standard activation format only",
+        # last, so that layout_supports() can tell "everything else passed":
+        None if opt_in else "opt-in only (set WNA16_JAX_USE_FLASHINFER_MOE_INT4=1, as vLLM's "
+                            "VLLM_USE_FLASHINFER_MOE_INT4); its executor here is the XLA decode",
+    )
+
+
+def _supports_humming(req: Request, dev: Device) -> str | None:
+    s = req.scheme
+    return _first(
+        _need_nvidia((7, 5))(req, dev),
+        None if s.method in (QuantMethod.AWQ, QuantMethod.GPTQ)
+        else "the Humming weight schema is derived from AutoAWQ / AutoGPTQ configs only "
+             "(the seed raises TypeError for compressed-tensors)",
+        "the Humming GPTQ schema does not support desc_act (act-order)" if s.act_order else None,
+        "only 16-bit activations here" if req.input_dtype else None,
+    )
+
+
+def _supports_cpu(req: Request, dev: Device) -> str | None:
+    s = req.scheme
+    return _first(
+        None if dev.platform == "cpu" else f"CPU backend runs on the cpu platform, this device is {dev.describe()}",
+        None if s.weight_key == "kInt4Static"
+        else f"weight key {s.weight_key} is not supported (CPU int4 MoE takes kInt4Static only)",
+        "GPTQ desc_act / act-order is not supported (no g_idx reordering)" if s.act_order else None,
+        None if req.activation in ("silu", "gelu_tanh")
+        else f"activation must be silu or gelu_tanh, got {req.activation}",
+        "only 16-bit activations" if req.input_dtype else None,
+        None if req.activation_format == "standard" else "standard activation format only",
+    )
+
+
+def _supports_xpu(req: Request, dev: Device) -> str | None:
+    s = req.scheme
+    return _first(
+        None if dev.platform == "xpu" else f"needs an Intel XPU, this device is {dev.describe()}",
+        None if s.bits == 4 and not s.zero_point
+        else f"needs 4-bit symmetric weights (kInt4Static / kInt4Static32), got {s.describe()}",
+        "act-order is not supported" if s.act_order else None,
+        "only 16-bit activations" if req.input_dtype else None,
+        None if req.activation_format == "standard" else "standard activation format only",
+        None if dev.byteorder == "little" else "needs a little-endian host (uint8 view of int32 words)",
+    )
+
+
+# ------------------------------------------------------------------ the table
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """One row of the dispatch table."""
+
+    backend: Backend
+    platforms: tuple[str, ...]            # where vLLM selects it
+    layout: str                           # spec section of the kernel layout
+    executes_on: str                      # what runs the layout in this project
+    supports_fn: Check
+    convert_path: str | None              # "module:function" of the converter (lazy import)
+
+    def supports(self, scheme: QuantScheme, device: Device | None = None, **request: Any) -> str | None:
+        """``None`` if this backend serves ``scheme`` on ``device``, else the reason it does not."""
+        req = Request(scheme, input_dtype=_dtype_name(request.pop("input_dtype", None)), **request)
+        if req.activation_format not in ACTIVATION_FORMATS:
+            raise ConfigError(f"activation_format: expected one of {ACTIVATION_FORMATS}, "
+                              f"got {req.activation_format!r}")
+        reason = self.supports_fn(req, device or Device.current())
+        if reason is None and self.converter() is None:
+            return "layout converter not implemented yet"
+        return reason
+
+    def layout_supports(self, scheme: QuantScheme, **request: Any) -> str | None:
+        """Like :meth:`supports` but ignoring the device: can this layout represent the layer?
+
+        Every layout has an XLA decode, so a layout that can represent the layer runs anywhere.
+        """
+        if self.backend is Backend.FLASHINFER_TRTLLM:
+            reason = _supports_trtllm(
+                Request(scheme, input_dtype=_dtype_name(request.pop("input_dtype", None)), **request),
+                Device("gpu", "B200", (10, 0)))
+            if reason and reason.startswith("opt-in only"):
+                reason = None
+            return reason or (None if self.converter() else "layout converter not implemented yet")
+        fake = {Backend.CPU: Device("cpu"), Backend.XPU: Device("xpu")}.get(
+            self.backend, Device("gpu", "H200", (9, 0)))
+        if self.backend in (Backend.MARLIN, Backend.BATCHED_MARLIN):
+            request = dict(request)
+            request["activation_format"] = "standard" if self.backend is Backend.MARLIN else "batched"
+            if request.get("input_dtype") is not None and "float8" in str(request["input_dtype"]):
+                fake = Device("gpu", "L40S", (8, 9))
+        return self.supports(scheme, fake, **request)
+
+    def converter(self) -> Callable | None:
+        if self.convert_path is None:
+            return None
+        module, _, fn = self.convert_path.partition(":")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError:
+            return None
+        return getattr(mod, fn, None)
+
+    def convert(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
+        fn = self.converter()
+        if fn is None:
+            raise UnsupportedError(f"{self.backend}: layout converter not implemented yet")
+        return fn(scheme, weights, input_dtype=input_dtype)
+
+
+TABLE: dict[Backend, BackendSpec] = {
+    Backend.CPU: BackendSpec(
+        Backend.CPU, ("cpu",), "vLLM CPU blocked int4 layout (spec §5)", "XLA decode",
+        _supports_cpu, "wna16_jax.convert.cpu:convert_cpu"),
+    Backend.XPU: BackendSpec(
+        Backend.XPU, ("xpu",), "[E, N, K/2] uint8, low nibble = even k (spec §6)", "XLA decode",
+        _supports_xpu, "wna16_jax.convert.xpu:convert_xpu"),
+    Backend.MARLIN: BackendSpec(
+        Backend.MARLIN, ("gpu",), "Marlin tile layout (spec §3)", "XLA decode (GPU kernel: issue 4)",
+        _supports_marlin, "wna16_jax.convert.marlin:convert_marlin"),
+    Backend.BATCHED_MARLIN: BackendSpec(
+        Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (spec §3, §2.8)",
+        "XLA decode (GPU kernel: issue 4)", _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin"),
+    Backend.FLASHINFER_TRTLLM: BackendSpec(
+        Backend.FLASHINFER_TRTLLM, ("gpu",), "MXINT4: signed int4, bf16 g32 scales, shuffled blocks (spec §4)",
+        "XLA decode (the real kernel is SM100-only)", _supports_trtllm,
+        "wna16_jax.convert.trtllm_mxint4:convert_trtllm_mxint4"),
+    Backend.HUMMING: BackendSpec(
+        Backend.HUMMING, ("gpu",), "Humming canonical weight schema (spec §7)", "XLA decode",
+        _supports_humming, "wna16_jax.convert.humming:convert_humming"),
+}
+
+
+def priority_backends(device: Device | None = None) -> list[Backend]:
+    """The seed's ``_get_priority_backends`` on JAX platforms."""
+    dev = device or Device.current()
+    if dev.platform == "cpu":
+        return [Backend.CPU]
+    if dev.platform == "xpu":
+        return [Backend.XPU]
+    return [Backend.FLASHINFER_TRTLLM, Backend.MARLIN, Backend.BATCHED_MARLIN, Backend.HUMMING]
+
+
+def backend_reasons(scheme: QuantScheme, device: Device | None = None, **request: Any
+                    ) -> dict[Backend, str | None]:
+    """Every backend of the table with ``None`` (supported) or the reason it is not."""
+    dev = device or Device.current()
+    return {b: TABLE[b].supports(scheme, dev, **dict(request)) for b in Backend}
+
+
+def select_backend(scheme: QuantScheme, device: Device | None = None, *, backend: Any = None,
+                   **request: Any) -> Backend:
+    """The first backend of the device's priority list that supports the request.
+
+    ``backend`` forces one: if it does not support the request, :class:`UnsupportedError`
+    carries the reason (no fallback). Raises :class:`BackendSelectionError` listing every
+    backend's reason when none applies.
+    """
+    dev = device or Device.current()
+    if backend is not None:
+        b = Backend.parse(backend)
+        reason = TABLE[b].supports(scheme, dev, **dict(request))
+        if reason:
+            raise UnsupportedError(f"backend {b} was forced but does not support {scheme.describe()} "
+                                   f"on {dev.describe()}: {reason}")
+        return b
+    prio = priority_backends(dev)
+    reasons = backend_reasons(scheme, dev, **request)
+    for b in prio:
+        if reasons[b] is None:
+            return b
+    lines = "\n".join(f"  {b}: {reasons[b] or 'supported, but not in this platform priority list'}"
+                      + ("" if b in prio else " [not in this platform's priority list]")
+                      for b in Backend)
+    raise BackendSelectionError(
+        f"no WNA16 MoE backend supports {scheme.describe()} on {dev.describe()}:\n{lines}")
+
+
+def env_forced_backend() -> Backend | None:
+    """``WNA16_JAX_BACKEND`` (like vLLM's ``--moe-backend``) forces a backend when set."""
+    v = os.environ.get("WNA16_JAX_BACKEND")
+    return Backend.parse(v) if v else None

@@ -1,0 +1,414 @@
+"""``fused_moe``: the WNA16 fused mixture-of-experts layer, and its XLA executor.
+
+Semantics (spec ``vllm_moe_compute.md`` §1.3–§1.4), for token ``t`` and its routed slots ``j``::
+
+    h[t, j]  = x[t] @ W13[e]ᵀ (+ b13[e])             W13 = [gate; up], [2I, H]
+    a[t, j]  = act(h[t, j])                         silu_and_mul / gelu_and_mul / swigluoai
+    y[t, j]  = a[t, j] @ W2[e]ᵀ (+ b2[e])           W2 [H, I]
+    out[t]   = Σ_j w[t, j] · y[t, j]
+
+with ``e = topk_ids[t, j]`` mapped through ``expert_map`` (experts not on this shard, ``-1``,
+contribute zero). With ``apply_router_weight_on_input`` the router weight scales ``h`` (the
+GEMM1 output, as vLLM's kernels do) instead of ``y``.
+
+The XLA executor dequantizes on the fly from whatever layout ``weights`` is in (every layout
+decodes to :class:`~wna16_jax.weights.LogicalQuant`). Three formulations are implemented; which
+one runs is chosen statically from the sizes (see :func:`choose_formulation` and
+``benchmarks/RESULTS.md`` for the CPU measurements behind the rule):
+
+* ``"gather"`` — per-token: gather the packed weights of each routed (token, slot) and
+  dequantize just those. Work ∝ T·k; best when few tokens are routed.
+* ``"dense"`` — all experts on all tokens, combined with a [T, E] routing matrix. Work ∝ E·T;
+  simple, and fastest when tokens per expert is high and E is small.
+* ``"blocked"`` — vLLM's schedule: sort (token, slot) pairs by expert into blocks of ``block_m``
+  rows (``moe_align_block_size``), then per block dequantize its expert and run one small GEMM.
+  Work ∝ T·k (+ padding); memory holds one expert at a time.
+
+``jax.lax.ragged_dot`` is deliberately not the production path (on GPU stacks it lowers to a
+padded dense dot, spec ``jax_ecosystem.md`` §5); :func:`fused_moe_ragged_dot` keeps it as a
+cross-check.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError, check_dtype
+
+# --------------------------------------------------------------------------- activations
+
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
+
+def silu_and_mul(x):
+    i = x.shape[-1] // 2
+    return jax.nn.silu(x[..., :i]) * x[..., i:]
+
+
+def gelu_and_mul(x):
+    i = x.shape[-1] // 2
+    return jax.nn.gelu(x[..., :i], approximate=False) * x[..., i:]
+
+
+def gelu_tanh_and_mul(x):
+    i = x.shape[-1] // 2
+    return jax.nn.gelu(x[..., :i], approximate=True) * x[..., i:]
+
+
+def swigluoai_and_mul(x, alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT):
+    """gpt-oss SwiGLU on interleaved columns: gate = even, up = odd."""
+    g = jnp.minimum(x[..., 0::2], limit)
+    u = jnp.clip(x[..., 1::2], -limit, limit)
+    return (u + 1.0) * g * jax.nn.sigmoid(alpha * g)
+
+
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": silu_and_mul,
+    "gelu": gelu_and_mul,
+    "gelu_tanh": gelu_tanh_and_mul,
+    "swigluoai": swigluoai_and_mul,
+}
+
+
+def check_activation(activation: str) -> Callable:
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"activation: expected one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation]
+
+
+# --------------------------------------------------------------------------- validation
+
+FORMULATIONS = ("gather", "dense", "blocked")
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _validate(x, topk_weights, topk_ids, weights, expert_map, global_num_experts):
+    if getattr(x, "ndim", None) != 2:
+        raise ShapeError(f"hidden_states: expected shape (T, H), got {tuple(getattr(x, 'shape', ()))}")
+    check_dtype("hidden_states", x, _FLOAT_DTYPES)
+    t, h = x.shape
+    if h != weights.hidden_size:
+        raise ShapeError(f"hidden_states: expected hidden size {weights.hidden_size} (from the weights), "
+                         f"got shape {tuple(x.shape)}")
+    if getattr(topk_ids, "ndim", None) != 2 or topk_ids.shape[0] != t:
+        raise ShapeError(f"topk_ids: expected shape ({t}, k), got {tuple(getattr(topk_ids, 'shape', ()))}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise DTypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ShapeError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
+                         f"got {tuple(topk_weights.shape)}")
+    check_dtype("topk_weights", topk_weights, _FLOAT_DTYPES)
+    e_local = weights.num_experts
+    if expert_map is not None:
+        if getattr(expert_map, "ndim", None) != 1:
+            raise ShapeError(f"expert_map: expected shape (global_num_experts,), got "
+                             f"{tuple(getattr(expert_map, 'shape', ()))}")
+        if not jnp.issubdtype(expert_map.dtype, jnp.integer):
+            raise DTypeError(f"expert_map: expected an integer dtype, got {expert_map.dtype}")
+        if global_num_experts is None:
+            global_num_experts = int(expert_map.shape[0])
+        if expert_map.shape[0] != global_num_experts:
+            raise ShapeError(f"expert_map: expected shape ({global_num_experts},), got {tuple(expert_map.shape)}")
+        if _is_concrete(expert_map):
+            em = np.asarray(expert_map)
+            if em.size and (em.min() < -1 or em.max() >= e_local):
+                raise ValueRangeError(f"expert_map: entries must be -1 or in [0, {e_local}), "
+                                      f"got values in [{em.min()}, {em.max()}]")
+    else:
+        if global_num_experts is None:
+            global_num_experts = e_local
+        if global_num_experts != e_local:
+            raise ShapeError(f"global_num_experts: {global_num_experts} differs from the {e_local} experts "
+                             "in weights, and no expert_map says which are local")
+    if _is_concrete(topk_ids) and topk_ids.size:
+        ids = np.asarray(topk_ids)
+        if ids.min() < 0 or ids.max() >= global_num_experts:
+            raise ValueRangeError(f"topk_ids: expert ids must lie in [0, {global_num_experts}), "
+                                  f"got values in [{ids.min()}, {ids.max()}]")
+    return global_num_experts
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _local_ids(topk_ids, expert_map, global_num_experts):
+    """(local expert id, valid) per slot; out-of-range ids are flagged by ``bad``."""
+    ids = topk_ids.astype(jnp.int32)
+    bad = (ids < 0) | (ids >= global_num_experts)
+    safe = jnp.clip(ids, 0, global_num_experts - 1)
+    local = safe if expert_map is None else jnp.asarray(expert_map, jnp.int32)[safe]
+    return local, (local >= 0) & ~bad, bad
+
+
+def _biases(weights):
+    fn = getattr(weights, "dense_biases", None)
+    if fn is not None:
+        return fn()
+    return getattr(weights, "w13_bias", None), getattr(weights, "w2_bias", None)
+
+
+def _dot(a, b, spec):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def choose_formulation(num_tokens: int, top_k: int, num_experts: int) -> str:
+    """Static choice of the XLA formulation (from the CPU measurements in benchmarks/RESULTS.md).
+
+    Per-token gathering wins while the routed (token, slot) pairs are fewer than the experts
+    (each pair dequantizes one expert's weights); once every expert is busy, the blocked
+    schedule (one dequantization per block of ``block_m`` rows) does the least work.
+    """
+    if num_tokens * top_k <= num_experts:
+        return "gather"
+    return "blocked"
+
+
+def default_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """vLLM's rule: the first of 8..64 with (T·k/E)/block_m < 0.9."""
+    avg = num_tokens * top_k / max(num_experts, 1)
+    for bm in (8, 16, 32, 48, 64):
+        if avg / bm < 0.9:
+            return bm
+    return 64
+
+
+# --------------------------------------------------------------------------- formulations
+
+
+def _gather(x, tw, local, valid, weights, act, on_input, cdt):
+    t, k = local.shape
+    flat = jnp.where(valid, local, 0).reshape(-1)
+    w = weights.take_experts(flat)
+    w13, w2 = w.dequantize(cdt)                       # [T·k, 2I, H], [T·k, H, I]
+    b13, b2 = _biases(w)
+    xr = jnp.repeat(x.astype(cdt), k, axis=0)          # row t·k + j = x[t]
+    h = _dot(xr, w13, "rh,rnh->rn")
+    if b13 is not None:
+        h = h + b13.astype(jnp.float32)
+    twf = (tw.astype(jnp.float32) * valid).reshape(-1)
+    if on_input:
+        h = h * twf[:, None]
+    a = act(h)
+    y = _dot(a.astype(cdt), w2, "ri,rhi->rh")
+    if b2 is not None:
+        y = y + b2.astype(jnp.float32)
+    if not on_input:
+        y = y * twf[:, None]
+    else:
+        y = y * valid.reshape(-1)[:, None]
+    return y.reshape(t, k, -1).sum(axis=1)
+
+
+def _dense(x, tw, local, valid, weights, act, on_input, cdt):
+    e = weights.num_experts
+    w13, w2 = weights.dequantize(cdt)                  # [E, 2I, H], [E, H, I]
+    b13, b2 = _biases(weights)
+    h = _dot(x.astype(cdt), w13, "th,enh->ten")        # [T, E, 2I]
+    if b13 is not None:
+        h = h + b13.astype(jnp.float32)[None]
+    onehot = (local[..., None] == jnp.arange(e)) & valid[..., None]   # [T, k, E]
+    twf = tw.astype(jnp.float32)
+    if on_input:
+        # act(w·h) is not linear in w: evaluate per slot on the gathered expert row.
+        hs = jnp.einsum("tke,ten->tkn", onehot.astype(jnp.float32), h)
+        a = act(hs * twf[..., None])                                       # [T, k, I]
+        y = jnp.einsum("tki,ehi,tke->tkh", a.astype(cdt), w2, onehot.astype(cdt),
+                       preferred_element_type=jnp.float32)
+        if b2 is not None:
+            y = y + jnp.einsum("tke,eh->tkh", onehot.astype(jnp.float32), b2.astype(jnp.float32))
+        return y.sum(axis=1)
+    a = act(h)                                                             # [T, E, I]
+    y = _dot(a.astype(cdt), w2, "tei,ehi->teh")
+    if b2 is not None:
+        y = y + b2.astype(jnp.float32)[None]
+    r = jnp.einsum("tke,tk->te", onehot.astype(jnp.float32), twf)          # routing matrix
+    return jnp.einsum("teh,te->th", y, r)
+
+
+def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_num_experts, block_m):
+    from .routing import moe_align_block_size
+
+    t, k = topk_ids.shape
+    aligned = moe_align_block_size(topk_ids.astype(jnp.int32), block_m, global_num_experts,
+                                   expert_map, ignore_invalid_experts=True)
+    ids = aligned.sorted_token_ids.reshape(-1, block_m)                    # [NB, BM]
+    experts = aligned.expert_ids                                           # [NB]
+    row_ok = ids < t * k
+    flat = jnp.where(row_ok, ids, 0)
+    twf = tw.astype(jnp.float32).reshape(-1)[flat] * row_ok               # [NB, BM]
+    xb = x.astype(cdt)[flat // k]                                          # [NB, BM, H]
+
+    def block(args):
+        xr, e, wr, ok = args
+        live = (e >= 0).astype(jnp.float32)
+        w = weights.take_experts(jnp.maximum(e, 0)[None])
+        w13, w2 = w.dequantize(cdt)
+        b13, b2 = _biases(w)
+        h = _dot(xr, w13[0], "mh,nh->mn")
+        if b13 is not None:
+            h = h + b13[0].astype(jnp.float32)
+        if on_input:
+            h = h * wr[:, None]
+        y = _dot(act(h).astype(cdt), w2[0], "mi,hi->mh")
+        if b2 is not None:
+            y = y + b2[0].astype(jnp.float32)
+        scale = (ok if on_input else wr) * live
+        return y * scale[:, None]
+
+    yb = jax.lax.map(block, (xb, experts, twf, row_ok.astype(jnp.float32)))   # [NB, BM, H]
+    tok = jnp.where(row_ok, flat // k, t)                                  # padding → dropped row t
+    out = jax.ops.segment_sum(yb.reshape(-1, yb.shape[-1]), tok.reshape(-1), num_segments=t + 1)
+    return out[:t]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def fused_moe(
+    hidden_states,
+    topk_weights,
+    topk_ids,
+    weights,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    expert_map=None,
+    global_num_experts: int | None = None,
+    formulation: str | None = None,
+    block_m: int | None = None,
+    compute_dtype=None,
+):
+    """Run one fused MoE layer on ``weights`` (any layout: loader or backend).
+
+    ``hidden_states [T, H]`` fp16/bf16/fp32; ``topk_weights [T, k]`` and ``topk_ids [T, k]``
+    from routing (global expert ids); ``expert_map [global_num_experts]`` maps global ids to
+    local indices or -1. Returns ``[T, H]`` in ``hidden_states.dtype``.
+
+    Out-of-range ``topk_ids`` raise :class:`ValueRangeError` when the ids are concrete; under
+    ``jax.jit`` they cannot be checked, and the affected tokens' outputs are NaN (never a
+    silently plausible value).
+
+    ``formulation`` (``"gather"``, ``"dense"``, ``"blocked"``) overrides the static choice;
+    ``compute_dtype`` defaults to float32 (dequantization is exact in float32).
+    """
+    act = check_activation(activation)
+    gne = _validate(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    t, k = topk_ids.shape
+    if formulation is None:
+        formulation = choose_formulation(t, k, weights.num_experts)
+    if formulation not in FORMULATIONS:
+        raise ConfigError(f"formulation: expected one of {FORMULATIONS}, got {formulation!r}")
+    cdt = jnp.dtype(compute_dtype or jnp.float32)
+    if t == 0:
+        return jnp.zeros_like(hidden_states)
+    local, valid, bad = _local_ids(topk_ids, expert_map, gne)
+    x = jnp.asarray(hidden_states)
+    if formulation == "gather":
+        out = _gather(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
+    elif formulation == "dense":
+        out = _dense(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
+    else:
+        bm = block_m or default_block_m(t, k, weights.num_experts)
+        ids = jnp.where(bad, 0, topk_ids.astype(jnp.int32))
+        out = _blocked(x, topk_weights, ids, weights, act, apply_router_weight_on_input, cdt,
+                       expert_map, gne, bm)
+    out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
+    return out.astype(hidden_states.dtype)
+
+
+def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, activation="silu",
+                         expert_map=None, global_num_experts=None, compute_dtype=None):
+    """Cross-check formulation on ``jax.lax.ragged_dot`` (sorted rows, all experts dequantized).
+
+    Not the production path: XLA lowers ``ragged_dot`` to a padded dense dot on current GPU
+    stacks. Router weights are applied after GEMM2.
+    """
+    act = check_activation(activation)
+    gne = _validate(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    cdt = jnp.dtype(compute_dtype or jnp.float32)
+    t, k = topk_ids.shape
+    e = weights.num_experts
+    local, valid, _ = _local_ids(topk_ids, expert_map, gne)
+    key = jnp.where(valid, local, e).reshape(-1)                      # invalid sorted last
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    xs = hidden_states.astype(cdt)[order // k]
+    w13, w2 = weights.dequantize(cdt)
+    b13, b2 = _biases(weights)
+    h = jax.lax.ragged_dot(xs, jnp.swapaxes(w13, 1, 2), sizes, preferred_element_type=jnp.float32)
+    se = jnp.minimum(key[order], e - 1)
+    if b13 is not None:
+        h = h + b13.astype(jnp.float32)[se]
+    y = jax.lax.ragged_dot(act(h).astype(cdt), jnp.swapaxes(w2, 1, 2), sizes,
+                           preferred_element_type=jnp.float32)
+    if b2 is not None:
+        y = y + b2.astype(jnp.float32)[se]
+    wts = (topk_weights.astype(jnp.float32) * valid).reshape(-1)[order]
+    out = jax.ops.segment_sum(y * wts[:, None], order // k, num_segments=t)
+    return out.astype(hidden_states.dtype)
+
+
+def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activation="silu",
+                            compute_dtype=None):
+    """The batched-experts executor (vLLM's BatchedExperts format, spec §2.8).
+
+    ``batched_hidden [E, M, H]`` holds up to ``M`` rows per local expert, of which the first
+    ``expert_num_tokens[e]`` are valid. Returns ``[E, M, H]`` float32 expert outputs (invalid rows
+    zero), without router weights: weighting and the top-k sum happen in
+    :func:`wna16_jax.routing.combine_batched`.
+    """
+    act = check_activation(activation)
+    if getattr(batched_hidden, "ndim", None) != 3:
+        raise ShapeError(f"batched_hidden: expected shape (E, M, H), got {tuple(getattr(batched_hidden, 'shape', ()))}")
+    e, m, h = batched_hidden.shape
+    if e != weights.num_experts or h != weights.hidden_size:
+        raise ShapeError(f"batched_hidden: expected shape ({weights.num_experts}, M, {weights.hidden_size}), "
+                         f"got {tuple(batched_hidden.shape)}")
+    if tuple(expert_num_tokens.shape) != (e,):
+        raise ShapeError(f"expert_num_tokens: expected shape ({e},), got {tuple(expert_num_tokens.shape)}")
+    cdt = jnp.dtype(compute_dtype or jnp.float32)
+
+    def one(args):
+        xe, we = args
+        w13, w2 = we.dequantize(cdt)
+        b13, b2 = _biases(we)
+        hh = _dot(xe.astype(cdt), w13[0], "mh,nh->mn")
+        if b13 is not None:
+            hh = hh + b13[0].astype(jnp.float32)
+        y = _dot(act(hh).astype(cdt), w2[0], "mi,hi->mh")
+        if b2 is not None:
+            y = y + b2[0].astype(jnp.float32)
+        return y
+
+    per_expert = jax.vmap(lambda i: weights.take_experts(i[None]))(jnp.arange(e))
+    y = jax.lax.map(one, (batched_hidden, per_expert))
+    live = jnp.arange(m)[None, :] < expert_num_tokens[:, None]
+    return jnp.where(live[..., None], y, 0.0)
+
+
+def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, **kw):
+    """Run shared expert(s) stored as one expert (``E = 1``) on every token.
+
+    ``gate [1, H]`` (Qwen2-MoE) multiplies the output by ``sigmoid(x @ gateᵀ)``.
+    """
+    t = hidden_states.shape[0]
+    ids = jnp.zeros((t, 1), jnp.int32)
+    w = jnp.ones((t, 1), jnp.float32)
+    out = fused_moe(hidden_states, w, ids, weights, activation=activation, **kw)
+    if gate is not None:
+        g = jax.nn.sigmoid(hidden_states.astype(jnp.float32) @ jnp.asarray(gate, jnp.float32).T)
+        out = (out.astype(jnp.float32) * g).astype(hidden_states.dtype)
+    return out
+
+
+__all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward", "ACTIVATIONS", "FORMULATIONS",
+           "choose_formulation", "default_block_m"]
