@@ -16,6 +16,7 @@ where the backend is *selected*, mirroring vLLM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -145,14 +146,6 @@ def _need_nvidia(min_cc: tuple[int, int] = (7, 5)) -> Check:
     return check
 
 
-def marlin_padded_intermediate(size_n: int, group_size: int) -> int:
-    """``round_up(I, lcm(64, g))`` (spec §3.2); the same rule as ``convert.marlin``'s."""
-    import math
-
-    unit = math.lcm(64, group_size if group_size > 0 else 1)
-    return -(-size_n // unit) * unit
-
-
 def _marlin_layout(req: Request) -> str | None:
     s = req.scheme
     if s.method is QuantMethod.AWQ and not s.zero_point:
@@ -166,6 +159,8 @@ def _marlin_layout(req: Request) -> str | None:
     if req.hidden_size is not None and req.hidden_size % 128:
         return f"hidden size must be a multiple of 128, got {req.hidden_size}"
     if req.intermediate_size is not None:
+        from .convert.marlin import marlin_moe_padded_intermediate as marlin_padded_intermediate
+
         i = req.intermediate_size
         if s.group_size > 0 and i % s.group_size:
             return f"intermediate size {i} is not a multiple of group size {s.group_size}"
@@ -315,10 +310,28 @@ class BackendSpec:
         return getattr(mod, fn, None)
 
     def convert(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
+        """Convert a loader-layout pytree (jit-compiled once per scheme, shapes and input dtype)."""
         fn = self.converter()
         if fn is None:
             raise UnsupportedError(f"{self.backend}: layout converter not implemented yet")
-        return fn(scheme, weights, input_dtype=input_dtype)
+        return _jitted(fn)(scheme, weights, None if input_dtype is None else _hashable_dtype(input_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn: Callable) -> Callable:
+    import jax
+
+    return jax.jit(lambda scheme, weights, input_dtype: fn(scheme, weights, input_dtype=input_dtype),
+                   static_argnums=(0, 2))
+
+
+def _hashable_dtype(input_dtype: Any) -> Any:
+    import numpy as np
+
+    try:
+        return np.dtype(input_dtype)
+    except TypeError:
+        raise ConfigError(f"input_dtype: not a dtype: {input_dtype!r}") from None
 
 
 TABLE: dict[Backend, BackendSpec] = {

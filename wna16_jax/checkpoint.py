@@ -327,7 +327,7 @@ def _load_experts(ckpt: Checkpoint, fmt: str, names: dict, e: int, tp_size: int,
                   *, layer: str) -> CheckpointWeights:
     """Stack experts ``fmt.format(e=...)`` and fuse gate/up into w13 (gate first)."""
     scheme = ckpt.scheme
-    m, b, g, pf = scheme.method, scheme.bits, scheme.group_size, scheme.pack_factor
+    m, g, pf = scheme.method, scheme.group_size, scheme.pack_factor
     suff = _SUFFIXES[m]
     prefixes = [fmt.format(e=i) for i in range(e)]
     roles = ("gate", "up", "down")
@@ -378,8 +378,7 @@ def _load_experts(ckpt: Checkpoint, fmt: str, names: dict, e: int, tp_size: int,
         check_divisible(f"{layer}: hidden size", h, g, "group_size must divide H")
         check_divisible(f"{layer}: intermediate size", i_full, g, "group_size must divide I")
 
-    # Per-role logical (N, K) sizes and the slice of the TP-sharded axis.
-    unit_packed_n = pf if m in (QuantMethod.AWQ, QuantMethod.GPTQ) else 1
+    # The slice of the TP-sharded axis (N of gate/up, K of down), in packed or group units.
     i_local = i_full // tp_size
 
     def sl_n(unit):  # slice of the gate/up output axis (N) in units of `unit`
@@ -558,6 +557,29 @@ def random_moe_layer(rng: np.random.Generator, num_experts: int, hidden: int, in
     )
 
 
+def random_checkpoint_weights(rng: np.random.Generator, scheme: QuantScheme, num_experts: int,
+                              hidden: int, intermediate: int, *, scale: float = 0.01) -> CheckpointWeights:
+    """A random loader-layout layer straight from random packed words (no quantization step):
+    fast enough for model-sized benchmarks. Scales are positive, ~``scale``; act-order g_idx
+    is a random balanced assignment; zero points random."""
+    e, h, i = num_experts, hidden, intermediate
+    shapes = CheckpointWeights.expected_shapes(scheme, e, h, i)
+    f16 = default_scale_dtype(scheme)
+    arrays = {}
+    for name, shape in shapes.items():
+        if name.endswith("bias"):
+            continue
+        if "g_idx" in name:
+            k = shape[1]
+            arrays[name] = np.stack([rng.permutation(np.arange(k) // scheme.group_size)
+                                     for _ in range(e)]).astype(np.int32)
+        elif "scales" in name:
+            arrays[name] = (scale * (0.5 + rng.random(shape, dtype=np.float32))).astype(f16)
+        else:
+            arrays[name] = rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32)
+    return CheckpointWeights(**arrays, scheme=scheme, hidden_size=h, intermediate_size=i).validate()
+
+
 def default_scale_dtype(scheme: QuantScheme):
     """fp16 for AutoAWQ / AutoGPTQ files, bf16 for compressed-tensors (as those tools write)."""
     import ml_dtypes
@@ -576,7 +598,7 @@ def quantized_linear_tensors(w: np.ndarray, scheme: QuantScheme, *, scale_dtype=
 def pack_linear(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
                 g_idx: np.ndarray | None, scheme: QuantScheme) -> dict[str, np.ndarray]:
     """Pack one linear layer's ``codes [N, K]``, ``scales/zeros [N, G]`` into checkpoint tensors."""
-    b, pf = scheme.bits, scheme.pack_factor
+    b = scheme.bits
     n, k = codes.shape
     m = scheme.method
     if m is QuantMethod.AWQ:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import WNA16Error
+from .errors import ConfigError, WNA16Error
 
 # --------------------------------------------------------------------------- demo
 
@@ -78,9 +78,6 @@ def _route(layer, cfg, x):
 
 def _reference(x, tw, ids, experts) -> np.ndarray:
     """float64 per-token loop on the loader layout decoded with numpy (no jax)."""
-    import ml_dtypes  # noqa: F401  (bf16 scales)
-
-    from .moe import ACTIVATIONS  # noqa: F401
     w = experts.to_numpy()
     l13, l2 = w.decode()
     w13 = _np_dequant(l13)
@@ -266,12 +263,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--seed", type=int, default=None)
     p_inspect = sub.add_parser("inspect", help="scheme, MoE layers, shapes, backend selection of a checkpoint")
     p_inspect.add_argument("path")
+    p_conv = sub.add_parser("convert", help="convert every MoE layer into a backend layout (safetensors + manifest)")
+    p_conv.add_argument("path")
+    p_conv.add_argument("--backend", required=True, help="cpu, xpu, marlin, batched_marlin, flashinfer_trtllm, humming")
+    p_conv.add_argument("--out", required=True)
+    p_conv.add_argument("--input-dtype", default=None, help="marlin only: int8 or float8_e4m3fn activations")
+    p_conv.add_argument("--expert-chunk", type=int, default=1, help="experts converted at a time (memory bound)")
+    p_conv.add_argument("--tp-size", type=int, default=1)
+    p_conv.add_argument("--tp-rank", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return run_demo(tokens=args.tokens, seed=args.seed)
         if args.command == "inspect":
             return run_inspect(args.path)
+        if args.command == "convert":
+            from .serialize import convert_checkpoint
+
+            dtype = None
+            if args.input_dtype:
+                import jax.numpy as jnp
+
+                dtype = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}.get(args.input_dtype)
+                if dtype is None:
+                    raise ConfigError(f"--input-dtype: expected int8 or float8_e4m3fn, got {args.input_dtype!r}")
+            out = convert_checkpoint(args.path, args.backend, args.out, input_dtype=dtype,
+                                     expert_chunk=args.expert_chunk, tp_size=args.tp_size, tp_rank=args.tp_rank)
+            print(f"wrote {out}")
+            return 0
     except WNA16Error as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -150,10 +150,10 @@ def _local_ids(topk_ids, expert_map, global_num_experts):
 
 
 def _biases(weights):
-    fn = getattr(weights, "dense_biases", None)
-    if fn is not None:
-        return fn()
-    return getattr(weights, "w13_bias", None), getattr(weights, "w2_bias", None)
+    """Biases in logical order (``[E, 2I]``, ``[E, H]``), undoing any layout permutation."""
+    fn = getattr(weights, "decode_bias", None)
+    got = fn() if fn is not None else None
+    return got if got is not None else (None, None)
 
 
 def _dot(a, b, spec):

@@ -83,6 +83,11 @@ class ExpertsMixin:
     def num_experts(self) -> int:
         return int(getattr(self, self.array_fields()[0]).shape[0])
 
+    def decode_bias(self) -> tuple[Any, Any] | None:
+        """``(w13_bias [E, 2I], w2_bias [E, H])`` in logical order; layouts that permute or pad
+        their biases override this. Either entry may be None."""
+        return getattr(self, "w13_bias", None), getattr(self, "w2_bias", None)
+
     def dequantize(self, dtype: Any = jnp.float32) -> tuple[Any, Any]:
         """Dense ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in ``dtype`` (output x input)."""
         l13, l2 = self.decode()

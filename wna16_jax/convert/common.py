@@ -1,0 +1,31 @@
+"""Checks shared by the converters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import ConfigError, UnsupportedError
+from ..schemes import QuantScheme
+from ..weights import CheckpointWeights
+
+_SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def check_input_dtype(backend: str, input_dtype: Any, allowed: tuple = _SIXTEEN_BIT) -> None:
+    """Backends other than Marlin take 16-bit activations only (spec §9.3); ``None`` = default."""
+    if input_dtype is None:
+        return
+    dt = np.dtype(input_dtype)
+    if dt not in tuple(np.dtype(a) for a in allowed):
+        want = " or ".join(str(np.dtype(a)) for a in allowed)
+        raise UnsupportedError(f"input_dtype: the {backend} backend takes {want} activations, got {dt}")
+
+
+def check_same_scheme(scheme: QuantScheme, weights: CheckpointWeights) -> None:
+    if weights.scheme is not None and weights.scheme != scheme:
+        raise ConfigError(
+            f"scheme: the weights were loaded as {weights.scheme.describe()}, "
+            f"but {scheme.describe()} was given")
