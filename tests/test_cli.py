@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from wna16_jax.backends import Device
 from wna16_jax.checkpoint import random_moe_layer, write_checkpoint
 from wna16_jax.cli import main, run_inspect
 from wna16_jax.schemes import QuantScheme
@@ -35,7 +36,7 @@ def test_inspect(tmp_path, scheme):
     write_checkpoint(tmp_path, scheme, [random_moe_layer(np.random.default_rng(), 4, 128, 128)] * 2,
                      model_type="qwen3_moe")
     buf = io.StringIO()
-    assert run_inspect(str(tmp_path), out=buf) == 0
+    assert run_inspect(str(tmp_path), out=buf, device=Device("cpu", "cpu")) == 0
     out = buf.getvalue()
     assert scheme.describe() in out and "MoE layers: 2 (0..1)" in out and "w13_qweight" in out
     for b in ("CPU", "XPU", "MARLIN", "BATCHED_MARLIN", "FLASHINFER_TRTLLM", "HUMMING"):

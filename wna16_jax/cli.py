@@ -203,7 +203,7 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
 # --------------------------------------------------------------------------- inspect
 
 
-def run_inspect(path: str, out=sys.stdout) -> int:
+def run_inspect(path: str, out=sys.stdout, device=None) -> int:
     from .backends import TABLE, Backend, Device, priority_backends
     from .checkpoint import Checkpoint
 
@@ -228,7 +228,7 @@ def run_inspect(path: str, out=sys.stdout) -> int:
     if layer.shared_experts is not None:
         print(f"  shared experts {type(layer.shared_experts).__name__} "
               f"(I={layer.shared_experts.intermediate_size})", file=out)
-    dev = Device.current()
+    dev = device or Device.current()
     prio = priority_backends(dev)
     req = dict(has_bias=w.has_bias(), hidden_size=w.hidden_size, intermediate_size=w.intermediate_size)
     print(f"backends on {dev.describe()} (priority: {', '.join(b.name for b in prio) or 'none'}):", file=out)

@@ -156,19 +156,30 @@ def _biases(weights):
     return got if got is not None else (None, None)
 
 
+_EXACT = jax.lax.Precision.HIGHEST
+
+
 def _dot(a, b, spec):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    # float32 operands mean float32 accuracy: without HIGHEST, GPUs run them as TF32 (~1e-3 error).
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
-def choose_formulation(num_tokens: int, top_k: int, num_experts: int) -> str:
-    """Static choice of the XLA formulation (from the CPU measurements in benchmarks/RESULTS.md).
+def choose_formulation(num_tokens: int, top_k: int, num_experts: int, platform: str | None = None) -> str:
+    """Static choice of the XLA formulation, from the measurements in ``benchmarks/RESULTS.md``.
 
-    Per-token gathering wins while the routed (token, slot) pairs are fewer than the experts
-    (each pair dequantizes one expert's weights); once every expert is busy, the blocked
-    schedule (one dequantization per block of ``block_m`` rows) does the least work.
+    CPU: the blocked schedule was fastest or tied at every measured size. Accelerators: one
+    gather per routed pair while the pairs are no more than the experts, all experts densely
+    while each expert sees at most 16 rows on average, the blocked schedule beyond that.
     """
-    if num_tokens * top_k <= num_experts:
+    platform = platform or jax.default_backend()
+    pairs = num_tokens * top_k
+    if platform == "cpu":
+        return "blocked"
+    if pairs <= num_experts:
         return "gather"
+    if pairs <= 16 * num_experts:
+        return "dense"
     return "blocked"
 
 
@@ -219,19 +230,20 @@ def _dense(x, tw, local, valid, weights, act, on_input, cdt):
     twf = tw.astype(jnp.float32)
     if on_input:
         # act(w·h) is not linear in w: evaluate per slot on the gathered expert row.
-        hs = jnp.einsum("tke,ten->tkn", onehot.astype(jnp.float32), h)
+        hs = jnp.einsum("tke,ten->tkn", onehot.astype(jnp.float32), h, precision=_EXACT)
         a = act(hs * twf[..., None])                                       # [T, k, I]
         y = jnp.einsum("tki,ehi,tke->tkh", a.astype(cdt), w2, onehot.astype(cdt),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32, precision=_EXACT)
         if b2 is not None:
-            y = y + jnp.einsum("tke,eh->tkh", onehot.astype(jnp.float32), b2.astype(jnp.float32))
+            y = y + jnp.einsum("tke,eh->tkh", onehot.astype(jnp.float32), b2.astype(jnp.float32),
+                               precision=_EXACT)
         return y.sum(axis=1)
     a = act(h)                                                             # [T, E, I]
     y = _dot(a.astype(cdt), w2, "tei,ehi->teh")
     if b2 is not None:
         y = y + b2.astype(jnp.float32)[None]
-    r = jnp.einsum("tke,tk->te", onehot.astype(jnp.float32), twf)          # routing matrix
-    return jnp.einsum("teh,te->th", y, r)
+    r = jnp.einsum("tke,tk->te", onehot.astype(jnp.float32), twf, precision=_EXACT)   # routing matrix
+    return jnp.einsum("teh,te->th", y, r, precision=_EXACT)
 
 
 def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_num_experts, block_m):
@@ -344,12 +356,14 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
     xs = hidden_states.astype(cdt)[order // k]
     w13, w2 = weights.dequantize(cdt)
     b13, b2 = _biases(weights)
-    h = jax.lax.ragged_dot(xs, jnp.swapaxes(w13, 1, 2), sizes, preferred_element_type=jnp.float32)
+    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    h = jax.lax.ragged_dot(xs, jnp.swapaxes(w13, 1, 2), sizes, preferred_element_type=jnp.float32,
+                           precision=prec)
     se = jnp.minimum(key[order], e - 1)
     if b13 is not None:
         h = h + b13.astype(jnp.float32)[se]
     y = jax.lax.ragged_dot(act(h).astype(cdt), jnp.swapaxes(w2, 1, 2), sizes,
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32, precision=prec)
     if b2 is not None:
         y = y + b2.astype(jnp.float32)[se]
     wts = (topk_weights.astype(jnp.float32) * valid).reshape(-1)[order]
