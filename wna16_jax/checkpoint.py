@@ -133,7 +133,6 @@ class DenseWeights(ExpertsMixin):
     """Unquantized experts (e.g. shared experts listed in a checkpoint's ``ignore``):
     ``w13 [E, 2I, H]`` (gate first), ``w2 [E, H, I]``, optional biases."""
 
-    META = ("hidden_size", "intermediate_size")
 
     w13: Any
     w2: Any

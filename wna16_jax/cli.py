@@ -116,10 +116,13 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
     rng = np.random.default_rng(seed)
     dev = Device.current()
     print(f"wna16-jax demo on {dev.describe()} (jax {jax.__version__}); tiny MoE E={experts} "
-          f"H={hidden} I={intermediate}, {tokens} bf16 tokens; error = max|out-ref| / max|ref| "
-          f"vs a float64 per-token reference; tolerance {DEMO_TOLERANCE:g}", file=out)
+          f"H={hidden} I={intermediate}, {tokens} bf16 tokens. Per layout: relative error "
+          f"max|out-ref| / max|ref| vs a float64 per-token reference (tolerance {DEMO_TOLERANCE:g}); "
+          "'max abs' and ms/call are for the selected backend's layout (the loader layout when "
+          "none is selected)", file=out)
     cols = ["loader"] + [b.name for b in Backend]
-    header = f"{'format':<22} {'scheme':<30} {'selected':<9} " + " ".join(f"{c:>14}" for c in cols) + "   ms/call"
+    header = (f"{'format':<22} {'scheme':<34} {'selected':<9} {'max abs':>9} "
+              + " ".join(f"{c:>14}" for c in cols) + "   ms/call")
     print(header, file=out)
     print("-" * len(header), file=out)
     failures = 0
@@ -154,7 +157,7 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
                 reason = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
                 notes.append(f"{case.name}: no backend selected on this device ({reason}); "
                              "fused_moe runs the loader layout with XLA")
-            cells, timing = [], ""
+            cells, timing, abs_err = [], "", ""
             layouts: list[tuple[str, Any]] = [("loader", layer.experts)]
             for b in Backend:
                 spec = TABLE[b]
@@ -180,13 +183,14 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
                 failures += not ok
                 cells.append(f"{err:10.2e} {'ok' if ok else 'FAIL'}")
                 if name == (selected if selected != "none" else "loader"):
+                    abs_err = f"{float(np.abs(y - ref).max()):9.2e}"
                     fused(x, tw, ids, wj).block_until_ready()
                     t0 = time.perf_counter()
                     reps = 5
                     for _ in range(reps):
                         fused(x, tw, ids, wj).block_until_ready()
                     timing = f"{(time.perf_counter() - t0) / reps * 1e3:9.2f}"
-            print(f"{case.name:<22} {scheme.describe():<30} {selected:<9} "
+            print(f"{case.name:<22} {scheme.describe():<34} {selected:<9} {abs_err:>9} "
                   + " ".join(f"{c:>14}" for c in cells) + f"  {timing}", file=out)
     print("-" * len(header), file=out)
     print("'—': the layout cannot represent that scheme (see `wna16-jax inspect`); every layout is "

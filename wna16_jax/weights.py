@@ -31,7 +31,7 @@ scheme has them (symmetric GPTQ's constant ``0x77777777`` qzeros are dropped at 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ def pytree_dataclass(cls=None, *, meta: tuple[str, ...] = ()):
     """Make ``cls`` a frozen dataclass and register it as a pytree; ``meta`` fields are static."""
 
     def wrap(c):
+        c.META = tuple(meta)  # the static field names, for ExpertsMixin and serialization
         c = dataclasses.dataclass(frozen=True)(c)
         names = [f.name for f in dataclasses.fields(c)]
         data = [n for n in names if n not in meta]
@@ -155,7 +156,6 @@ class LogicalQuant:
 class CheckpointWeights(ExpertsMixin):
     """One MoE layer's routed experts in the layout vLLM's FusedMoE loader holds (see module doc)."""
 
-    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size")
 
     w13_qweight: Any
     w2_qweight: Any

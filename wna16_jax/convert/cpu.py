@@ -42,7 +42,7 @@ numerically W4A8 (spec §5), which does not concern the conversion.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -197,7 +197,6 @@ class CPUWeights(ExpertsMixin):
     biases ``[E, 2I]`` / ``[E, H]`` float32 or None.
     """
 
-    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size")
 
     w13_weight: Any
     w2_weight: Any

@@ -28,7 +28,7 @@ refused, as Humming's GPTQ schema asserts ``not desc_act``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -226,7 +226,6 @@ class HummingWeights(ExpertsMixin):
     ``w2_*`` likewise with ``N = H``, ``K = I``; biases ``[E, 2I]`` / ``[E, H]`` passed through.
     """
 
-    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size")
 
     w13_weight: Any
     w2_weight: Any

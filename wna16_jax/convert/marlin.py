@@ -702,8 +702,6 @@ class MarlinWeights(ExpertsMixin):
     it :meth:`take_experts`) skips them. ``intermediate_size`` is the true ``I``.
     """
 
-    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size",
-                                       "padded_intermediate_size", "is_a_8bit", "input_dtype")
     GLOBAL_SCALE_FIELDS: ClassVar[tuple[str, ...]] = ("w13_input_global_scale",
                                                       "w2_input_global_scale")
 

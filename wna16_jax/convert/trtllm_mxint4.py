@@ -31,7 +31,7 @@ also makes every row count a multiple of 128, so the swizzle padding never trigg
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -194,7 +194,6 @@ class TrtllmMxint4Weights(ExpertsMixin):
     biases ``[E, 2I]`` / ``[E, H]`` passed through (the kernel takes none).
     """
 
-    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size")
 
     gemm1_weights: Any
     gemm1_scales: Any

@@ -25,7 +25,7 @@ points (and every other asymmetric scheme) is refused: the kernel has no zero po
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -98,7 +98,6 @@ class XPUWeights(ExpertsMixin):
     ``[E, 2I]`` / ``[E, H]``.
     """
 
-    META: ClassVar[tuple[str, ...]] = ("scheme", "hidden_size", "intermediate_size")
 
     w13_weight: Any
     w2_weight: Any
