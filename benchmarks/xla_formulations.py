@@ -1,19 +1,22 @@
 """Time the XLA executor's formulations of fused_moe side by side (CPU or GPU).
 
-    python benchmarks/xla_formulations.py [--quick] [--append benchmarks/RESULTS.md]
+    python benchmarks/xla_formulations.py [--quick] [--append benchmarks/RESULTS.md] \
+        [--json benchmarks/results.json]
 
 For each shape and token count: gather (per-token), dense (all experts), blocked (sorted
 blocks, one expert dequantized per block), and jax.lax.ragged_dot on all-experts dequantized
 weights (the cross-check). Median of several timed calls of one jitted function after warm-up,
 random int4 AWQ weights (group 128) and random routing. Prints one table; ``--shapes cpu``
 (default) uses scaled-down shapes for a 2-core CPU, ``--shapes issue`` the model shapes of the
-GPU engine issue.
+GPU engine issue. ``--json PATH`` also appends one machine-readable record per row to PATH
+(see ``benchmarks/results_io.py``; ``notebooks/benchmarks.ipynb`` plots them).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -26,6 +29,11 @@ from wna16_jax import routing
 from wna16_jax.checkpoint import random_checkpoint_weights
 from wna16_jax.moe import FORMULATIONS, choose_formulation, fused_moe, fused_moe_ragged_dot
 from wna16_jax.schemes import QuantScheme
+
+try:                                     # run as a script: benchmarks/ is on sys.path
+    from results_io import append_results
+except ImportError:                      # imported as benchmarks.xla_formulations
+    from benchmarks.results_io import append_results
 
 SHAPES = {
     # name: (E, top_k, H, I) — scaled-down versions of the issue's model shapes for the CPU
@@ -56,7 +64,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="cpu")
     ap.add_argument("--append", default=None)
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also append one record per row to this results.json")
     args = ap.parse_args(argv)
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    dev = jax.devices()[0]
+    machine = f"{os.cpu_count()}-core CPU" if dev.platform == "cpu" else dev.device_kind
+    machine += f", jax {jax.__version__}"
     rng = np.random.default_rng(0)
     scheme = QuantScheme("awq", 4, 128, True)
     rows = []
@@ -85,6 +99,17 @@ def main(argv=None):
                    + f" | {choose_formulation(t, k, e)} |")
             print(row, flush=True)
             rows.append(row)
+            if args.json:
+                append_results(args.json, {
+                    "date": datetime.date.today().isoformat(), "machine": machine,
+                    "command": " ".join(["python", "benchmarks/xla_formulations.py"] + argv_used),
+                    "shape": name, "dims": [e, k, h, i], "tokens": t,
+                    "ms": {form: round(c, 4) for form, c in zip(FORMULATIONS + ("ragged_dot",), cells)
+                           if c is not None},
+                    "auto_picks": choose_formulation(t, k, e),
+                    "notes": "ms per layer call (median of 5), bf16 activations, AWQ int4 g128 "
+                             "weights, float32 compute",
+                })
     if args.append:
         with open(args.append, "a") as f:
             f.write(f"\n## XLA executor formulations, {datetime.date.today()} "

@@ -23,8 +23,9 @@ def test_awq_order_golden():
     assert packing.AWQ_REVERSE_ORDER_4BIT == tuple(packing.AWQ_ORDER_4BIT.index(j) for j in range(8))
 
 
+# Few distinct shapes (each jit compiles once per shape); the data is fresh for every example.
 @given(bits=st.sampled_from([4, 8]), awq=st.booleans(), axis=st.integers(0, 2),
-       words=st.integers(1, 3), other=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+       words=st.sampled_from([1, 3]), other=st.sampled_from([(1, 3), (2, 1)]),
        seed=st.integers(0, 2**32 - 1))
 def test_round_trip(bits, awq, axis, words, other, seed):
     rng = np.random.default_rng(seed)

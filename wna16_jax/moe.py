@@ -91,7 +91,7 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _validate(x, topk_weights, topk_ids, weights, expert_map, global_num_experts):
+def validate_moe_inputs(x, topk_weights, topk_ids, weights, expert_map, global_num_experts):
     if getattr(x, "ndim", None) != 2:
         raise ShapeError(f"hidden_states: expected shape (T, H), got {tuple(getattr(x, 'shape', ()))}")
     check_dtype("hidden_states", x, _FLOAT_DTYPES)
@@ -149,7 +149,7 @@ def _local_ids(topk_ids, expert_map, global_num_experts):
     return local, (local >= 0) & ~bad, bad
 
 
-def _biases(weights):
+def expert_biases(weights):
     """Biases in logical order (``[E, 2I]``, ``[E, H]``), undoing any layout permutation."""
     fn = getattr(weights, "decode_bias", None)
     got = fn() if fn is not None else None
@@ -159,7 +159,7 @@ def _biases(weights):
 _EXACT = jax.lax.Precision.HIGHEST
 
 
-def _dot(a, b, spec):
+def dot_f32(a, b, spec):
     # float32 operands mean float32 accuracy: without HIGHEST, GPUs run them as TF32 (~1e-3 error).
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision)
@@ -200,16 +200,16 @@ def _gather(x, tw, local, valid, weights, act, on_input, cdt):
     flat = jnp.where(valid, local, 0).reshape(-1)
     w = weights.take_experts(flat)
     w13, w2 = w.dequantize(cdt)                       # [T·k, 2I, H], [T·k, H, I]
-    b13, b2 = _biases(w)
+    b13, b2 = expert_biases(w)
     xr = jnp.repeat(x.astype(cdt), k, axis=0)          # row t·k + j = x[t]
-    h = _dot(xr, w13, "rh,rnh->rn")
+    h = dot_f32(xr, w13, "rh,rnh->rn")
     if b13 is not None:
         h = h + b13.astype(jnp.float32)
     twf = (tw.astype(jnp.float32) * valid).reshape(-1)
     if on_input:
         h = h * twf[:, None]
     a = act(h)
-    y = _dot(a.astype(cdt), w2, "ri,rhi->rh")
+    y = dot_f32(a.astype(cdt), w2, "ri,rhi->rh")
     if b2 is not None:
         y = y + b2.astype(jnp.float32)
     if not on_input:
@@ -222,8 +222,8 @@ def _gather(x, tw, local, valid, weights, act, on_input, cdt):
 def _dense(x, tw, local, valid, weights, act, on_input, cdt):
     e = weights.num_experts
     w13, w2 = weights.dequantize(cdt)                  # [E, 2I, H], [E, H, I]
-    b13, b2 = _biases(weights)
-    h = _dot(x.astype(cdt), w13, "th,enh->ten")        # [T, E, 2I]
+    b13, b2 = expert_biases(weights)
+    h = dot_f32(x.astype(cdt), w13, "th,enh->ten")        # [T, E, 2I]
     if b13 is not None:
         h = h + b13.astype(jnp.float32)[None]
     onehot = (local[..., None] == jnp.arange(e)) & valid[..., None]   # [T, k, E]
@@ -239,7 +239,7 @@ def _dense(x, tw, local, valid, weights, act, on_input, cdt):
                                precision=_EXACT)
         return y.sum(axis=1)
     a = act(h)                                                             # [T, E, I]
-    y = _dot(a.astype(cdt), w2, "tei,ehi->teh")
+    y = dot_f32(a.astype(cdt), w2, "tei,ehi->teh")
     if b2 is not None:
         y = y + b2.astype(jnp.float32)[None]
     r = jnp.einsum("tke,tk->te", onehot.astype(jnp.float32), twf, precision=_EXACT)   # routing matrix
@@ -264,13 +264,13 @@ def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_nu
         live = (e >= 0).astype(jnp.float32)
         w = weights.take_experts(jnp.maximum(e, 0)[None])
         w13, w2 = w.dequantize(cdt)
-        b13, b2 = _biases(w)
-        h = _dot(xr, w13[0], "mh,nh->mn")
+        b13, b2 = expert_biases(w)
+        h = dot_f32(xr, w13[0], "mh,nh->mn")
         if b13 is not None:
             h = h + b13[0].astype(jnp.float32)
         if on_input:
             h = h * wr[:, None]
-        y = _dot(act(h).astype(cdt), w2[0], "mi,hi->mh")
+        y = dot_f32(act(h).astype(cdt), w2[0], "mi,hi->mh")
         if b2 is not None:
             y = y + b2[0].astype(jnp.float32)
         scale = (ok if on_input else wr) * live
@@ -313,7 +313,7 @@ def fused_moe(
     ``compute_dtype`` defaults to float32 (dequantization is exact in float32).
     """
     act = check_activation(activation)
-    gne = _validate(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
     t, k = topk_ids.shape
     if formulation is None:
         formulation = choose_formulation(t, k, weights.num_experts)
@@ -345,7 +345,7 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
     stacks. Router weights are applied after GEMM2.
     """
     act = check_activation(activation)
-    gne = _validate(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
     cdt = jnp.dtype(compute_dtype or jnp.float32)
     t, k = topk_ids.shape
     e = weights.num_experts
@@ -355,7 +355,7 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
     sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
     xs = hidden_states.astype(cdt)[order // k]
     w13, w2 = weights.dequantize(cdt)
-    b13, b2 = _biases(weights)
+    b13, b2 = expert_biases(weights)
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
     h = jax.lax.ragged_dot(xs, jnp.swapaxes(w13, 1, 2), sizes, preferred_element_type=jnp.float32,
                            precision=prec)
@@ -394,11 +394,11 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
     def one(args):
         xe, we = args
         w13, w2 = we.dequantize(cdt)
-        b13, b2 = _biases(we)
-        hh = _dot(xe.astype(cdt), w13[0], "mh,nh->mn")
+        b13, b2 = expert_biases(we)
+        hh = dot_f32(xe.astype(cdt), w13[0], "mh,nh->mn")
         if b13 is not None:
             hh = hh + b13[0].astype(jnp.float32)
-        y = _dot(act(hh).astype(cdt), w2[0], "mi,hi->mh")
+        y = dot_f32(act(hh).astype(cdt), w2[0], "mi,hi->mh")
         if b2 is not None:
             y = y + b2[0].astype(jnp.float32)
         return y
@@ -424,5 +424,6 @@ def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, *
     return out
 
 
-__all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward", "ACTIVATIONS", "FORMULATIONS",
+__all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward",
+           "validate_moe_inputs", "expert_biases", "dot_f32", "check_activation", "ACTIVATIONS", "FORMULATIONS",
            "choose_formulation", "default_block_m"]

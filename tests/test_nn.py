@@ -1,0 +1,193 @@
+"""QuantizedMoE (Flax NNX): checkpoint loading, routing modes, shared experts, backend
+dispatch, NNX state typing (quantized buffers are not Params), gradients, typed errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from reference import dequant_checkpoint, fused_moe_ref
+from wna16_jax import routing
+from wna16_jax.backends import Backend
+from wna16_jax.checkpoint import Checkpoint, random_moe_layer, write_checkpoint
+from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError, ValueRangeError, WNA16Error
+from wna16_jax.nn import QuantizedExperts, QuantizedMoE, RouterBias
+from wna16_jax.schemes import QuantScheme
+
+E, H, I = 8, 64, 64
+GPTQ = QuantScheme("gptq", 4, 32, False)
+
+
+def _seed():
+    return int(np.random.SeedSequence().entropy % (2**63))
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    rng = np.random.default_rng(_seed())
+    p = tmp_path_factory.mktemp("mixtral")
+    write_checkpoint(p, GPTQ, [random_moe_layer(rng, E, H, I), random_moe_layer(rng, E, H, I)], top_k=2)
+    return p
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    rng = np.random.default_rng(_seed())
+    p = tmp_path_factory.mktemp("deepseek")
+    write_checkpoint(p, QuantScheme("awq", 4, 32, True),
+                     [random_moe_layer(rng, E, H, I, shared_intermediate=64, score_bias=True)],
+                     model_type="deepseek_v3", top_k=3, scoring_func="sigmoid", num_expert_group=4,
+                     topk_group=2, routed_scaling_factor=2.5)
+    return p
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    rng = np.random.default_rng(_seed())
+    p = tmp_path_factory.mktemp("qwen2")
+    write_checkpoint(p, GPTQ, [random_moe_layer(rng, E, H, I, shared_intermediate=64, shared_gate=True)],
+                     model_type="qwen2_moe", top_k=2, renormalize=False)
+    return p
+
+
+def _logits(x2d, router):
+    return jnp.einsum("th,eh->te", x2d.astype(jnp.float32), jnp.asarray(router, jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _reference(ckpt, x2d, tw, ids):
+    layer = ckpt.load_layer(0)
+    w13, w2 = dequant_checkpoint(layer.experts, ckpt.scheme)
+    out = fused_moe_ref(np.asarray(x2d), np.asarray(tw), np.asarray(ids), w13, w2)
+    if layer.shared_experts is not None:
+        s13, s2 = dequant_checkpoint(layer.shared_experts, ckpt.scheme)
+        t = x2d.shape[0]
+        s = fused_moe_ref(np.asarray(x2d), np.ones((t, 1)), np.zeros((t, 1), int), s13, s2)
+        if layer.shared_expert_gate is not None:
+            gate = np.asarray(layer.shared_expert_gate, np.float64)
+            s = s / (1.0 + np.exp(-(np.asarray(x2d, np.float64) @ gate.T)))
+        out = out + s
+    return out
+
+
+def _check(got, want, what):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), what
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err < 2e-5, f"{what}: relative error {err:.3g}"
+
+
+def test_mixtral_forward_batched_input_matches_float64(mixtral_dir):
+    ckpt = Checkpoint(mixtral_dir)
+    m = QuantizedMoE.from_checkpoint(mixtral_dir, 1)
+    assert m.backend == str(Backend.CPU)
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((2, 5, H)), jnp.float32)
+    y = nnx.jit(lambda m, x: m(x))(m, x)
+    assert y.shape == (2, 5, H) and y.dtype == jnp.float32
+    x2d = x.reshape(-1, H)
+    router = ckpt.load_layer(1).router
+    tw, ids = routing.fused_topk(_logits(x2d, router), 2, renormalize=True)
+    layer = ckpt.load_layer(1)
+    w13, w2 = dequant_checkpoint(layer.experts, ckpt.scheme)
+    _check(y.reshape(-1, H), fused_moe_ref(np.asarray(x2d), np.asarray(tw), np.asarray(ids), w13, w2), "mixtral")
+    # bf16 activations keep their dtype
+    yb = nnx.jit(lambda m, x: m(x))(m, x.astype(jnp.bfloat16))
+    assert yb.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(yb, np.float32)))
+
+
+def test_deepseek_grouped_sigmoid_bias_scaling_shared(deepseek_dir):
+    ckpt = Checkpoint(deepseek_dir)
+    cfg = ckpt.model_config
+    assert cfg.num_expert_group == 4 and cfg.topk_group == 2 and cfg.routed_scaling_factor == 2.5
+    m = QuantizedMoE.from_checkpoint(ckpt, 0)
+    assert isinstance(m.e_score_correction_bias, RouterBias) and m.shared_experts is not None
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((9, H)), jnp.float32)
+    y = nnx.jit(lambda m, x: m(x))(m, x)
+    layer = ckpt.load_layer(0)
+    tw, ids = routing.grouped_topk(_logits(x, layer.router), 3, renormalize=True, num_expert_group=4,
+                                   topk_group=2, scoring_func="sigmoid",
+                                   e_score_correction_bias=layer.e_score_correction_bias,
+                                   routed_scaling_factor=2.5)
+    _check(y, _reference(ckpt, x, tw, ids), "deepseek")
+
+
+def test_qwen2_shared_gate_and_loader_layout(qwen2_dir):
+    ckpt = Checkpoint(qwen2_dir)
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((6, H)), jnp.float32)
+    layer = ckpt.load_layer(0)
+    tw, ids = routing.fused_topk(_logits(x, layer.router), 2, renormalize=False)
+    want = _reference(ckpt, x, tw, ids)
+    for backend in (None, "loader", "cpu"):
+        m = QuantizedMoE.from_checkpoint(qwen2_dir, 0, backend)
+        assert m.shared_expert_gate is not None
+        _check(nnx.jit(lambda m, x: m(x))(m, x), want, f"qwen2 backend={backend}")
+
+
+def test_state_typing_and_optimizer_skips_quantized_buffers(deepseek_dir):
+    m = QuantizedMoE.from_checkpoint(deepseek_dir, 0)
+    params = nnx.state(m, nnx.Param)
+    assert set(params.keys()) == {"router"}
+    q = nnx.state(m, QuantizedExperts)
+    assert set(q.keys()) == {"experts", "shared_experts"}
+    view = m.quantized_arrays()
+    assert {"qvalue", "scale"} <= set(view["w13"]) and {"qvalue", "scale"} <= set(view["w2"])
+    before = jax.tree.map(np.asarray, nnx.state(m, nnx.Not(nnx.Param)))
+    opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((16, H)), jnp.float32)
+
+    @nnx.jit
+    def step(m, opt, x):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(m)
+        opt.update(m, g)
+        return loss, g
+
+    r0 = np.asarray(m.router[...])
+    loss, g = step(m, opt, x)
+    gr = np.asarray(g["router"][...])
+    assert np.isfinite(float(loss)) and np.all(np.isfinite(gr)) and np.any(gr != 0)
+    assert not np.array_equal(np.asarray(m.router[...]), r0)
+    after = jax.tree.map(np.asarray, nnx.state(m, nnx.Not(nnx.Param)))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_router_gradient_matches_dense_reference(mixtral_dir):
+    ckpt = Checkpoint(mixtral_dir)
+    layer = ckpt.load_layer(0)
+    m = QuantizedMoE.from_checkpoint(ckpt, 0)
+    w13, w2 = (jnp.asarray(a, jnp.float32) for a in dequant_checkpoint(layer.experts, ckpt.scheme))
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((10, H)), jnp.float32)
+
+    def dense(router, x):
+        tw, ids = routing.fused_topk(_logits(x, router), 2, renormalize=True)
+        hp = jax.lax.Precision.HIGHEST
+        h = jnp.einsum("th,tknh->tkn", x, w13[ids], precision=hp)
+        y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(h[..., :I]) * h[..., I:], w2[ids], precision=hp)
+        return jnp.sum(jnp.einsum("tkh,tk->th", y, tw, precision=hp) ** 2)
+
+    want = jax.grad(dense)(jnp.asarray(layer.router, jnp.float32), x)
+    got = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(m)["router"][...]
+    err = np.max(np.abs(np.asarray(got) - np.asarray(want))) / np.max(np.abs(np.asarray(want)))
+    assert np.all(np.isfinite(np.asarray(got))) and err < 2e-5, err
+
+
+def test_typed_errors(mixtral_dir):
+    with pytest.raises(ValueRangeError, match=r"7 .*MoE layers are \[0, 1\]"):
+        QuantizedMoE.from_checkpoint(mixtral_dir, 7)
+    with pytest.raises(UnsupportedError, match="XPU was forced"):
+        QuantizedMoE.from_checkpoint(mixtral_dir, 0, "xpu")
+    layer = Checkpoint(mixtral_dir).load_layer(0)
+    with pytest.raises(DTypeError, match="router: expected a float dtype.*got int32"):
+        QuantizedMoE(layer.experts, np.zeros((E, H), np.int32), top_k=2)
+    with pytest.raises(ShapeError, match=r"router: expected shape \(8, 64\), got \(8, 32\)"):
+        QuantizedMoE(layer.experts, np.zeros((E, 32), np.float32), top_k=2)
+    m = QuantizedMoE(layer.experts, layer.router, top_k=2)
+    m.router.set_value(jnp.asarray(m.router[...], jnp.float16))
+    with pytest.raises(DTypeError, match=r"router: expected dtype float32 .*got float16 with shape \(8, 64\)"):
+        m(jnp.ones((3, H), jnp.float32))
+    m = QuantizedMoE(layer.experts, layer.router, top_k=2)
+    with pytest.raises(ShapeError, match=r"x: expected shape \(T, 64\).*got \(3, 65\)"):
+        m(jnp.ones((3, 65), jnp.float32))
+    with pytest.raises(WNA16Error, match=r"top_k: expected 1 <= top_k <= 8 .*got 9"):
+        QuantizedMoE(layer.experts, layer.router, top_k=9)

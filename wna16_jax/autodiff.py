@@ -1,0 +1,150 @@
+"""Gradients through frozen quantized experts: :func:`fused_moe_trainable`.
+
+``fused_moe_trainable`` has the signature of :func:`wna16_jax.moe.fused_moe` and the same
+forward (it calls it). Its ``jax.custom_vjp`` backward gives cotangents for the hidden states
+and the router weights (``topk_weights``); the experts are frozen and get zero cotangents
+(``float0`` for integer leaves), as do ``topk_ids`` and ``expert_map``.
+
+Backward (for every routed row ``r = (t, j)`` on expert ``e`` with router weight ``w``)::
+
+    h  = x[t] W13[e]ᵀ + b13[e]      (× w first with apply_router_weight_on_input)
+    a  = act(h);   y = a W2[e]ᵀ + b2[e]
+    dy = w · g[t]                   (g[t] with apply_router_weight_on_input)
+    dw = <g[t], y>                  (<dh, h/w> with apply_router_weight_on_input)
+    dh = act'(h)ᵀ (dy W2[e]);       dx[t] += dh W13[e]
+
+It runs on vLLM's schedule: the (token, slot) rows are sorted by expert into blocks of
+``block_m`` (:func:`wna16_jax.routing.moe_align_block_size`) and a ``lax.map`` over blocks
+dequantizes one expert per block, recomputes the block's forward and multiplies by the
+transposed dequantized weights. Nothing but one expert is ever dequantized at a time, and no
+dequantized weight is saved between forward and backward (the residuals are the inputs and
+the packed weights).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import moe as _moe
+from .moe import check_activation, default_block_m, dot_f32, expert_biases, validate_moe_inputs
+
+
+def _zero_cotangent(a):
+    if a is None:
+        return None
+    a = jnp.asarray(a)
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def _backward_blocked(g, x, tw, topk_ids, weights, expert_map, *, activation, on_input, gne,
+                      block_m, cdt):
+    """``(dx [T, H] float32, dtw [T, k] float32)`` for output cotangent ``g [T, H]``."""
+    from .routing import moe_align_block_size
+
+    act = check_activation(activation)
+    t, k = topk_ids.shape
+    ids = topk_ids.astype(jnp.int32)
+    ids = jnp.where((ids < 0) | (ids >= gne), 0, ids)        # such rows are NaN in the forward
+    aligned = moe_align_block_size(ids, block_m, gne, expert_map, ignore_invalid_experts=True)
+    rows = aligned.sorted_token_ids.reshape(-1, block_m)              # [NB, BM] flat (t·k + j)
+    experts = aligned.expert_ids                                      # [NB] local expert or -1
+    ok = rows < t * k
+    flat = jnp.where(ok, rows, 0)
+    tok = flat // k
+    wb = tw.astype(jnp.float32).reshape(-1)[flat] * ok                # [NB, BM]
+    xb = x.astype(cdt)[tok]                                           # [NB, BM, H]
+    gb = g.astype(jnp.float32)[tok]                                   # [NB, BM, H]
+
+    def block(args):
+        xr, gr, e, wr, okr = args
+        live = (e >= 0) & (okr > 0)                                   # [BM]
+        one = weights.take_experts(jnp.maximum(e, 0)[None])
+        w13, w2 = one.dequantize(cdt)                                 # [1, 2I, H], [1, H, I]
+        b13, b2 = expert_biases(one)
+        h = dot_f32(xr, w13[0], "mh,nh->mn")
+        if b13 is not None:
+            h = h + b13[0].astype(jnp.float32)
+        if on_input:
+            hw = h * wr[:, None]
+            a, act_vjp = jax.vjp(act, hw)
+            dy = gr
+        else:
+            a, act_vjp = jax.vjp(act, h)
+            dy = gr * wr[:, None]
+        da = dot_f32(dy.astype(cdt), w2[0], "mh,hi->mi")
+        (dhw,) = act_vjp(da)
+        if on_input:
+            dw = jnp.sum(dhw * h, axis=-1)
+            dh = dhw * wr[:, None]
+        else:
+            y = dot_f32(a.astype(cdt), w2[0], "mi,hi->mh")
+            if b2 is not None:
+                y = y + b2[0].astype(jnp.float32)
+            dw = jnp.sum(gr * y, axis=-1)
+            dh = dhw
+        dx = dot_f32(dh.astype(cdt), w13[0], "mn,nh->mh")
+        return jnp.where(live[:, None], dx, 0.0), jnp.where(live, dw, 0.0)
+
+    dxb, dwb = jax.lax.map(block, (xb, gb, experts, wb, ok.astype(jnp.float32)))
+    seg = jnp.where(ok, tok, t).reshape(-1)
+    dx = jax.ops.segment_sum(dxb.reshape(-1, dxb.shape[-1]), seg, num_segments=t + 1)[:t]
+    slot = jnp.where(ok, flat, t * k).reshape(-1)
+    dtw = jax.ops.segment_sum(dwb.reshape(-1), slot, num_segments=t * k + 1)[:t * k].reshape(t, k)
+    return dx, dtw
+
+
+@functools.lru_cache(maxsize=None)
+def _make(activation, on_input, gne, formulation, block_m, cdt_name):
+    cdt = jnp.dtype(cdt_name)
+
+    def forward(x, tw, ids, weights, expert_map):
+        return _moe.fused_moe(x, tw, ids, weights, activation=activation,
+                              apply_router_weight_on_input=on_input, expert_map=expert_map,
+                              global_num_experts=gne, formulation=formulation, block_m=block_m,
+                              compute_dtype=cdt)
+
+    f = jax.custom_vjp(forward)
+
+    def fwd(x, tw, ids, weights, expert_map):
+        return forward(x, tw, ids, weights, expert_map), (x, tw, ids, weights, expert_map)
+
+    def bwd(res, g):
+        x, tw, ids, weights, expert_map = res
+        t, k = ids.shape
+        bm = block_m or default_block_m(t, k, weights.num_experts)
+        dx, dtw = _backward_blocked(g, x, tw, ids, weights, expert_map, activation=activation,
+                                    on_input=on_input, gne=gne, block_m=bm, cdt=cdt)
+        return (dx.astype(x.dtype), dtw.astype(tw.dtype), _zero_cotangent(ids),
+                jax.tree.map(_zero_cotangent, weights), jax.tree.map(_zero_cotangent, expert_map))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activation: str = "silu",
+                        apply_router_weight_on_input: bool = False, expert_map=None,
+                        global_num_experts: int | None = None, formulation: str | None = None,
+                        block_m: int | None = None, compute_dtype=None):
+    """:func:`wna16_jax.moe.fused_moe` with a memory-lean VJP (see the module docstring).
+
+    Differentiable in ``hidden_states`` and ``topk_weights`` (hence in a router through the
+    routing functions); the quantized ``weights`` are frozen (zero cotangents).
+    """
+    check_activation(activation)
+    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    if topk_ids.shape[0] == 0:
+        return _moe.fused_moe(hidden_states, topk_weights, topk_ids, weights, activation=activation,
+                              expert_map=expert_map, global_num_experts=gne)
+    cdt = jnp.dtype(compute_dtype or jnp.float32)
+    f = _make(activation, bool(apply_router_weight_on_input), int(gne), formulation, block_m, cdt.name)
+    em = None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
+    return f(hidden_states, topk_weights, topk_ids, weights, em)
+
+
+__all__ = ["fused_moe_trainable"]

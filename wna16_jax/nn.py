@@ -1,0 +1,251 @@
+"""Flax NNX modules: :class:`QuantizedMoE`, a mixture-of-experts layer on frozen WNA16 experts.
+
+State layout of a :class:`QuantizedMoE` (what ``nnx.state(module, T)`` picks out):
+
+===========================  ==============================  ==========================================
+attribute                    Variable type                   content
+===========================  ==============================  ==========================================
+``experts``                  :class:`QuantizedExperts`       routed experts in the backend layout
+``shared_experts``           :class:`QuantizedExperts`       shared expert(s) as one expert, or absent
+``router``                   ``nnx.Param``                   ``[E, H]`` float gate weight (trainable)
+``shared_expert_gate``       ``nnx.Param``                   ``[1, H]`` Qwen2-MoE sigmoid gate (trainable)
+``e_score_correction_bias``  :class:`RouterBias`             ``[E]`` DeepSeek-V3 selection bias (frozen)
+===========================  ==============================  ==========================================
+
+Why one variable per expert stack rather than one per packed array: the six backend layouts
+(loader, CPU, XPU, Marlin, TRT-LLM MXINT4, Humming) have different field sets and carry static
+metadata (scheme, sizes, permutations) that their ``decode()`` needs. Holding the whole frozen
+layout pytree in one typed, non-trainable :class:`QuantizedExperts` keeps ``decode()``,
+``take_experts`` and sharding specs working unchanged for every layout, while
+``nnx.Optimizer(model, tx, wrt=nnx.Param)`` skips it. The qwix-style leaf names
+(``qvalue`` / ``scale`` / ``zero_point``) are exposed as a read-only view by
+:meth:`QuantizedMoE.quantized_arrays`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import routing
+from .backends import TABLE, select_backend
+from .checkpoint import Checkpoint, DenseWeights, MoELayer
+from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError
+from .moe import check_activation
+from .weights import CheckpointWeights
+
+_FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+
+#: ``backend=`` value that keeps the loader layout (runs anywhere through the XLA decode).
+LOADER_LAYOUT = "loader"
+
+
+class QuantizedExperts(nnx.Variable):
+    """Frozen quantized experts: one experts pytree (any layout), expert axis first on every leaf."""
+
+
+class RouterBias(nnx.Variable):
+    """Non-trainable routing buffer (DeepSeek-V3 ``e_score_correction_bias``, updated by load
+    balancing, not by gradients)."""
+
+
+def _role(field: str) -> str:
+    """qwix-style role of a layout field name."""
+    if "bias" in field:
+        return "bias"
+    if "zero" in field:
+        return "zero_point"
+    if "scale" in field:
+        return "scale"
+    if "qweight" in field or field.endswith("_weight") or field in ("w13", "w2") or "packed" in field:
+        return "qvalue"
+    return field.split("_", 1)[1] if "_" in field else field
+
+
+def _is_float(dtype) -> bool:
+    return np.dtype(dtype) in _FLOATS
+
+
+def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None):
+    """Convert loader-layout experts into ``backend``'s layout (``None`` → selected by the table,
+    ``"loader"`` → unchanged). Returns ``(weights, backend_name)``."""
+    if isinstance(experts, DenseWeights) or backend == LOADER_LAYOUT:
+        return experts, LOADER_LAYOUT
+    if not isinstance(experts, CheckpointWeights):
+        return experts, type(experts).__name__        # already converted
+    b = select_backend(experts.scheme, backend=backend, has_bias=experts.has_bias(),
+                       activation=activation, hidden_size=experts.hidden_size,
+                       intermediate_size=experts.intermediate_size)
+    return TABLE[b].convert(experts.scheme, experts.to_jax(), input_dtype), str(b)
+
+
+class QuantizedMoE(nnx.Module):
+    """A routed MoE layer on frozen WNA16 experts, with a trainable float router.
+
+    ``__call__(x)`` takes ``[T, H]`` or ``[B, S, H]``, routes every token (softmax or sigmoid
+    scores, optional renormalisation, optional DeepSeek grouped top-k with score-correction
+    bias, routed scaling factor) and runs :func:`wna16_jax.autodiff.fused_moe_trainable`
+    (forward = :func:`wna16_jax.moe.fused_moe`; backward multiplies by the transposed quantized
+    weights one expert at a time), plus the shared experts (and their sigmoid gate) if any.
+    """
+
+    def __init__(self, experts: Any, router: Any, *, top_k: int, renormalize: bool = True,
+                 scoring_func: str = "softmax", num_expert_group: int | None = None,
+                 topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: Any = None, shared_experts: Any = None,
+                 shared_expert_gate: Any = None, activation: str = "silu", backend: Any = None,
+                 param_dtype: Any = jnp.float32, formulation: str | None = None):
+        check_activation(activation)
+        if scoring_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
+        weights, self.backend = convert_experts(experts, backend, activation=activation)
+        e, h = weights.num_experts, weights.hidden_size
+        router = self._checked_float("router", router, (e, h))
+        if not _is_float(param_dtype):
+            raise DTypeError(f"param_dtype: expected a float dtype, got {np.dtype(param_dtype)}")
+        if not 1 <= int(top_k) <= e:
+            raise ConfigError(f"top_k: expected 1 <= top_k <= {e} (the number of experts), got {top_k}")
+        grouped = bool(num_expert_group) and num_expert_group > 1
+        if grouped:
+            if e % num_expert_group:
+                raise ConfigError(f"num_expert_group: the number of experts {e} is not a multiple of "
+                                  f"num_expert_group={num_expert_group}")
+            if not topk_group or not 1 <= topk_group <= num_expert_group:
+                raise ConfigError(f"topk_group: expected 1 <= topk_group <= {num_expert_group}, got {topk_group}")
+        self.param_dtype = np.dtype(param_dtype)
+        self.top_k = int(top_k)
+        self.renormalize = bool(renormalize)
+        self.scoring_func = scoring_func
+        self.num_expert_group = int(num_expert_group) if grouped else None
+        self.topk_group = int(topk_group) if grouped else None
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.activation = activation
+        self.formulation = formulation
+        self.num_experts, self.hidden_size = e, h
+        self.experts = QuantizedExperts(weights)
+        self.router = nnx.Param(jnp.asarray(router, self.param_dtype))
+        if e_score_correction_bias is not None:
+            if not grouped:
+                raise ConfigError("e_score_correction_bias: only used by grouped top-k routing "
+                                  "(set num_expert_group > 1)")
+            e_score_correction_bias = self._checked_float("e_score_correction_bias",
+                                                          e_score_correction_bias, (e,))
+            self.e_score_correction_bias = RouterBias(jnp.asarray(e_score_correction_bias, jnp.float32))
+        else:
+            self.e_score_correction_bias = None
+        if shared_experts is not None:
+            sw, _ = convert_experts(shared_experts, backend, activation=activation)
+            if sw.num_experts != 1 or sw.hidden_size != h:
+                raise ShapeError(f"shared_experts: expected one expert of hidden size {h}, got "
+                                 f"{sw.num_experts} expert(s) of hidden size {sw.hidden_size}")
+            self.shared_experts = QuantizedExperts(jax.tree.map(jnp.asarray, sw))
+        else:
+            self.shared_experts = None
+        if shared_expert_gate is not None:
+            if shared_experts is None:
+                raise ConfigError("shared_expert_gate: given without shared_experts")
+            g = self._checked_float("shared_expert_gate", shared_expert_gate, (1, h))
+            self.shared_expert_gate = nnx.Param(jnp.asarray(g, self.param_dtype))
+        else:
+            self.shared_expert_gate = None
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _checked_float(name: str, a: Any, shape: tuple[int, ...]):
+        if tuple(np.shape(a)) != tuple(shape):
+            raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {tuple(np.shape(a))}")
+        dt = np.dtype(getattr(a, "dtype", np.asarray(a).dtype))
+        if not _is_float(dt):
+            raise DTypeError(f"{name}: expected a float dtype (float16, bfloat16, float32), got {dt}")
+        return a
+
+    @classmethod
+    def from_layer(cls, layer: MoELayer, config, backend: Any = None, **kw) -> "QuantizedMoE":
+        """From a loaded :class:`~wna16_jax.checkpoint.MoELayer` and its ``MoEModelConfig``."""
+        return cls(layer.experts, layer.router, top_k=config.top_k, renormalize=config.renormalize,
+                   scoring_func=config.scoring_func, num_expert_group=config.num_expert_group,
+                   topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+                   e_score_correction_bias=layer.e_score_correction_bias,
+                   shared_experts=layer.shared_experts, shared_expert_gate=layer.shared_expert_gate,
+                   activation=config.activation, backend=backend, **kw)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike | Checkpoint, layer_index: int, backend: Any = None,
+                        *, rngs: nnx.Rngs | None = None, **kw) -> "QuantizedMoE":
+        """Load MoE layer ``layer_index`` of a checkpoint directory (``rngs`` is accepted for
+        the usual NNX constructor signature; nothing is randomly initialised)."""
+        del rngs
+        ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+        if not isinstance(layer_index, (int, np.integer)) or layer_index not in ckpt.moe_layer_indices:
+            raise ValueRangeError(f"layer_index: {layer_index!r} is not a MoE layer of {ckpt.path!r}; "
+                                  f"MoE layers are {ckpt.moe_layer_indices}")
+        return cls.from_layer(ckpt.load_layer(int(layer_index)), ckpt.model_config, backend, **kw)
+
+    # ------------------------------------------------------------------ views
+    def quantized_arrays(self) -> dict[str, dict[str, Any]]:
+        """qwix-style read-only view: ``{"w13": {"qvalue", "scale", "zero_point", ...}, "w2": ...}``
+        of the routed experts' layout fields (absent fields omitted)."""
+        w = self.experts.get_value()
+        out: dict[str, dict[str, Any]] = {}
+        for f in w.array_fields():
+            a = getattr(w, f)
+            if a is None:
+                continue
+            gemm, _, rest = f.partition("_")
+            out.setdefault(gemm, {})[_role(f)] = a
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def route(self, x2d):
+        """``(topk_weights [T, k] float32, topk_ids [T, k] int32)`` for ``x2d [T, H]``."""
+        router = self.router[...]
+        if np.dtype(router.dtype) != self.param_dtype:
+            raise DTypeError(f"router: expected dtype {self.param_dtype} (param_dtype), got "
+                             f"{np.dtype(router.dtype)} with shape {tuple(router.shape)}")
+        logits = jnp.einsum("th,eh->te", x2d.astype(jnp.float32), router.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+        if self.num_expert_group:
+            bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+            return routing.grouped_topk(
+                logits, self.top_k, renormalize=self.renormalize, num_expert_group=self.num_expert_group,
+                topk_group=self.topk_group, scoring_func=self.scoring_func, e_score_correction_bias=bias,
+                routed_scaling_factor=self.routed_scaling_factor)
+        w, ids = routing.fused_topk(logits, self.top_k, renormalize=self.renormalize,
+                                    scoring_func=self.scoring_func)
+        if self.routed_scaling_factor != 1.0:
+            w = w * jnp.float32(self.routed_scaling_factor)
+        return w, ids
+
+    def __call__(self, x):
+        from .autodiff import fused_moe_trainable
+
+        if getattr(x, "ndim", None) not in (2, 3) or x.shape[-1] != self.hidden_size:
+            raise ShapeError(f"x: expected shape (T, {self.hidden_size}) or (B, S, {self.hidden_size}), "
+                             f"got {tuple(getattr(x, 'shape', ()))}")
+        if not _is_float(x.dtype):
+            raise DTypeError(f"x: expected a float dtype (float16, bfloat16, float32), got {np.dtype(x.dtype)}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.hidden_size)
+        tw, ids = self.route(x2d)
+        out = fused_moe_trainable(x2d, tw, ids, self.experts.get_value(), activation=self.activation,
+                                  formulation=self.formulation)
+        if self.shared_experts is not None:
+            t = x2d.shape[0]
+            s = fused_moe_trainable(x2d, jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32),
+                                    self.shared_experts.get_value(), activation=self.activation,
+                                    formulation=self.formulation).astype(jnp.float32)
+            if self.shared_expert_gate is not None:
+                g = jax.nn.sigmoid(jnp.einsum("th,oh->to", x2d.astype(jnp.float32),
+                                              self.shared_expert_gate[...].astype(jnp.float32),
+                                              precision=jax.lax.Precision.HIGHEST))
+                s = s * g
+            out = (out.astype(jnp.float32) + s).astype(x.dtype)
+        return out.reshape(*lead, self.hidden_size)
+
+
+__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "convert_experts", "LOADER_LAYOUT"]

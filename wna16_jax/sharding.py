@@ -1,0 +1,292 @@
+"""Expert- and tensor-parallel fused MoE with ``jax.sharding.Mesh`` + ``jax.shard_map``.
+
+Weights are any experts pytree (loader or backend layout: every leaf has the expert axis
+first). Tensor parallelism adds a leading ``tp`` axis: :func:`stack_tp_shards` stacks one
+layout pytree per TP rank (from ``Checkpoint.load_layer(i, tp_size=, tp_rank=)`` or
+:func:`slice_tp`), so the same code shards every layout.
+
+* **EP, all-gather design** (``ep_method="allgather"``): tokens are sharded over the EP
+  axis; each shard all-gathers the tokens and their routing, runs :func:`fused_moe` on its
+  ``E / ep`` local experts (the others masked out by an ``expert_map``), and a
+  ``psum_scatter`` (reduce-scatter) returns every token's sum to its owner.
+* **EP, all-to-all design** (``ep_method="all_to_all"``): each shard sorts its (token, slot)
+  rows by owning shard and sends exactly those rows there with ``jax.lax.ragged_all_to_all``
+  (dispatch), the owners run their experts on the received rows, and a second
+  ``ragged_all_to_all`` sends the results back (combine). XLA:CPU does not implement the
+  ``ragged-all-to-all`` HLO (jax 0.10.2: ``UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is
+  not supported by XLA:CPU ThunkEmitter``), so ``ragged="auto"`` uses an exact emulation on
+  CPU: the same offsets / sizes protocol carried by a fixed-capacity ``lax.all_to_all``.
+* **TP**: the intermediate dimension is split; each shard computes a partial down-projection
+  and a ``psum`` over the TP axis adds them. The w2 bias is kept on TP rank 0 only (zeroed on
+  the other ranks by :func:`stack_tp_shards`), so it is added once.
+* **EP × TP** on a 2-D mesh: both at once (weights ``[tp, E, ...]`` sharded ``P(tp, ep)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .errors import ConfigError, ShapeError, UnsupportedError
+from .moe import check_activation, fused_moe
+from .schemes import QuantMethod
+from .weights import CheckpointWeights
+
+EP_METHODS = ("allgather", "all_to_all")
+
+
+# --------------------------------------------------------------------------- TP weights
+
+
+def _tp_fields(method: QuantMethod) -> dict[str, tuple[int, str]]:
+    """field → (axis, "n" = split gate and up halves | "k" = split the whole axis)."""
+    if method is QuantMethod.AWQ or method is QuantMethod.GPTQ:
+        return {"w13_qweight": (2, "n"), "w13_scales": (2, "n"), "w13_qzeros": (2, "n"),
+                "w2_qweight": (1, "k"), "w2_scales": (1, "k"), "w2_qzeros": (1, "k"), "w13_bias": (1, "n")}
+    return {"w13_qweight": (1, "n"), "w13_scales": (1, "n"), "w13_qzeros": (1, "n"),
+            "w2_qweight": (2, "k"), "w2_scales": (2, "k"), "w2_qzeros": (2, "k"), "w13_bias": (1, "n")}
+
+
+def slice_tp(weights: CheckpointWeights, tp_size: int, tp_rank: int) -> CheckpointWeights:
+    """Rank ``tp_rank``'s intermediate-dimension slice of a loader-layout layer in memory (the
+    same slice ``Checkpoint.load_layer(i, tp_size=, tp_rank=)`` reads; act-order layers must be
+    loaded that way). The w2 bias is returned whole; :func:`stack_tp_shards` keeps it once."""
+    if not isinstance(weights, CheckpointWeights):
+        raise UnsupportedError(f"slice_tp: expected loader-layout CheckpointWeights, got {type(weights).__name__}; "
+                               "slice before converting to a backend layout")
+    s, i = weights.scheme, weights.intermediate_size
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
+    if s.act_order:
+        raise UnsupportedError("slice_tp: act-order (g_idx) layers keep whole w2 scales; load them with "
+                               "Checkpoint.load_layer(i, tp_size=..., tp_rank=...)")
+    check_tp(i, tp_size, s.pack_factor, s.group_size)
+    if tp_size == 1:
+        return weights
+    out = {}
+    for name, (axis, kind) in _tp_fields(s.method).items():
+        a = getattr(weights, name)
+        if a is None:
+            continue
+        xp = jnp if isinstance(a, jax.Array) else np
+        if s.group_size == -1 and name in ("w2_scales", "w2_qzeros"):
+            out[name] = a                               # channelwise: one group, not split
+            continue
+        size = a.shape[axis]
+        if kind == "n":
+            half = size // 2
+            loc = half // tp_size
+            idx = np.concatenate([np.arange(tp_rank * loc, (tp_rank + 1) * loc),
+                                  half + np.arange(tp_rank * loc, (tp_rank + 1) * loc)])
+        else:
+            loc = size // tp_size
+            idx = np.arange(tp_rank * loc, (tp_rank + 1) * loc)
+        out[name] = xp.take(a, idx, axis=axis)
+    return dataclasses.replace(weights, **out, intermediate_size=i // tp_size)
+
+
+def check_tp(intermediate_size: int, tp_size: int, pack_factor: int = 1, group_size: int = -1) -> None:
+    """Typed errors unless ``tp_size`` splits the intermediate size into whole words / groups."""
+    if tp_size < 1 or intermediate_size % tp_size:
+        raise ShapeError(f"tensor parallelism: intermediate size {intermediate_size} is not a multiple of "
+                         f"the TP mesh axis size {tp_size}")
+    loc = intermediate_size // tp_size
+    if loc % pack_factor or (group_size != -1 and loc % group_size):
+        raise ShapeError(f"tensor parallelism: local intermediate size {loc} (= {intermediate_size} / {tp_size}) "
+                         f"must be a multiple of the pack factor {pack_factor}"
+                         + (f" and the group size {group_size}" if group_size != -1 else ""))
+
+
+def stack_tp_shards(shards: Sequence[Any]):
+    """Stack one experts pytree per TP rank along a new leading axis (``[tp, E, ...]``).
+    The w2 bias is zeroed on ranks > 0 so the psum over TP adds it exactly once."""
+    if not shards:
+        raise ConfigError("stack_tp_shards: no shards given")
+    fixed = []
+    for r, w in enumerate(shards):
+        b2 = getattr(w, "w2_bias", None)
+        if r > 0 and b2 is not None:
+            w = dataclasses.replace(w, w2_bias=jnp.zeros_like(jnp.asarray(b2)))
+        fixed.append(jax.tree.map(jnp.asarray, w))
+    s0 = jax.tree.structure(fixed[0])
+    for r, w in enumerate(fixed[1:], 1):
+        if jax.tree.structure(w) != s0 or any(a.shape != b.shape for a, b in
+                                              zip(jax.tree.leaves(w), jax.tree.leaves(fixed[0]))):
+            raise ShapeError(f"stack_tp_shards: shard {r} differs in structure or shapes from shard 0")
+    return jax.tree.map(lambda *a: jnp.stack(a), *fixed)
+
+
+def tp_shards_from_checkpoint(ckpt, layer_index: int, tp_size: int, backend: Any = None,
+                              activation: str = "silu"):
+    """Load ``tp_size`` TP slices of one layer (``Checkpoint.load_layer``), convert each to the
+    backend layout (``None`` → dispatch table, ``"loader"`` → unchanged) and stack them."""
+    from .nn import convert_experts
+
+    return stack_tp_shards([convert_experts(ckpt.load_layer(layer_index, tp_size=tp_size, tp_rank=r).experts,
+                                            backend, activation=activation)[0] for r in range(tp_size)])
+
+
+# --------------------------------------------------------------------------- ragged all-to-all
+
+
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                               *, axis_name: str, axis_size: int):
+    """``jax.lax.ragged_all_to_all`` semantics on a fixed-capacity ``lax.all_to_all`` (for
+    backends without the ragged collective, e.g. XLA:CPU). Capacity = ``operand.shape[0]``."""
+    cap = operand.shape[0]
+    n = axis_size
+    rows = jnp.arange(cap)
+    idx = jnp.clip(input_offsets[:, None] + rows[None], 0, cap - 1)           # [n, cap]
+    live = rows[None] < send_sizes[:, None]
+    buf = jnp.where(live.reshape(n, cap, *([1] * (operand.ndim - 1))), operand[idx], 0)
+    got = jax.lax.all_to_all(buf, axis_name, 0, 0)                           # [n, cap, ...] from peer j
+    off = jax.lax.all_to_all(output_offsets.reshape(n, 1), axis_name, 0, 0)[:, 0]
+    ok = rows[None] < recv_sizes[:, None]
+    pos = jnp.where(ok, off[:, None] + rows[None], output.shape[0])          # out of range → dropped
+    return output.at[pos.reshape(-1)].set(got.reshape(n * cap, *operand.shape[1:]), mode="drop")
+
+
+def _ragged(impl: str):
+    if impl == "native" or (impl == "auto" and jax.default_backend() != "cpu"):
+        return lambda *a, axis_name, axis_size: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)
+    if impl in ("auto", "emulated"):
+        return ragged_all_to_all_emulated
+    raise ConfigError(f"ragged: expected 'auto', 'native' or 'emulated', got {impl!r}")
+
+
+# --------------------------------------------------------------------------- the sharded layer
+
+
+def _axis_size(mesh: Mesh, name: str | None) -> int:
+    if name is None:
+        return 1
+    if name not in mesh.shape:
+        raise ConfigError(f"mesh axis {name!r}: not in the mesh axes {tuple(mesh.shape)}")
+    return int(mesh.shape[name])
+
+
+def sharded_fused_moe(x, topk_weights, topk_ids, weights, mesh: Mesh, *, ep_axis: str | None = "ep",
+                      tp_axis: str | None = None, ep_method: str = "allgather", activation: str = "silu",
+                      apply_router_weight_on_input: bool = False, formulation: str | None = None,
+                      ragged: str = "auto"):
+    """:func:`wna16_jax.moe.fused_moe` over a mesh. ``weights``: experts pytree ``[E, ...]``
+    (``[tp, E, ...]`` from :func:`stack_tp_shards` when ``tp_axis`` is set); ``topk_ids`` are
+    global expert ids. EP shards the experts (linear: shard ``r`` owns ``r·E/ep ...``) and the
+    tokens over ``ep_axis``; TP splits the intermediate size over ``tp_axis``. Returns ``[T, H]``.
+    """
+    check_activation(activation)
+    if ep_method not in EP_METHODS:
+        raise ConfigError(f"ep_method: expected one of {EP_METHODS}, got {ep_method!r}")
+    ep, tp = _axis_size(mesh, ep_axis), _axis_size(mesh, tp_axis)
+    if ep_axis is not None and ep_axis == tp_axis:
+        raise ConfigError(f"ep_axis and tp_axis must differ, both are {ep_axis!r}")
+    lead = jax.tree.leaves(weights)[0]
+    if tp_axis is not None:
+        if lead.shape[0] != tp:
+            raise ShapeError(f"weights: expected a leading TP axis of size {tp} (mesh axis {tp_axis!r}), "
+                             f"got shape {tuple(lead.shape)}; build it with stack_tp_shards")
+        e = int(lead.shape[1])
+    else:
+        e = int(lead.shape[0])
+    if e % ep:
+        raise ShapeError(f"expert parallelism: the {e} experts are not a multiple of the EP mesh axis "
+                         f"{ep_axis!r} of size {ep}")
+    if getattr(x, "ndim", None) != 2 or tuple(topk_ids.shape) != tuple(topk_weights.shape) \
+            or topk_ids.shape[0] != x.shape[0]:
+        raise ShapeError(f"x / topk_weights / topk_ids: expected (T, H), (T, k), (T, k), got "
+                         f"{tuple(x.shape)}, {tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
+    t, k = topk_ids.shape
+    el = e // ep
+    pad = (-t) % ep
+    dtype = x.dtype
+    xf = jnp.pad(x.astype(jnp.float32), ((0, pad), (0, 0)))
+    twp = jnp.pad(topk_weights.astype(jnp.float32), ((0, pad), (0, 0)))
+    idp = jnp.pad(topk_ids.astype(jnp.int32), ((0, pad), (0, 0)))
+    f = _build(mesh, ep_axis, tp_axis, ep_method, activation, bool(apply_router_weight_on_input),
+               formulation, ragged, e, el, ep)
+    out = f(xf, twp, idp, weights)
+    return out[:t].astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _build(mesh, ep_axis, tp_axis, ep_method, activation, on_input, formulation, ragged, e, el, ep):
+    """The jitted shard_map program for one static configuration (cached: no recompiles)."""
+    kw = dict(activation=activation, apply_router_weight_on_input=on_input, formulation=formulation)
+    tok = P(ep_axis) if ep_axis else P()
+    w_spec = P(*(a for a in (tp_axis, ep_axis) if a is not None))     # a prefix of every leaf
+    exchange = _ragged(ragged)
+
+    def body(xl, twl, idl, wl):
+        if tp_axis is not None:
+            wl = jax.tree.map(lambda a: a[0], wl)
+        rank = jax.lax.axis_index(ep_axis) if ep_axis else 0
+        if ep_axis is not None and ep_method == "all_to_all":
+            return _all_to_all_body(xl, twl, idl, wl, rank, ep_axis, tp_axis, ep, el, exchange, kw)
+        if ep_axis is None:
+            y = fused_moe(xl, twl, idl, wl, **kw)
+        else:
+            xa = jax.lax.all_gather(xl, ep_axis, tiled=True)
+            twa = jax.lax.all_gather(twl, ep_axis, tiled=True)
+            ida = jax.lax.all_gather(idl, ep_axis, tiled=True)
+            g = jnp.arange(e)
+            emap = jnp.where(g // el == rank, g % el, -1).astype(jnp.int32)
+            y = fused_moe(xa, twa, ida, wl, expert_map=emap, global_num_experts=e, **kw)
+        if tp_axis is not None:
+            y = jax.lax.psum(y, tp_axis)
+        if ep_axis is not None:
+            y = jax.lax.psum_scatter(y, ep_axis, scatter_dimension=0, tiled=True)
+        return y
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, w_spec), out_specs=tok,
+                                 check_vma=False))
+
+
+def _all_to_all_body(xl, twl, idl, wl, rank, ep_axis, tp_axis, n, el, exchange, kw):
+    tl, k = idl.shape
+    r = tl * k
+    flat = idl.reshape(-1)
+    dest = flat // el
+    order = jnp.argsort(dest, stable=True)
+    send = jnp.bincount(dest, length=n).astype(jnp.int32)                  # rows to each shard
+    in_off = (jnp.cumsum(send) - send).astype(jnp.int32)
+    sizes = jax.lax.all_gather(send, ep_axis)                              # [src, dst]
+    before = (jnp.cumsum(sizes, axis=0) - sizes).astype(jnp.int32)         # rows of lower sources
+    out_off = before[rank]                                                 # where mine land at each dst
+    recv = sizes[:, rank]
+    recv_off = before[:, rank]                                             # where each src's rows land here
+    cap = n * r
+    xs = xl[order // k]
+    meta = jnp.stack([flat[order].astype(jnp.float32), twl.reshape(-1)[order]], axis=1)   # id, weight
+    rx = exchange(xs, jnp.zeros((cap, xl.shape[1]), xl.dtype), in_off, send, out_off, recv,
+                  axis_name=ep_axis, axis_size=n)
+    rm = exchange(meta, jnp.full((cap, 2), -1.0, jnp.float32), in_off, send, out_off, recv,
+                  axis_name=ep_axis, axis_size=n)
+    local = rm[:, 0].astype(jnp.int32) - rank * el
+    local = jnp.where((local >= 0) & (local < el), local, el)             # padding → masked slot
+    emap = jnp.concatenate([jnp.arange(el, dtype=jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    y = fused_moe(rx, jnp.where(local < el, rm[:, 1], 0.0)[:, None], local[:, None], wl,
+                  expert_map=emap, global_num_experts=el + 1, **kw)
+    if tp_axis is not None:
+        y = jax.lax.psum(y, tp_axis)
+    # each source's rows go back to where that source keeps them: its own input offset for us
+    home = (jnp.cumsum(sizes, axis=1) - sizes).astype(jnp.int32)[:, rank]
+    back = exchange(y, jnp.zeros((r, y.shape[1]), y.dtype), recv_off, recv, home, send,
+                    axis_name=ep_axis, axis_size=n)                        # in my sorted order
+    rows = jnp.zeros_like(back).at[order].set(back)
+    return rows.reshape(tl, k, -1).sum(axis=1)
+
+
+def shard_weights(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: str | None = None):
+    """``device_put`` an experts pytree with the sharding :func:`sharded_fused_moe` expects."""
+    spec = P(*(a for a in (tp_axis, ep_axis) if a is not None))
+    return jax.device_put(weights, jax.tree.map(lambda _: NamedSharding(mesh, spec), weights))
+
+
+__all__ = ["sharded_fused_moe", "slice_tp", "stack_tp_shards", "tp_shards_from_checkpoint", "check_tp",
+           "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS"]
