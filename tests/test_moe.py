@@ -92,9 +92,6 @@ def test_fused_moe_vs_float64(layer, with_map):
                 refs[key] = fused_moe_ref(np.asarray(x), tw_np, ids_np, r13, r2, b13, b2, activation=act,
                                           on_input=on_input, expert_map=None if expert_map is None else np.asarray(expert_map))
             _close(got, refs[key], 2e-5)
-        if with_map:
-            # experts off this shard contribute exactly zero: a token routed only off-shard gets 0
-            assert (np.asarray(expert_map)[ids_np] < 0).any() or True
 
 
 def test_ragged_dot_cross_check(layer):

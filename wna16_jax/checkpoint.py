@@ -153,14 +153,15 @@ class DenseWeights(ExpertsMixin):
 class MoELayer:
     """Everything one MoE layer of a checkpoint holds.
 
-    ``experts``: routed experts in the loader layout. ``router [E, H]``: the float gate weight.
+    ``experts``: routed experts in the loader layout (:class:`Checkpoint`) or in a backend layout
+    (:class:`wna16_jax.serialize.ConvertedCheckpoint`). ``router [E, H]``: the float gate weight.
     ``e_score_correction_bias [E]`` (DeepSeek-V3) or None. ``shared_experts``: the shared
     expert(s) fused into one expert (``E = 1``; quantized ``CheckpointWeights`` or float
     ``DenseWeights``), or None. ``shared_expert_gate [1, H]`` (Qwen2-MoE sigmoid gate) or None.
     """
 
     layer_index: int
-    experts: CheckpointWeights
+    experts: Any
     router: np.ndarray
     e_score_correction_bias: np.ndarray | None = None
     shared_experts: Any = None

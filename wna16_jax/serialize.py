@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .backends import TABLE, Backend
+from .checkpoint import Checkpoint, MoELayer
 from .errors import ConfigError, MissingTensorError, ShapeError
 from .schemes import QuantScheme
 
@@ -128,7 +129,6 @@ def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str 
     from safetensors.numpy import save_file
     from tqdm.auto import tqdm
 
-    from .checkpoint import Checkpoint
 
     backend = Backend.parse(backend)
     ckpt = Checkpoint(src)
@@ -171,16 +171,6 @@ def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str 
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvertedLayer:
-    layer_index: int
-    experts: Any
-    router: np.ndarray
-    e_score_correction_bias: np.ndarray | None = None
-    shared_experts: Any = None
-    shared_expert_gate: np.ndarray | None = None
-
-
 class ConvertedCheckpoint:
     """Read a directory written by :func:`convert_checkpoint`."""
 
@@ -201,7 +191,8 @@ class ConvertedCheckpoint:
     def moe_layer_indices(self) -> list[int]:
         return sorted(int(k) for k in self.manifest["layers"])
 
-    def load_layer(self, layer_index: int) -> ConvertedLayer:
+    def load_layer(self, layer_index: int) -> MoELayer:
+        """The layer as a :class:`~wna16_jax.checkpoint.MoELayer` whose experts are in the backend layout."""
         from safetensors.numpy import load_file
 
         from .errors import ValueRangeError
@@ -214,9 +205,9 @@ class ConvertedCheckpoint:
         experts = pytree_from_entry("experts.", entry["experts"], t)
         shared = (pytree_from_entry("shared_experts.", entry["shared_experts"], t)
                   if "shared_experts" in entry else None)
-        return ConvertedLayer(layer_index, experts, t["router"], t.get("e_score_correction_bias"),
-                              shared, t.get("shared_expert_gate"))
+        return MoELayer(layer_index, experts, t["router"], t.get("e_score_correction_bias"),
+                        shared, t.get("shared_expert_gate"))
 
-    def iter_layers(self) -> Iterator[ConvertedLayer]:
+    def iter_layers(self) -> Iterator[MoELayer]:
         for li in self.moe_layer_indices:
             yield self.load_layer(li)
