@@ -15,9 +15,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flax import nnx  # noqa: E402
-
-from tiny_moe_model import TinyMoELM, train  # noqa: E402
+from tiny_moe_model import build_and_train, exit_code  # noqa: E402
 from wna16_jax.checkpoint import random_moe_layer, write_checkpoint  # noqa: E402
 from wna16_jax.schemes import QuantScheme  # noqa: E402
 
@@ -32,17 +30,11 @@ def main(steps: int = 8, seed: int = 0, workdir: str | None = None) -> dict:
         path = write_checkpoint(os.path.join(workdir or tmp, "tiny-deepseek-awq"), QuantScheme("awq", 4, 32, True),
                                 layers, model_type="deepseek_v3", top_k=2, scoring_func="sigmoid",
                                 num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
-        model = TinyMoELM(path, VOCAB, rngs=nnx.Rngs(seed))
+        model, result = build_and_train("tiny deepseek", path, VOCAB, rng, steps=steps, seed=seed)
     moe = model.blocks[0].moe
     assert moe.shared_experts is not None and moe.num_expert_group == 4
-    tokens = rng.integers(0, VOCAB, (4, 17), dtype=np.int32)
-    result = train(model, tokens, steps=steps)
-    print(f"tiny deepseek: backend {moe.backend}, logits {result['logits_shape']}, "
-          f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
-          f"{result['num_frozen_arrays']} frozen arrays bit-identical: {result['frozen_bit_identical']}")
     return result
 
 
 if __name__ == "__main__":
-    r = main()
-    sys.exit(0 if r["frozen_bit_identical"] and r["losses"][-1] < r["losses"][0] else 1)
+    sys.exit(exit_code(main()))

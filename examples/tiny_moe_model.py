@@ -74,3 +74,18 @@ def train(model, tokens, *, steps: int, learning_rate: float = 3e-2) -> dict:
         for a, b in zip(before, after))
     return {"losses": losses, "logits_shape": tuple(logits.shape), "frozen_bit_identical": identical,
             "num_frozen_arrays": len(before)}
+
+
+def build_and_train(name: str, path: str, vocab: int, rng: np.random.Generator, *, steps: int, seed: int):
+    """Build :class:`TinyMoELM` from the checkpoint at ``path``, train it and print a summary."""
+    model = TinyMoELM(path, vocab, rngs=nnx.Rngs(seed))
+    tokens = rng.integers(0, vocab, (4, 17), dtype=np.int32)
+    result = train(model, tokens, steps=steps)
+    print(f"{name}: backend {model.blocks[0].moe.backend}, logits {result['logits_shape']}, "
+          f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
+          f"{result['num_frozen_arrays']} frozen arrays bit-identical: {result['frozen_bit_identical']}")
+    return model, result
+
+
+def exit_code(result: dict) -> int:
+    return 0 if result["frozen_bit_identical"] and result["losses"][-1] < result["losses"][0] else 1

@@ -186,3 +186,21 @@ def test_inputs_not_mutated():
         np.testing.assert_array_equal(a, c)
     for l, c in zip(jax.tree_util.tree_leaves(w), leaves):
         np.testing.assert_array_equal(np.asarray(l), c)
+
+
+def test_batched_experts_forward(layer):
+    """The batched-experts executor + routing's dispatch/combine equal the per-token reference."""
+    from wna16_jax.moe import batched_experts_forward
+    from wna16_jax.routing import combine_batched, dispatch_batched
+
+    w, (r13, r2), (b13, b2) = layer
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    tw, ids = routing.fused_topk(x @ jnp.asarray(rng.standard_normal((E, H)), jnp.float32).T, K, renormalize=True)
+    bt = dispatch_batched(x, ids, E, T)
+    y = jax.jit(batched_experts_forward)(bt.hidden_states, bt.expert_num_tokens, w)
+    got = combine_batched(y, bt, tw, T)
+    ref = fused_moe_ref(np.asarray(x), np.asarray(tw), np.asarray(ids), r13, r2, b13, b2)
+    _close(got, ref, 2e-5)
+    with pytest.raises(ShapeError, match="batched_hidden"):
+        batched_experts_forward(bt.hidden_states[:, :, :3], bt.expert_num_tokens, w)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import moe as _moe
-from .moe import check_activation, default_block_m, dot_f32, expert_biases, validate_moe_inputs
+from .moe import check_activation, default_block_m, dot_f32, expert_gemm1, expert_gemm2, validate_moe_inputs
 
 
 def _zero_cotangent(a):
@@ -64,12 +64,7 @@ def _backward_blocked(g, x, tw, topk_ids, weights, expert_map, *, activation, on
     def block(args):
         xr, gr, e, wr, okr = args
         live = (e >= 0) & (okr > 0)                                   # [BM]
-        one = weights.take_experts(jnp.maximum(e, 0)[None])
-        w13, w2 = one.dequantize(cdt)                                 # [1, 2I, H], [1, H, I]
-        b13, b2 = expert_biases(one)
-        h = dot_f32(xr, w13[0], "mh,nh->mn")
-        if b13 is not None:
-            h = h + b13[0].astype(jnp.float32)
+        h, w2, b2, w13 = expert_gemm1(weights, e, xr, cdt)            # one expert dequantized
         if on_input:
             hw = h * wr[:, None]
             a, act_vjp = jax.vjp(act, hw)
@@ -77,18 +72,16 @@ def _backward_blocked(g, x, tw, topk_ids, weights, expert_map, *, activation, on
         else:
             a, act_vjp = jax.vjp(act, h)
             dy = gr * wr[:, None]
-        da = dot_f32(dy.astype(cdt), w2[0], "mh,hi->mi")
+        da = dot_f32(dy.astype(cdt), w2, "mh,hi->mi")
         (dhw,) = act_vjp(da)
         if on_input:
             dw = jnp.sum(dhw * h, axis=-1)
             dh = dhw * wr[:, None]
         else:
-            y = dot_f32(a.astype(cdt), w2[0], "mi,hi->mh")
-            if b2 is not None:
-                y = y + b2[0].astype(jnp.float32)
+            y = expert_gemm2(a, w2, b2, cdt)
             dw = jnp.sum(gr * y, axis=-1)
             dh = dhw
-        dx = dot_f32(dh.astype(cdt), w13[0], "mn,nh->mh")
+        dx = dot_f32(dh.astype(cdt), w13, "mn,nh->mh")
         return jnp.where(live[:, None], dx, 0.0), jnp.where(live, dw, 0.0)
 
     dxb, dwb = jax.lax.map(block, (xb, gb, experts, wb, ok.astype(jnp.float32)))

@@ -165,6 +165,24 @@ def dot_f32(a, b, spec):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
+def expert_gemm1(weights, e, x_rows, cdt):
+    """One expert's first GEMM: dequantize expert ``e`` (a traced scalar; ``-1`` reads expert 0,
+    callers mask) and return ``(h = x_rows @ W13ᵀ + b13 [M, 2I] float32, w2 [H, I], b2 [H] | None)``."""
+    one = weights.take_experts(jnp.maximum(e, 0)[None])
+    w13, w2 = one.dequantize(cdt)
+    b13, b2 = expert_biases(one)
+    h = dot_f32(x_rows, w13[0], "mh,nh->mn")
+    if b13 is not None:
+        h = h + b13[0].astype(jnp.float32)
+    return h, w2[0], None if b2 is None else b2[0], w13[0]
+
+
+def expert_gemm2(a, w2, b2, cdt):
+    """The second GEMM of one expert: ``a @ W2ᵀ + b2`` in float32."""
+    y = dot_f32(a.astype(cdt), w2, "mi,hi->mh")
+    return y if b2 is None else y + b2.astype(jnp.float32)
+
+
 def choose_formulation(num_tokens: int, top_k: int, num_experts: int, platform: str | None = None) -> str:
     """Static choice of the XLA formulation, from the measurements in ``benchmarks/RESULTS.md``.
 
@@ -262,17 +280,10 @@ def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_nu
     def block(args):
         xr, e, wr, ok = args
         live = (e >= 0).astype(jnp.float32)
-        w = weights.take_experts(jnp.maximum(e, 0)[None])
-        w13, w2 = w.dequantize(cdt)
-        b13, b2 = expert_biases(w)
-        h = dot_f32(xr, w13[0], "mh,nh->mn")
-        if b13 is not None:
-            h = h + b13[0].astype(jnp.float32)
+        h, w2, b2, _ = expert_gemm1(weights, e, xr, cdt)
         if on_input:
             h = h * wr[:, None]
-        y = dot_f32(act(h).astype(cdt), w2[0], "mi,hi->mh")
-        if b2 is not None:
-            y = y + b2[0].astype(jnp.float32)
+        y = expert_gemm2(act(h), w2, b2, cdt)
         scale = (ok if on_input else wr) * live
         return y * scale[:, None]
 
@@ -392,19 +403,11 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
     cdt = jnp.dtype(compute_dtype or jnp.float32)
 
     def one(args):
-        xe, we = args
-        w13, w2 = we.dequantize(cdt)
-        b13, b2 = expert_biases(we)
-        hh = dot_f32(xe.astype(cdt), w13[0], "mh,nh->mn")
-        if b13 is not None:
-            hh = hh + b13[0].astype(jnp.float32)
-        y = dot_f32(act(hh).astype(cdt), w2[0], "mi,hi->mh")
-        if b2 is not None:
-            y = y + b2[0].astype(jnp.float32)
-        return y
+        xe, ei = args
+        h, w2, b2, _ = expert_gemm1(weights, ei, xe.astype(cdt), cdt)
+        return expert_gemm2(act(h), w2, b2, cdt)
 
-    per_expert = jax.vmap(lambda i: weights.take_experts(i[None]))(jnp.arange(e))
-    y = jax.lax.map(one, (batched_hidden, per_expert))
+    y = jax.lax.map(one, (batched_hidden, jnp.arange(e)))
     live = jnp.arange(m)[None, :] < expert_num_tokens[:, None]
     return jnp.where(live[..., None], y, 0.0)
 
@@ -425,5 +428,6 @@ def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, *
 
 
 __all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward",
-           "validate_moe_inputs", "expert_biases", "dot_f32", "check_activation", "ACTIVATIONS", "FORMULATIONS",
+           "validate_moe_inputs", "expert_biases", "dot_f32", "check_activation", "expert_gemm1",
+           "expert_gemm2", "ACTIVATIONS", "FORMULATIONS",
            "choose_formulation", "default_block_m"]
