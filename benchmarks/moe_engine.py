@@ -1,23 +1,32 @@
 """Time the GPU engine against the project's XLA path and XLA baselines, per model shape.
 
-    PYTHONPATH=$PWD python3 benchmarks/moe_engine.py [--quick] [--append benchmarks/RESULTS.md]
+    PYTHONPATH=$PWD python3 benchmarks/moe_engine.py [--rows mixtral:1,16 qwen3:1] [--reps 20]
+        [--append benchmarks/RESULTS.md] [--json benchmarks/results.json]
+    PYTHONPATH=$PWD python3 benchmarks/moe_engine.py --sweep ...   # engine variants only
 
-One fused MoE layer (W4A16, AWQ-style zero points, group 128, random weights, random routing,
-bf16 activations) per row; µs per layer, timed as a jitted loop of R dependent layer calls
-(median of 5 runs / R). Alternatives in the same run:
+One fused MoE layer (W4A16 group 128, random weights, random routing, bf16 activations) per
+row; µs per layer, timed as a jitted loop of R calls, each on its own random routing (so the
+experts a call touches are not all still in L2 from the call before), median of 5 runs / R.
+Alternatives in the same run:
 
-* ``engine v1``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` (Pallas, Triton lowering);
-* ``XLA path``: :func:`wna16_jax.moe.fused_moe` on the loader layout (automatic formulation);
+* ``engine AWQ`` / ``engine GPTQ``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` on
+  the kernel-native tile layout, converted once ahead of time (AWQ: zero points; GPTQ: symmetric);
+* ``engine←Marlin``: the same engine fed the vLLM Marlin layout, re-laid into tiles inside the
+  jitted call (the cost of *not* converting ahead of time to the kernel-native layout);
+* ``XLA path``: :func:`wna16_jax.moe.fused_moe` on the loader layout, bf16 compute;
 * ``ragged_dot bf16``: ``jax.lax.ragged_dot`` on bf16 weights (no quantization);
-* ``dequant→ragged_dot``: dequantize all experts to bf16 inside the program, then ragged_dot.
+* ``dequant→ragged_dot``: dequantize every expert to bf16 inside the program, then ragged_dot.
 
-Floor = max(bytes of the int4 weights + scales of the experts the batch touches / 4.3 TB/s,
-FLOPs / 640 TFLOP/s), as in the GPU engine issue.
+Each engine output is checked against a float32 XLA evaluation of the same layer before it is
+timed (``rel err`` column; > 2e-2 is reported as a failure). Floor = max(bytes of the int4
+weights + bf16 scales (+ zeros) of the experts each call touches / 4.3 TB/s, FLOPs / 640 TFLOP/s),
+as in the GPU engine issue.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -27,39 +36,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles
+from pallas_kernels.fused_moe_tiles import choose_config, convert_tiles, fused_moe_tiles
 from wna16_jax import routing
 from wna16_jax.checkpoint import random_checkpoint_weights
 from wna16_jax.moe import fused_moe, fused_moe_ragged_dot, silu_and_mul
 from wna16_jax.schemes import QuantScheme
 
-SHAPES = {"Mixtral (8, 2, 4096, 14336)": ((8, 2, 4096, 14336), (1, 16, 64, 512, 4096)),
-          "Qwen3-30B-A3B (128, 8, 2048, 768)": ((128, 8, 2048, 768), (1, 16, 64, 512, 4096)),
-          "DeepSeek-V2-Lite (64, 6, 2048, 1408)": ((64, 6, 2048, 1408), (1, 16, 64))}
+SHAPES = {"mixtral": ("Mixtral (8, 2, 4096, 14336)", (8, 2, 4096, 14336), (1, 16, 64, 512, 4096)),
+          "qwen3": ("Qwen3-30B-A3B (128, 8, 2048, 768)", (128, 8, 2048, 768), (1, 16, 64, 512, 4096)),
+          "dsv2lite": ("DeepSeek-V2-Lite (64, 6, 2048, 1408)", (64, 6, 2048, 1408), (1, 16, 64)),
+          # a smoke-test shape for the CPU (with --interpret); never in the default rows
+          "tiny": ("tiny (8, 2, 256, 256)", (8, 2, 256, 256), (1, 8))}
+INTERPRET = False
 BW, FLOPS = 4.3e12, 640e12
+AWQ = QuantScheme("awq", 4, 128, True)
+GPTQ = QuantScheme("gptq", 4, 128, False)
 
 
-def floor_us(ids, e, h, i, t, k, group=128):
-    touched = len(np.unique(np.asarray(ids)))
-    per_expert = 3 * h * i * 0.5 + 3 * h * i / group * 2 * 2        # int4 + bf16 scales and zeros
+def floor_us(ids_all, h, i, t, k, group=128, zeros=True):
+    """Mean over the timed calls of max(weight bytes touched / BW, FLOPs / FLOPS), µs."""
+    per_expert = 3 * h * i * 0.5 + 3 * h * i / group * 2 * (2 if zeros else 1)
+    touched = np.mean([len(np.unique(ids)) for ids in np.asarray(ids_all)])
     return max(touched * per_expert / BW, 2 * t * k * 3 * h * i / FLOPS) * 1e6
 
 
-def timed(layer, x, operands, reps):
-    """µs per call of ``layer(c, *operands)`` in a jitted loop of ``reps`` dependent calls.
-
-    Weights and routing are arguments, never closed-over constants (XLA would embed them)."""
+def timed(layer, x, tw_all, ids_all, operands, reps):
+    """µs per call of ``layer(c, tw, ids, *operands)`` in a jitted loop of ``reps`` dependent calls,
+    call ``r`` routed by ``tw_all[r], ids_all[r]``. Weights are arguments, never constants."""
     @jax.jit
-    def run(x, operands):
-        def body(_, c):
-            return x + layer(c, *operands).astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
+    def run(x, tw_all, ids_all, operands):
+        def body(r, c):
+            y = layer(c, tw_all[r], ids_all[r], *operands)
+            return x + y.astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
         return jax.lax.fori_loop(0, reps, body, x)
 
-    run(x, operands).block_until_ready()
+    run(x, tw_all, ids_all, operands).block_until_ready()
     ts = []
     for _ in range(5):
         t0 = time.perf_counter()
-        run(x, operands).block_until_ready()
+        run(x, tw_all, ids_all, operands).block_until_ready()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) / reps * 1e6
 
@@ -77,67 +92,183 @@ def ragged_bf16(x, tw, ids, w13, w2):
     return jax.ops.segment_sum(y, order // k, num_segments=t).astype(x.dtype)
 
 
+def engine(**cfg):
+    def layer(c, tw, ids, tiles):
+        return fused_moe_tiles(c, tw, ids, tiles, interpret=INTERPRET, **cfg)
+    return layer
+
+
+def engine_from_marlin(c, tw, ids, marlin):
+    return fused_moe_tiles(c, tw, ids, convert_tiles(marlin), interpret=INTERPRET)
+
+
+def sweep_variants(key, t, k, e):
+    """Engine variants worth comparing at this row (name → fused_moe_tiles keyword overrides)."""
+    v = {"auto": {}, "magic": {"dequant": "magic"}}
+    if t * k <= 4 * e and t <= 64:
+        v["pair"] = {"mode": "pair"}
+        v["blocked"] = {"mode": "blocked"}
+        v["split=1"] = {"split1": 1, "split2": 1}
+    if t >= 512:
+        v["bm128 bn128 w8"] = {"block_m": 128, "block_n1": 128, "block_n2": 128, "num_warps": 8}
+        v["bm64 bn128 w4"] = {"block_m": 64, "block_n1": 128, "block_n2": 128, "num_warps": 4}
+        v["bm64 bn64 w4"] = {"block_m": 64, "block_n1": 64, "block_n2": 64, "num_warps": 4}
+        v["stages4"] = {"num_stages": 4}
+    if key == "mixtral" and t == 1:
+        v["i2f"] = {"dequant": "i2f"}
+    return v
+
+
+def parse_variants(spec):
+    """``"name=key:value,key:value;name2=..."`` → {name: overrides} (values int where they parse)."""
+    out = {}
+    for item in filter(None, spec.split(";")):
+        name, _, body = item.partition("=")
+        over = {}
+        for kv in filter(None, body.split(",")):
+            key, _, val = kv.partition(":")
+            over[key] = int(val) if val.lstrip("-").isdigit() else val
+        out[name.strip()] = over
+    return out
+
+
+def parse_rows(specs):
+    rows = []
+    for spec in specs:
+        key, _, toks = spec.partition(":")
+        if key not in SHAPES:
+            raise SystemExit(f"--rows: unknown shape {key!r} (have {sorted(SHAPES)})")
+        rows.append((key, [int(x) for x in toks.split(",")] if toks else list(SHAPES[key][2])))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer token counts")
+    ap.add_argument("--rows", nargs="*", default=["mixtral", "qwen3", "dsv2lite"],
+                    help="shape[:tokens,...] (default: the three model shapes, all token counts)")
+    ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
+    ap.add_argument("--sweep", action="store_true", help="time engine variants instead of the alternatives")
+    ap.add_argument("--variants", default=None, help="with --sweep: 'name=key:value,...;...' instead of the "
+                    "built-in variant list (keys: fused_moe_tiles config overrides)")
     ap.add_argument("--skip", default="", help="comma-separated alternatives not to time")
     ap.add_argument("--append", default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None, metavar="PATH", help="also append one record per row to this results.json")
+    ap.add_argument("--json", default=None, metavar="PATH", help="append one record per row to this results.json")
     args = ap.parse_args(argv)
+    global INTERPRET
+    INTERPRET = args.interpret
     rng = np.random.default_rng(0)
-    scheme = QuantScheme("awq", 4, 128, True)
-    alts = ["engine v1", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
-    header = ("| shape (E, top-k, H, I) | tokens | floor µs | " + " | ".join(f"{a} µs" for a in alts)
-              + " | engine / floor |")
-    lines = [header, "|" + "---|" * (len(alts) + 4)]
-    print("\n".join(lines), flush=True)
-    for name, ((e, k, h, i), tokens) in SHAPES.items():
-        w = random_checkpoint_weights(rng, scheme, e, h, i).to_jax()
-        tiles = convert_tiles(w)
-        w13b, w2b = (jnp.swapaxes(a, 1, 2) for a in w.dequantize(jnp.bfloat16))   # [E, H, 2I], [E, I, H]
-        for t in (tokens[:3] if args.quick else tokens):
+    alts = ["engine AWQ", "engine GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
+    skip = set(filter(None, args.skip.split(",")))
+    lines = []
+    for key, tokens in parse_rows(args.rows):
+        name, (e, k, h, i), _ = SHAPES[key]
+        t0 = time.perf_counter()
+        w = random_checkpoint_weights(rng, AWQ, e, h, i).to_jax()
+        tiles = jax.jit(convert_tiles)(w)
+        gptq_tiles = jax.jit(convert_tiles)(random_checkpoint_weights(rng, GPTQ, e, h, i).to_jax())
+        dense = None
+        print(f"# {name}: weights ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        for t in tokens:
+            reps = args.reps if t <= 64 else max(3, args.reps // 4)
             x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-            tw, ids = routing.fused_topk(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k, renormalize=True)
-            fl = floor_us(ids, e, h, i, t, k)
+            routed = [routing.fused_topk(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k, renormalize=True)
+                      for _ in range(reps)]
+            tw_all = jnp.stack([r[0] for r in routed])
+            ids_all = jnp.stack([r[1] for r in routed])
+            fl = floor_us(ids_all, h, i, t, k)
+            ref = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))(
+                x.astype(jnp.float32), tw_all[0], ids_all[0], tiles)
+            scale = float(jnp.abs(ref).max())
+
+            def check(fn, operands):
+                got = jax.jit(fn)(x, tw_all[0], ids_all[0], *operands).astype(jnp.float32)
+                return float(jnp.abs(got - ref).max()) / scale
+
+            if args.sweep:
+                cfg = choose_config(t, k, tiles)
+                print(f"## {name} T={t} floor {fl:.1f} µs; auto config {cfg}", flush=True)
+                variants = parse_variants(args.variants) if args.variants else sweep_variants(key, t, k, e)
+                for vname, over in variants.items():
+                    try:
+                        err = check(engine(**over), (tiles,))
+                        us = timed(engine(**over), x, tw_all, ids_all, (tiles,), reps)
+                        flag = "" if err < 2e-2 else "  <-- WRONG"
+                        print(f"  {vname:16s} {us:9.1f} µs  {us / fl:6.2f}× floor  rel err {err:.1e}{flag}", flush=True)
+                        lines.append({"shape": name, "tokens": t, "variant": vname, "us": us, "floor": fl, "err": err})
+                    except Exception as ex:  # noqa: BLE001 - report and continue
+                        print(f"  {vname:16s} FAILED {type(ex).__name__}: {str(ex)[:400]}", flush=True)
+                continue
+
+            if dense is None and not {"ragged_dot bf16", "dequant→ragged_dot"} <= skip:
+                dense = tuple(jnp.swapaxes(a, 1, 2) for a in jax.jit(lambda w: w.dequantize(jnp.bfloat16))(w))
+            marlin = None
+            if "engine←Marlin" not in skip:
+                from wna16_jax.backends import TABLE, Backend
+
+                marlin = TABLE[Backend.MARLIN].convert(AWQ, w)
             layers = {
-                "engine v1": (fused_moe_tiles, (tw, ids, tiles)),
-                "XLA path": (fused_moe, (tw, ids, w)),
-                "ragged_dot bf16": (ragged_bf16, (tw, ids, w13b, w2b)),
+                "engine AWQ": (engine(), (tiles,)),
+                "engine GPTQ": (engine(), (gptq_tiles,)),
+                "engine←Marlin": (engine_from_marlin, (marlin,)),
+                "XLA path": (lambda c, tw, ids, w: fused_moe(c, tw, ids, w, compute_dtype=jnp.bfloat16), (w,)),
+                "ragged_dot bf16": (ragged_bf16, dense),
                 "dequant→ragged_dot": (lambda c, tw, ids, w: fused_moe_ragged_dot(
-                    c, tw, ids, w, compute_dtype=jnp.bfloat16), (tw, ids, w)),
+                    c, tw, ids, w, compute_dtype=jnp.bfloat16), (w,)),
             }
-            cells = []
+            cells, errs = [], []
             for a in alts:
-                if a in args.skip.split(","):
+                if a in skip:
                     cells.append(None)
                     continue
                 try:
                     fn, operands = layers[a]
-                    cells.append(timed(fn, x, operands, args.reps))
+                    if a.startswith("engine") and a != "engine GPTQ":
+                        errs.append(check(fn, operands))
+                    cells.append(timed(fn, x, tw_all, ids_all, operands, reps))
                 except Exception as ex:  # noqa: BLE001 - report and continue (e.g. out of memory)
-                    print(f"  {a} at {name} T={t}: {type(ex).__name__}: {str(ex)[:200]}", file=sys.stderr)
+                    print(f"  {a} at {name} T={t}: {type(ex).__name__}: {str(ex)[:300]}", file=sys.stderr, flush=True)
                     cells.append(None)
-            ratio = f"{cells[0] / fl:.1f}" if cells[0] else "—"
-            line = (f"| {name} | {t} | {fl:.1f} | " + " | ".join("—" if c is None else f"{c:.0f}" for c in cells)
-                    + f" | {ratio} |")
-            print(line, flush=True)
-            lines.append(line)
+            row = {"shape": name, "dims": [e, k, h, i], "tokens": t, "floor_us": fl, "cells": cells,
+                   "err": max(errs) if errs else None, "config": dataclasses.asdict(choose_config(t, k, tiles))}
+            lines.append(row)
+            print(_row_md(row, alts), flush=True)
             if args.json:
                 from benchmarks.results_io import append_results
 
                 append_results(args.json, {
-                    "date": str(datetime.date.today()), "machine": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
+                    "date": str(datetime.date.today()),
+                    "machine": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
                     "command": "PYTHONPATH=$PWD python3 benchmarks/moe_engine.py " + " ".join(argv or sys.argv[1:]),
                     "shape": name, "dims": [e, k, h, i], "tokens": t, "floor_ms": fl / 1e3,
                     "ms": {a: c / 1e3 for a, c in zip(alts, cells) if c is not None}})
+    if args.sweep:
+        return 0
+    table = [_header(alts)] + [_row_md(r, alts) for r in lines]
+    print("\n".join(table))
     if args.append:
         with open(args.append, "a") as f:
             f.write(f"\n## GPU engine, {datetime.date.today()} ({jax.devices()[0].device_kind}, jax {jax.__version__})\n\n"
-                    f"Command: `PYTHONPATH=$PWD python3 benchmarks/moe_engine.py"
-                    f"{' --quick' if args.quick else ''} --reps {args.reps} --append {args.append}`. "
-                    "W4A16 AWQ g128, random weights and routing, bf16 activations; µs per layer "
-                    f"(jitted loop of {args.reps} dependent calls, median of 5).\n\n" + "\n".join(lines) + "\n")
+                    f"Command: `PYTHONPATH=$PWD python3 benchmarks/moe_engine.py "
+                    f"{' '.join(argv or sys.argv[1:])}`. W4A16 group 128 (AWQ with zero points unless the "
+                    f"column says GPTQ), random weights, random routing per call, bf16 activations; µs per "
+                    f"layer (jitted loop of calls, median of 5). rel err: the engine's output vs a float32 "
+                    f"XLA evaluation.\n\n" + "\n".join(table) + "\n")
+    return 0
+
+
+def _header(alts):
+    return ("| shape (E, top-k, H, I) | tokens | floor µs | " + " | ".join(f"{a} µs" for a in alts)
+            + " | engine / floor | GPTQ / AWQ | rel err |\n|" + "---|" * (len(alts) + 6))
+
+
+def _row_md(row, alts):
+    c = row["cells"]
+    ratio = f"{c[0] / row['floor_us']:.2f}" if c[0] else "—"
+    fmt = f"{c[1] / c[0]:.2f}" if c[0] and c[1] else "—"
+    err = "—" if row["err"] is None else f"{row['err']:.1e}"
+    return (f"| {row['shape']} | {row['tokens']} | {row['floor_us']:.1f} | "
+            + " | ".join("—" if v is None else f"{v:.0f}" for v in c) + f" | {ratio} | {fmt} | {err} |")
 
 
 if __name__ == "__main__":

@@ -1,54 +1,220 @@
-"""Engine v1 (Pallas grouped GEMM, Triton lowering): in interpret mode on the CPU, on the GPU
-when one is present. Float64 references, fresh random data, poisoned outputs."""
+"""The GPU engine (Pallas kernels, Triton lowering): in interpret mode on the CPU, compiled on
+the GPU when one is present; the Triton lowering of every kernel variant is also checked on the
+CPU (it is what the GPU compiles). Float64 references, fresh random data, poisoned outputs."""
+
+import dataclasses
+import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles, tile_unsupported_reason
-from pallas_kernels.wna16_grouped_gemm import grouped_gemm, grouped_gemm_reference, pack_tiles, unpack_tiles
+from pallas_kernels.fused_moe_tiles import (EngineConfig, TileWeights, choose_config, convert_tiles,
+                                            engine_unsupported_reason, fused_moe_tiles, fused_moe_tiles_bwd,
+                                            max_blocks, tile_unsupported_reason)
+from pallas_kernels.wna16_grouped_gemm import (asm_supported, choose_split, grouped_gemm, grouped_gemm_t,
+                                               pack_tiles, pair_gemm, unpack_tiles)
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
 from wna16_jax.checkpoint import random_checkpoint_weights
-from wna16_jax.errors import UnsupportedError
+from wna16_jax.errors import DTypeError, UnsupportedError
 from wna16_jax.schemes import QuantScheme
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
+MODES = ("asm", "magic", "i2f") if ON_GPU else ("magic", "i2f")
 SCHEMES = {
     "awq_g128": QuantScheme("awq", 4, 128, True),
     "gptq4_g64": QuantScheme("gptq", 4, 64, False),
+    "gptq4_g128_actorder": QuantScheme("gptq", 4, 128, False, True),
     "gptq8_channel": QuantScheme("gptq", 8, -1, False),
     "ct4_asym_g32": QuantScheme("compressed-tensors", 4, 32, True),
     "ct8_sym_g128": QuantScheme("compressed-tensors", 8, 128, False),
 }
 
 
-@pytest.mark.parametrize("bits, group, zp", [(4, 128, False), (4, 32, True), (8, -1, False), (8, 64, True)])
-def test_grouped_gemm_matches_reference(bits, group, zp):
-    rng = np.random.default_rng()
-    e, n, k, bm, nb = 3, 128, 256, 16, 4
+# ----------------------------------------------------------------------------- kernel level
+
+
+def _kernel_case(rng, bits, group, zp, e=3, n=256, k=256):
     codes = rng.integers(0, 1 << bits, (e, n, k))
-    w = pack_tiles(jnp.asarray(codes), bits)
-    np.testing.assert_array_equal(np.asarray(unpack_tiles(w, bits)), codes)
     g = 1 if group == -1 else k // group
-    s = jnp.asarray(rng.random((e, g, n)) * 0.1 + 0.01, jnp.bfloat16)
-    z = jnp.asarray(rng.integers(0, 1 << bits, (e, g, n)), jnp.uint8) if zp else None
-    a = jnp.asarray(rng.standard_normal((nb * bm, k)), jnp.bfloat16)
-    eids = jnp.asarray(rng.permutation([0, 1, 2, -1]), jnp.int32)            # one unused block
-    poison = jnp.full((nb * bm, n), jnp.nan, jnp.float32)
-    out = grouped_gemm(a, eids, w, s, z, poison, bits=bits, group_size=group, block_m=bm, interpret=INTERPRET)
-    ref = grouped_gemm_reference(a, eids, w, s, z, bits=bits, group_size=group, block_m=bm)
-    assert not np.isnan(np.asarray(out)).any()
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+    scales = (rng.random((e, g, n)) * 0.1 + 0.01).astype(np.float32)
+    zeros = rng.integers(0, 1 << bits, (e, g, n)) if zp else None
+    return codes, scales, zeros
+
+
+def _weights64(codes, scales, zeros, bits, group, dtype=jnp.bfloat16):
+    """[E, K, N] float64 of the kernel's weight values: (code - zero)·scale rounded to ``dtype``."""
+    k = codes.shape[-1]
+    gi = np.zeros(k, int) if group == -1 else np.arange(k) // group
+    s = np.asarray(jnp.asarray(scales, dtype).astype(jnp.float32), np.float64)[:, gi, :]      # [E, K, N]
+    z = (1 << (bits - 1)) if zeros is None else zeros[:, gi, :]
+    w = (np.swapaxes(codes, 1, 2) - z) * s
+    return np.asarray(jnp.asarray(w, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+
+
+def _close(got, ref, rtol=2e-5):
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= rtol, f"relative error {err:.2e} > {rtol:.0e}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits, group, zp, split", [(4, 128, False, 1), (4, 128, True, 2), (4, 32, True, 1),
+                                                    (8, -1, False, 2), (8, 64, True, 1)])
+def test_grouped_gemm(bits, group, zp, split, mode):
+    if mode == "asm" and asm_supported(bits, group, jnp.bfloat16):
+        pytest.skip(asm_supported(bits, group, jnp.bfloat16))
+    rng = np.random.default_rng()
+    codes, scales, zeros = _kernel_case(rng, bits, group, zp)
+    bm, eids = 16, np.array(rng.permutation([0, 1, 2, -1]), np.int32)            # one unused block
+    a = jnp.asarray(rng.standard_normal((4 * bm, 256)), jnp.bfloat16)
+    rs = jnp.asarray(rng.random(4 * bm), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    poison = jnp.full((split, 4 * bm, 256), jnp.nan, jnp.float32)
+    out = grouped_gemm(a, jnp.asarray(eids), pack_tiles(jnp.asarray(codes), bits), jnp.asarray(scales, jnp.bfloat16),
+                       None if zeros is None else jnp.asarray(zeros, jnp.uint8), rs, bias, poison, bits=bits,
+                       group_size=group, block_m=bm, split_k=split, dequant=mode, interpret=INTERPRET)
+    w = _weights64(codes, scales, zeros, bits, group)
+    eb = np.repeat(eids, bm)
+    ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
+    ref = (ref + np.asarray(bias, np.float64)[np.maximum(eb, 0)]) * np.asarray(rs, np.float64)[:, None]
+    ref[eb < 0] = 0.0
+    assert out.shape == (split, 4 * bm, 256)
+    _close(np.asarray(out, np.float64).sum(0), ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits, group, zp", [(4, 128, True), (4, -1, False), (8, 32, True)])
+def test_pair_gemm(bits, group, zp, mode):
+    if mode == "asm" and asm_supported(bits, group, jnp.bfloat16):
+        pytest.skip(asm_supported(bits, group, jnp.bfloat16))
+    rng = np.random.default_rng()
+    codes, scales, zeros = _kernel_case(rng, bits, group, zp)
+    t, k = 3, 2
+    x = jnp.asarray(rng.standard_normal((t, 256)), jnp.bfloat16)
+    pe = np.array([0, 2, -1, 1, 1, 0], np.int32)
+    rs = jnp.asarray(rng.random(t * k), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    out = pair_gemm(x, jnp.asarray(pe), pack_tiles(jnp.asarray(codes), bits), jnp.asarray(scales, jnp.bfloat16),
+                    None if zeros is None else jnp.asarray(zeros, jnp.uint8), rs, bias,
+                    jnp.full((2, t * k, 256), jnp.nan, jnp.float32), top_k=k, bits=bits, group_size=group,
+                    split_k=2, block_n=64, dequant=mode, interpret=INTERPRET)
+    w = _weights64(codes, scales, zeros, bits, group)
+    xr = np.repeat(np.asarray(x.astype(jnp.float32), np.float64), k, axis=0)
+    ref = np.einsum("pk,pkn->pn", xr, w[np.maximum(pe, 0)]) + np.asarray(bias, np.float64)[np.maximum(pe, 0)]
+    ref = ref * np.asarray(rs, np.float64)[:, None]
+    ref[pe < 0] = 0.0
+    _close(np.asarray(out, np.float64).sum(0), ref)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_epilogue(activation):
+    rng = np.random.default_rng()
+    codes, scales, zeros = _kernel_case(rng, 4, 128, True)
+    bm, eids = 16, np.array([2, 0, -1], np.int32)
+    a = jnp.asarray(rng.standard_normal((3 * bm, 256)), jnp.bfloat16)
+    rs = jnp.asarray(rng.random(3 * bm) + 0.5, jnp.float32)
+    out = grouped_gemm(a, jnp.asarray(eids), pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
+                       jnp.asarray(zeros, jnp.uint8), rs, None, jnp.full((3 * bm, 128), jnp.nan, jnp.float32),
+                       bits=4, group_size=128, block_m=bm, activation=activation, out_dtype=jnp.float32,
+                       interpret=INTERPRET)
+    w = _weights64(codes, scales, zeros, 4, 128)
+    eb = np.repeat(eids, bm)
+    h = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
+    h *= np.asarray(rs, np.float64)[:, None]
+    g, u = h[:, :128], h[:, 128:]
+    if activation == "silu":
+        ref = g / (1 + np.exp(-g)) * u
+    else:
+        ref = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+    ref[eb < 0] = 0.0
+    _close(out, ref, rtol=5e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits, group, zp", [(4, 128, True), (4, 32, False), (8, -1, True)])
+def test_grouped_gemm_t(bits, group, zp, mode):
+    if mode == "asm" and asm_supported(bits, group, jnp.bfloat16):
+        pytest.skip(asm_supported(bits, group, jnp.bfloat16))
+    rng = np.random.default_rng()
+    codes, scales, zeros = _kernel_case(rng, bits, group, zp)
+    bm, eids = 16, np.array([1, -1, 0, 2], np.int32)
+    g = jnp.asarray(rng.standard_normal((4 * bm, 256)), jnp.bfloat16)
+    out = grouped_gemm_t(g, jnp.asarray(eids), pack_tiles(jnp.asarray(codes), bits), jnp.asarray(scales, jnp.bfloat16),
+                         None if zeros is None else jnp.asarray(zeros, jnp.uint8),
+                         jnp.full((4 * bm, 256), jnp.nan, jnp.float32), bits=bits, group_size=group, block_m=bm,
+                         dequant=mode, interpret=INTERPRET)
+    w = _weights64(codes, scales, zeros, bits, group)                      # [E, K, N]
+    eb = np.repeat(eids, bm)
+    ref = np.einsum("mn,mkn->mk", np.asarray(g.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
+    ref[eb < 0] = 0.0
+    _close(out, ref)
+
+
+@settings(max_examples=20)          # each distinct shape recompiles the alignment
+@given(st.integers(1, 64), st.sampled_from([1, 2, 6, 8]), st.sampled_from([8, 16, 64]), st.sampled_from([16, 64]),
+       st.integers(0, 2**31 - 1))
+def test_max_blocks_bounds_the_filled_prefix(t, k, e, bm, seed):
+    rng = np.random.default_rng(seed)
+    k = min(k, e)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    aligned = routing.moe_align_block_size(jnp.asarray(ids), bm, e)
+    post = int(aligned.num_tokens_post_padded[0])
+    assert post <= max_blocks(t * k, bm, e) * bm
+    assert (np.asarray(aligned.expert_ids)[post // bm:] == -1).all()
+
+
+def test_pack_roundtrip_and_split_choice():
+    rng = np.random.default_rng()
+    for bits in (4, 8):
+        codes = rng.integers(0, 1 << bits, (2, 32, 256))
+        np.testing.assert_array_equal(np.asarray(unpack_tiles(pack_tiles(jnp.asarray(codes), bits), bits)), codes)
+    assert choose_split(1000, 32, sms=132) == 1
+    assert choose_split(2 * 224, 32, sms=132) == 2
+    s = choose_split(16, 11, sms=132)                       # never an empty chunk
+    chunk = -(-11 // s)
+    assert (s - 1) * chunk < 11 and s <= 11
+
+
+# ----------------------------------------------------------------------------- Triton lowering
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernels for real")
+def test_every_kernel_variant_lowers_to_triton():
+    """What interpret mode cannot check: each kernel variant lowers to Triton IR for CUDA
+    (inline PTX included) — on the CPU, without a GPU."""
+    s = jax.ShapeDtypeStruct
+    w, sc, z = s((4, 128, 512), jnp.int32), s((4, 8, 512), jnp.bfloat16), s((4, 8, 512), jnp.uint8)
+    a, ids, rs, b = s((64, 1024), jnp.bfloat16), s((4,), jnp.int32), s((64,), jnp.float32), s((4, 512), jnp.float32)
+
+    def lower(fn, *args):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text
+        return text
+
+    for mode in ("asm", "magic", "i2f"):
+        kw = dict(bits=4, group_size=128, dequant=mode)
+        text = lower(functools.partial(grouped_gemm, block_m=16, split_k=2, **kw), a, ids, w, sc, z, rs, b)
+        lower(functools.partial(grouped_gemm, block_m=16, activation="silu", **kw), a, ids, w, sc, z, None, b)
+        lower(functools.partial(pair_gemm, top_k=2, split_k=4, **kw), s((3, 1024), jnp.bfloat16),
+              s((6,), jnp.int32), w, sc, z, s((6,), jnp.float32), b)
+        lower(functools.partial(grouped_gemm_t, block_m=16, **kw), s((64, 512), jnp.bfloat16), ids, w, sc, z)
+    lower(functools.partial(grouped_gemm, block_m=64, block_n=128, bits=4, group_size=32, activation="silu"),
+          a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
+
+
+# ----------------------------------------------------------------------------- layer level
 
 
 def _layer_case(rng, scheme, e, h, i, t, k, *, bias=False, map_=False):
     w = random_checkpoint_weights(rng, scheme, e, h, i, scale=0.05)
     if bias:
-        import dataclasses
-
         w = dataclasses.replace(w, w13_bias=(0.1 * rng.standard_normal((e, 2 * i))).astype(np.float16),
                                 w2_bias=(0.1 * rng.standard_normal((e, h))).astype(np.float16))
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
@@ -64,56 +230,200 @@ def _layer_case(rng, scheme, e, h, i, t, k, *, bias=False, map_=False):
     return w, x, tw, ids, em
 
 
-def _reference(w, x, tw, ids, em, activation="silu"):
+def _reference(w, x, tw, ids, em, activation="silu", on_input=False):
     r13, r2 = dequant_checkpoint(w, w.scheme)
     b13 = None if w.w13_bias is None else np.asarray(w.w13_bias, np.float64)
     b2 = None if w.w2_bias is None else np.asarray(w.w2_bias, np.float64)
     return fused_moe_ref(np.asarray(x.astype(jnp.float32)), np.asarray(tw), np.asarray(ids), r13, r2, b13, b2,
-                         activation=activation, expert_map=None if em is None else np.asarray(em))
+                         activation=activation, expert_map=None if em is None else np.asarray(em),
+                         on_input=on_input)
+
+
+def _layer_close(got, ref, tol=1.5e-2, what=""):      # bf16 activations and bf16-rounded weights
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), f"{what}: {np.isnan(got).sum()} NaN of {got.size}"
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= tol, f"{what}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("key", sorted(SCHEMES))
-@pytest.mark.parametrize("activation, bias, map_", [("silu", False, False), ("swigluoai", True, True)])
-def test_fused_moe_tiles_small(key, activation, bias, map_):
+@pytest.mark.parametrize("mode", ["pair", "blocked"])
+def test_fused_moe_tiles_small(key, mode):
     rng = np.random.default_rng()
-    w, x, tw, ids, em = _layer_case(rng, SCHEMES[key], 6, 128, 256, 5, 2, bias=bias, map_=map_)
+    w, x, tw, ids, em = _layer_case(rng, SCHEMES[key], 6, 256, 256, 3, 2)
     tiles = convert_tiles(w.to_jax())
-    got = fused_moe_tiles(x, tw, ids, tiles, activation=activation, expert_map=em, interpret=INTERPRET,
-                          poison_outputs=True)
-    ref = _reference(w, x, tw, ids, em, activation)
-    got = np.asarray(got.astype(jnp.float32), np.float64)
-    assert np.isfinite(got).all()
-    assert np.abs(got - ref).max() <= 1.5e-2 * np.abs(ref).max()   # bf16 activations and weights
+    got = fused_moe_tiles(x, tw, ids, tiles, interpret=INTERPRET, poison_outputs=True, mode=mode, split1=2, split2=2)
+    _layer_close(got, _reference(w, x, tw, ids, em))
 
 
-def test_refusals():
+@pytest.mark.parametrize("activation, bias, map_, on_input, split", [
+    ("silu", True, True, False, 1),            # fused gated epilogue with bias, expert map
+    ("gelu_tanh", False, False, True, 1),      # router weight on input inside the epilogue
+    ("swigluoai", True, False, False, 1),      # not fused: XLA activation between the kernels
+    ("gelu", False, True, True, 2)])
+def test_fused_moe_tiles_epilogues(activation, bias, map_, on_input, split):
     rng = np.random.default_rng()
-    w = random_checkpoint_weights(rng, QuantScheme("gptq", 4, 64, False, True), 2, 128, 128)
-    assert "act-order" in tile_unsupported_reason(w)
-    with pytest.raises(UnsupportedError, match="act-order"):
-        convert_tiles(w)
+    w, x, tw, ids, em = _layer_case(rng, SCHEMES["awq_g128"], 5, 256, 128, 9 if on_input else 7,
+                                    1 if on_input else 2, bias=bias, map_=map_)
+    tiles = convert_tiles(w.to_jax())
+    got = fused_moe_tiles(x, tw, ids, tiles, activation=activation, apply_router_weight_on_input=on_input,
+                          expert_map=em, interpret=INTERPRET, poison_outputs=True, mode="blocked",
+                          split1=split, split2=split)
+    _layer_close(got, _reference(w, x, tw, ids, em, activation, on_input))
+
+
+def test_blocked_mode_few_pairs_many_experts():
+    """Fewer routed pairs than experts: the alignment pads at most min(N, E) runs, so the block
+    bound must not exceed the aligned arrays (a shape bug once found only on the GPU)."""
+    rng = np.random.default_rng()
+    w, x, tw, ids, em = _layer_case(rng, SCHEMES["awq_g128"], 16, 256, 128, 1, 4)
+    tiles = convert_tiles(w.to_jax())
+    got = fused_moe_tiles(x, tw, ids, tiles, interpret=INTERPRET, poison_outputs=True, mode="blocked", block_m=16)
+    _layer_close(got, _reference(w, x, tw, ids, em))
+    assert max_blocks(4, 16, 16) * 16 <= routing.max_padded_size(4, 16, 16)
+
+
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swigluoai", True)])
+def test_batched_experts_tiles(activation, bias):
+    """BATCHED_MARLIN's activation format on the engine, against the float64 reference."""
+    from pallas_kernels.fused_moe_tiles import batched_experts_tiles
+
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, SCHEMES["gptq4_g128_actorder"], 4, 256, 128, 6, 2, bias=bias)
+    bt = routing.dispatch_batched(x, ids, 4, max_tokens_per_expert=8)
+    y = batched_experts_tiles(bt.hidden_states, bt.expert_num_tokens, convert_tiles(w.to_jax()),
+                              activation=activation, interpret=INTERPRET, poison_outputs=True)
+    r13, r2 = dequant_checkpoint(w, w.scheme)
+    hb = np.asarray(bt.hidden_states.astype(jnp.float32), np.float64)
+    ref = np.zeros(hb.shape)
+    for e in range(4):
+        for r in range(int(bt.expert_num_tokens[e])):
+            one = fused_moe_ref(hb[e, r][None], np.ones((1, 1)), np.array([[e]]), r13, r2,
+                                None if w.w13_bias is None else np.asarray(w.w13_bias, np.float64),
+                                None if w.w2_bias is None else np.asarray(w.w2_bias, np.float64),
+                                activation=activation)
+            ref[e, r] = one[0]
+    _layer_close(y, ref)
+
+
+def test_tiles_decode_is_the_checkpoint():
+    rng = np.random.default_rng()
+    for scheme in (SCHEMES["gptq4_g128_actorder"], SCHEMES["ct4_asym_g32"]):
+        w = random_checkpoint_weights(rng, scheme, 3, 256, 128).to_jax()
+        t13, t2 = convert_tiles(w).dequantize(jnp.float32)
+        r13, r2 = w.dequantize(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(t13), np.asarray(r13))
+        np.testing.assert_array_equal(np.asarray(t2), np.asarray(r2))
+
+
+def test_backward_matches_float64_gradient():
+    """dx and d(topk_weights) from the transposed-access kernels against the float64 gradient of
+    the reference (central differences would need float64 kernels: the reference is linear
+    algebra, so its gradient is written out in float64 here)."""
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, SCHEMES["gptq4_g128_actorder"], 4, 256, 128, 5, 2)
+    tiles = convert_tiles(w.to_jax())
+    g = rng.standard_normal((5, 256))
+    dx, dtw = fused_moe_tiles_bwd(jnp.asarray(g, jnp.float32), x, tw, ids, tiles, interpret=INTERPRET,
+                                  poison_outputs=True)
+    r13, r2 = dequant_checkpoint(w, w.scheme)                       # [E, 2I, H], [E, H, I] float64
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    ids_np, tw_np = np.asarray(ids), np.asarray(tw, np.float64)
+    rdx, rdtw = np.zeros_like(xf), np.zeros_like(tw_np)
+    for t in range(5):
+        for j in range(2):
+            e = ids_np[t, j]
+            h = r13[e] @ xf[t]
+            gate, up = h[:128], h[128:]
+            sig = 1 / (1 + np.exp(-gate))
+            a = gate * sig * up
+            y = r2[e] @ a
+            rdtw[t, j] = g[t] @ y
+            da = tw_np[t, j] * (r2[e].T @ g[t])
+            dgate = da * up * (sig + gate * sig * (1 - sig))
+            dup = da * gate * sig
+            rdx[t] += r13[e].T @ np.concatenate([dgate, dup])
+    _layer_close(dx, rdx, 2e-2)
+    _layer_close(dtw, rdtw, 2e-2)
+
+
+def test_refusals_and_reasons():
+    rng = np.random.default_rng()
     w = random_checkpoint_weights(rng, QuantScheme("gptq", 4, 32, False), 2, 128, 96)
     assert "96" in tile_unsupported_reason(w)
+    with pytest.raises(UnsupportedError, match="96"):
+        convert_tiles(w)
+    w = random_checkpoint_weights(rng, QuantScheme("awq", 4, 128, True), 2, 128, 128)
+    tiles = convert_tiles(w.to_jax())
+    assert "float32" in engine_unsupported_reason(tiles, jnp.float32)
+    x = jnp.zeros((2, 128), jnp.float32)
+    with pytest.raises(DTypeError, match="bfloat16"):
+        fused_moe_tiles(x, jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32), tiles, interpret=True)
+    with pytest.raises(ValueError, match="split_k"):
+        grouped_gemm(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32), tiles.w13_qweight,
+                     tiles.w13_scales, bits=4, group_size=128, block_m=16, split_k=2, interpret=True)
+    with pytest.raises(ValueError, match="interpret"):
+        grouped_gemm(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32), tiles.w13_qweight,
+                     tiles.w13_scales, bits=4, group_size=128, block_m=16, dequant="asm", interpret=True)
+    assert "8-bit" in asm_supported(8, 128, jnp.bfloat16) and "float32" in asm_supported(4, 128, jnp.float32)
+
+
+def test_choose_config_modes():
+    rng = np.random.default_rng()
+    tiles = convert_tiles(random_checkpoint_weights(rng, QuantScheme("awq", 4, 128, True), 16, 256, 256).to_jax())
+    assert choose_config(1, 2, tiles).mode == "pair"
+    cfg = choose_config(512, 2, tiles)
+    assert cfg.mode == "blocked" and cfg.block_m >= 64
+    assert isinstance(cfg, EngineConfig)
+    with pytest.raises(ValueError, match="mode"):
+        choose_config(1, 2, tiles, mode="nope")
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_on_cpu_uses_xla_with_reason():
+    from wna16_jax.moe import fused_moe, select_executor
+
+    rng = np.random.default_rng()
+    w = random_checkpoint_weights(rng, QuantScheme("awq", 4, 128, True), 4, 256, 128)
+    tiles = convert_tiles(w.to_jax())
+    if not ON_GPU:
+        which, reason = select_executor(tiles, jnp.bfloat16)
+        assert which == "xla" and "NVIDIA GPU" in reason
+        with pytest.raises(UnsupportedError, match="NVIDIA GPU"):
+            select_executor(tiles, jnp.bfloat16, executor="pallas")
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    tw, ids = routing.fused_topk(jnp.asarray(rng.standard_normal((3, 4)), jnp.float32), 2, renormalize=True)
+    from wna16_jax.moe import EngineFallbackWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)   # none off-GPU, none on the engine
+        got = fused_moe(x, tw, ids, tiles)
+    _layer_close(got, _reference(w, x, tw, ids, None))
+
+
+# ----------------------------------------------------------------------------- GPU: model shapes
 
 
 GPU_SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3": (128, 8, 2048, 768), "dsv2lite": (64, 6, 2048, 1408)}
+GPU_TOKENS = {"mixtral": (1, 5), "qwen3": (1, 16), "dsv2lite": (1, 16)}
 
 
 def _fast_reference(w, x, tw, ids):
-    """Vectorized float64 reference for model-sized layers: the numpy decode (itself checked
-    bit-exactly against tests/reference.py on the CPU) of the used experts, float64 matmuls."""
-    x = np.asarray(x.astype(jnp.float32), np.float64)
+    """Float64 reference for model-sized layers: each used expert dequantized exactly in float32
+    on the device from the CHECKPOINT layout (independent of the tile conversion), products in
+    float64 on the host."""
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
     ids, tw = np.asarray(ids), np.asarray(tw, np.float64)
-    out = np.zeros((x.shape[0], w.hidden_size))
+    out = np.zeros((xf.shape[0], w.hidden_size))
     for e in np.unique(ids):
-        l13, l2 = w.take_experts(np.array([e])).to_numpy().decode()
-        w13, w2 = ((np.asarray(l.codes, np.int64) - np.asarray(z, np.int64)) * np.asarray(s, np.float64)
-                   for l in (l13, l2) for z, s in [l.expanded()])
+        w13, w2 = (np.asarray(a[0], np.float64) for a in w.take_experts(jnp.asarray([e])).dequantize(jnp.float32))
         tok, slot = np.nonzero(ids == e)
-        h = x[tok] @ w13[0].T
+        h = xf[tok] @ w13.T
         i = h.shape[1] // 2
         a = h[:, :i] / (1 + np.exp(-h[:, :i])) * h[:, i:]
-        out[tok] += tw[tok, slot][:, None] * (a @ w2[0].T)
+        out[tok] += tw[tok, slot][:, None] * (a @ w2.T)
     return out
 
 
@@ -121,12 +431,55 @@ def _fast_reference(w, x, tw, ids):
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (runs on the device machine)")
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
 @pytest.mark.parametrize("key", sorted(SCHEMES))
-def test_fused_moe_tiles_gpu_shapes(shape, key):
+def test_fused_moe_gpu_shapes(shape, key):
+    """Every format at the three model shapes, decode and a few-token batch, through
+    ``fused_moe`` (which must pick the engine), outputs poisoned; experts with no tokens."""
+    from wna16_jax.moe import fused_moe, select_executor
+
     rng = np.random.default_rng()
     e, k, h, i = GPU_SHAPES[shape]
-    w, x, tw, ids, em = _layer_case(rng, SCHEMES[key], e, h, i, 16, k)
-    tiles = convert_tiles(w.to_jax())
-    got = np.asarray(fused_moe_tiles(x, tw, ids, tiles, poison_outputs=True).astype(jnp.float32), np.float64)
-    ref = _fast_reference(w, x, tw, ids)
-    assert np.isfinite(got).all()
-    assert np.abs(got - ref).max() <= 1.5e-2 * np.abs(ref).max()
+    w = random_checkpoint_weights(rng, SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    tiles = jax.jit(convert_tiles)(w)
+    assert select_executor(tiles, jnp.bfloat16) == ("pallas", None)
+    for t in GPU_TOKENS[shape]:
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
+        tw, ids = routing.fused_topk(logits, k, renormalize=True)
+        ref = _fast_reference(w, x, tw, ids)
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, tiles), ref, what=f"fused_moe T={t}")
+        for over in (dict(mode="pair"), dict(mode="blocked")):
+            got = jax.jit(functools.partial(fused_moe_tiles, poison_outputs=True, **over))(x, tw, ids, tiles)
+            _layer_close(got, ref, what=f"{over} T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (runs on the device machine)")
+def test_gpu_prefill_batched_and_backward_qwen3():
+    from wna16_jax.autodiff import fused_moe_trainable
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES["qwen3"]
+    w = random_checkpoint_weights(rng, SCHEMES["awq_g128"], e, h, i, scale=0.02).to_jax()
+    tiles = jax.jit(convert_tiles)(w)
+    t = 512
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    tw, ids = routing.fused_topk(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k, renormalize=True)
+    got = jax.jit(functools.partial(fused_moe_tiles, poison_outputs=True))(x, tw, ids, tiles)
+    _layer_close(got, _fast_reference(w, x, tw, ids))
+    g = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+
+    def loss(x, tw, weights, executor):
+        return jnp.sum(fused_moe_trainable(x, tw, ids, weights, executor=executor).astype(jnp.float32) * g)
+
+    from wna16_jax.moe import batched_experts_forward
+
+    bt = routing.dispatch_batched(x[:64], ids[:64], e, max_tokens_per_expert=16)
+    got_b = jax.jit(batched_experts_forward)(bt.hidden_states, bt.expert_num_tokens, tiles)        # engine
+    ref_b = jax.jit(functools.partial(batched_experts_forward, executor="xla"))(
+        bt.hidden_states.astype(jnp.float32), bt.expert_num_tokens, w)
+    _layer_close(got_b, np.asarray(ref_b, np.float64), what="batched experts")
+    dx, dtw = jax.jit(jax.grad(functools.partial(loss, executor="pallas"), argnums=(0, 1)))(x, tw, tiles)
+    rdx, rdtw = jax.jit(jax.grad(functools.partial(loss, executor="xla"), argnums=(0, 1)))(
+        x.astype(jnp.float32), tw, w)
+    _layer_close(dx, np.asarray(rdx, np.float64), 3e-2)
+    _layer_close(dtw, np.asarray(rdtw, np.float64), 3e-2)

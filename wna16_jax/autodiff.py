@@ -93,14 +93,14 @@ def _backward_blocked(g, x, tw, topk_ids, weights, expert_map, *, activation, on
 
 
 @functools.lru_cache(maxsize=None)
-def _make(activation, on_input, gne, formulation, block_m, cdt_name):
-    cdt = jnp.dtype(cdt_name)
+def _make(activation, on_input, gne, formulation, block_m, cdt_name, executor):
+    cdt = None if cdt_name is None else jnp.dtype(cdt_name)
 
     def forward(x, tw, ids, weights, expert_map):
         return _moe.fused_moe(x, tw, ids, weights, activation=activation,
                               apply_router_weight_on_input=on_input, expert_map=expert_map,
                               global_num_experts=gne, formulation=formulation, block_m=block_m,
-                              compute_dtype=cdt)
+                              compute_dtype=cdt, executor=executor)
 
     f = jax.custom_vjp(forward)
 
@@ -111,8 +111,17 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name):
         x, tw, ids, weights, expert_map = res
         t, k = ids.shape
         bm = block_m or default_block_m(t, k, weights.num_experts)
-        dx, dtw = _backward_blocked(g, x, tw, ids, weights, expert_map, activation=activation,
-                                    on_input=on_input, gne=gne, block_m=bm, cdt=cdt)
+        which, _ = _moe.select_executor(weights, x.dtype, executor=executor, formulation=formulation,
+                                        compute_dtype=cdt)
+        if which == "pallas":           # the engine's transposed-access kernels (GPU)
+            from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles_bwd
+
+            dx, dtw = fused_moe_tiles_bwd(g, x, tw, ids, convert_tiles(weights), activation=activation,
+                                          apply_router_weight_on_input=on_input, expert_map=expert_map,
+                                          global_num_experts=gne, block_m=block_m)
+        else:
+            dx, dtw = _backward_blocked(g, x, tw, ids, weights, expert_map, activation=activation,
+                                        on_input=on_input, gne=gne, block_m=bm, cdt=cdt or jnp.float32)
         return (dx.astype(x.dtype), dtw.astype(tw.dtype), _zero_cotangent(ids),
                 jax.tree.map(_zero_cotangent, weights), jax.tree.map(_zero_cotangent, expert_map))
 
@@ -123,8 +132,12 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name):
 def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activation: str = "silu",
                         apply_router_weight_on_input: bool = False, expert_map=None,
                         global_num_experts: int | None = None, formulation: str | None = None,
-                        block_m: int | None = None, compute_dtype=None):
+                        block_m: int | None = None, compute_dtype=None, executor: str = "auto"):
     """:func:`wna16_jax.moe.fused_moe` with a memory-lean VJP (see the module docstring).
+
+    ``executor`` as in :func:`~wna16_jax.moe.fused_moe`: where the forward runs on the Pallas
+    engine, so does the backward (:func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles_bwd`,
+    transposed access to the packed tiles).
 
     Differentiable in ``hidden_states`` and ``topk_weights`` (hence in a router through the
     routing functions); the quantized ``weights`` are frozen (zero cotangents).
@@ -134,8 +147,8 @@ def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activ
     if topk_ids.shape[0] == 0:
         return _moe.fused_moe(hidden_states, topk_weights, topk_ids, weights, activation=activation,
                               expert_map=expert_map, global_num_experts=gne)
-    cdt = jnp.dtype(compute_dtype or jnp.float32)
-    f = _make(activation, bool(apply_router_weight_on_input), int(gne), formulation, block_m, cdt.name)
+    cdt = None if compute_dtype is None else jnp.dtype(compute_dtype).name
+    f = _make(activation, bool(apply_router_weight_on_input), int(gne), formulation, block_m, cdt, executor)
     em = None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
     return f(hidden_states, topk_weights, topk_ids, weights, em)
 

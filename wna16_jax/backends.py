@@ -266,6 +266,7 @@ class BackendSpec:
     executes_on: str                      # what runs the layout in this project
     supports_fn: Check
     convert_path: str | None              # "module:function" of the converter (lazy import)
+    engine_path: str | None = None        # "module:function": layout converter of the GPU engine
 
     def supports(self, scheme: QuantScheme, device: Device | None = None, **request: Any) -> str | None:
         """``None`` if this backend serves ``scheme`` on ``device``, else the reason it does not."""
@@ -316,6 +317,36 @@ class BackendSpec:
             raise UnsupportedError(f"{self.backend}: layout converter not implemented yet")
         return _jitted(fn)(scheme, weights, None if input_dtype is None else _hashable_dtype(input_dtype))
 
+    def executor_reason(self, weights: Any, device: Device | None = None, input_dtype: Any = None) -> str | None:
+        """``None`` if this row's GPU engine executes ``weights`` on ``device``, else why not
+        (then the row's layout runs on the XLA executor)."""
+        dev = device or Device.current()
+        if self.engine_path is None:
+            return f"{self.backend} has no GPU engine in this project; its executor is {self.executes_on}"
+        if not dev.is_nvidia:
+            return f"the Pallas engine needs an NVIDIA GPU, not {dev.describe()}"
+        if input_dtype is not None and _dtype_name(input_dtype) not in (None, "bfloat16", "float16"):
+            return f"the engine takes 16-bit activations, not {_dtype_name(input_dtype)}"
+        from pallas_kernels.fused_moe_tiles import engine_unsupported_reason
+
+        return engine_unsupported_reason(weights)
+
+    def prepare(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None,
+                device: Device | None = None) -> Any:
+        """The layout this row's executor reads on ``device``, converted once ahead of time.
+
+        MARLIN / BATCHED_MARLIN on an NVIDIA GPU: the engine's kernel-native tile layout
+        (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``benchmarks/NOTES.md`` measures it
+        against re-laying the Marlin layout on every call). Everywhere else, and for
+        configurations outside the engine: :meth:`convert` (the backend's own layout).
+        """
+        if self.executor_reason(weights, device, input_dtype) is None:
+            module, _, fn = self.engine_path.partition(":")
+            import jax
+
+            return jax.jit(getattr(importlib.import_module(module), fn))(weights)
+        return self.convert(scheme, weights, input_dtype)
+
 
 @functools.lru_cache(maxsize=None)
 def _jitted(fn: Callable) -> Callable:
@@ -334,6 +365,8 @@ def _hashable_dtype(input_dtype: Any) -> Any:
         raise ConfigError(f"input_dtype: not a dtype: {input_dtype!r}") from None
 
 
+_ENGINE_LAYOUT = "pallas_kernels.fused_moe_tiles:convert_tiles"
+
 TABLE: dict[Backend, BackendSpec] = {
     Backend.CPU: BackendSpec(
         Backend.CPU, ("cpu",), "vLLM CPU blocked int4 layout (spec §5)", "XLA decode",
@@ -342,11 +375,13 @@ TABLE: dict[Backend, BackendSpec] = {
         Backend.XPU, ("xpu",), "[E, N, K/2] uint8, low nibble = even k (spec §6)", "XLA decode",
         _supports_xpu, "wna16_jax.convert.xpu:convert_xpu"),
     Backend.MARLIN: BackendSpec(
-        Backend.MARLIN, ("gpu",), "Marlin tile layout (spec §3)", "XLA decode (GPU kernel: issue 4)",
-        _supports_marlin, "wna16_jax.convert.marlin:convert_marlin"),
+        Backend.MARLIN, ("gpu",), "Marlin tile layout (spec §3)",
+        "Pallas engine on NVIDIA GPUs (kernel-native tile layout), XLA decode elsewhere",
+        _supports_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
     Backend.BATCHED_MARLIN: BackendSpec(
         Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (spec §3, §2.8)",
-        "XLA decode (GPU kernel: issue 4)", _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin"),
+        "Pallas engine on NVIDIA GPUs (kernel-native tile layout), XLA decode elsewhere",
+        _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
     Backend.FLASHINFER_TRTLLM: BackendSpec(
         Backend.FLASHINFER_TRTLLM, ("gpu",), "MXINT4: signed int4, bf16 g32 scales, shuffled blocks (spec §4)",
         "XLA decode (the real kernel is SM100-only)", _supports_trtllm,

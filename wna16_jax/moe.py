@@ -24,6 +24,12 @@ one runs is chosen statically from the sizes (see :func:`choose_formulation` and
   rows (``moe_align_block_size``), then per block dequantize its expert and run one small GEMM.
   Work ∝ T·k (+ padding); memory holds one expert at a time.
 
+On an NVIDIA GPU, layers in the MARLIN rows' layouts (the engine's kernel-native
+:class:`~pallas_kernels.fused_moe_tiles.TileWeights`, which the table prepares there, or vLLM's
+Marlin layout, re-laid per call) run on the Pallas engine instead (``executor="auto"``, see
+:func:`select_executor`); a configuration outside the engine falls back to this XLA executor
+with an :class:`EngineFallbackWarning` that states why.
+
 ``jax.lax.ragged_dot`` is deliberately not the production path (on GPU stacks it lowers to a
 padded dense dot, spec ``jax_ecosystem.md`` §5); :func:`fused_moe_ragged_dot` keeps it as a
 cross-check.
@@ -37,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError, check_dtype
+from .errors import ConfigError, DTypeError, ShapeError, UnsupportedError, ValueRangeError, check_dtype
 
 # --------------------------------------------------------------------------- activations
 
@@ -293,6 +299,84 @@ def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_nu
     return out[:t]
 
 
+# --------------------------------------------------------------------------- executors
+
+EXECUTORS = ("auto", "xla", "pallas")
+
+
+class EngineFallbackWarning(UserWarning):
+    """A layer the GPU engine would run went to the XLA executor; the message says why."""
+
+
+_WARNED: set[str] = set()
+
+
+def _engine_layout(weights) -> bool:
+    """Layouts the Pallas engine executes: its tile layout and the Marlin layout."""
+    from .convert.marlin import MarlinWeights
+
+    try:
+        from pallas_kernels.fused_moe_tiles import TileWeights
+    except ImportError:  # pragma: no cover - the package ships both
+        return False
+    return isinstance(weights, (TileWeights, MarlinWeights))
+
+
+def engine_reason(weights, hidden_dtype, *, platform: str | None = None, formulation: str | None = None,
+                  compute_dtype=None) -> str | None:
+    """Why the Pallas engine cannot run this call (``None``: it can)."""
+    from .backends import Device
+
+    platform = platform or jax.default_backend()
+    if platform != "gpu" or not Device.current().is_nvidia:
+        return f"the Pallas engine needs an NVIDIA GPU (default backend: {platform})"
+    if not _engine_layout(weights):
+        return (f"{type(weights).__name__} is not a MARLIN-row layout (the engine reads its tile layout or "
+                f"the Marlin layout)")
+    from pallas_kernels.fused_moe_tiles import engine_unsupported_reason
+
+    if formulation is not None:
+        return f"formulation={formulation!r} names an XLA formulation"
+    if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.dtype(hidden_dtype):
+        return (f"compute_dtype={jnp.dtype(compute_dtype).name} differs from the activations "
+                f"({jnp.dtype(hidden_dtype).name}); the engine computes in the activation dtype")
+    if getattr(weights, "is_a_8bit", False) or getattr(weights, "input_dtype", None) not in (
+            None, "bfloat16", "float16"):
+        return (f"Marlin layout prepared for {getattr(weights, 'input_dtype', None) or 'int8'} activations "
+                f"(the engine takes 16-bit activations)")
+    return engine_unsupported_reason(weights, hidden_dtype)
+
+
+def select_executor(weights, hidden_dtype, *, executor: str = "auto", platform: str | None = None,
+                    formulation: str | None = None, compute_dtype=None) -> tuple[str, str | None]:
+    """``("pallas", None)`` or ``("xla", reason)`` for one call (``reason`` is None when the
+    layout simply has no other executor). ``executor="pallas"`` raises
+    :class:`UnsupportedError` with the reason instead of falling back."""
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
+    if executor == "xla":
+        return "xla", None
+    reason = engine_reason(weights, hidden_dtype, platform=platform, formulation=formulation,
+                           compute_dtype=compute_dtype)
+    if reason is None:
+        return "pallas", None
+    if executor == "pallas":
+        raise UnsupportedError(f"executor='pallas': {reason}")
+    return "xla", reason
+
+
+def _warn_fallback(weights, reason: str) -> None:
+    platform = jax.default_backend()
+    if platform != "gpu" or not _engine_layout(weights):
+        return            # not an engine layout on an engine platform: XLA is its executor
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        import warnings
+
+        warnings.warn(f"GPU engine not used, running the XLA executor: {reason}", EngineFallbackWarning,
+                      stacklevel=3)
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -309,6 +393,7 @@ def fused_moe(
     formulation: str | None = None,
     block_m: int | None = None,
     compute_dtype=None,
+    executor: str = "auto",
 ):
     """Run one fused MoE layer on ``weights`` (any layout: loader or backend).
 
@@ -320,12 +405,26 @@ def fused_moe(
     ``jax.jit`` they cannot be checked, and the affected tokens' outputs are NaN (never a
     silently plausible value).
 
-    ``formulation`` (``"gather"``, ``"dense"``, ``"blocked"``) overrides the static choice;
-    ``compute_dtype`` defaults to float32 (dequantization is exact in float32).
+    ``executor``: ``"auto"`` runs the Pallas engine where :func:`select_executor` allows (an
+    NVIDIA GPU, a MARLIN-row layout, 16-bit activations) and the XLA executor otherwise — with an
+    :class:`EngineFallbackWarning` naming the reason when an engine layout on a GPU falls back;
+    ``"xla"`` / ``"pallas"`` force one (``"pallas"`` raises :class:`UnsupportedError` if it cannot).
+    ``formulation`` (``"gather"``, ``"dense"``, ``"blocked"``, XLA executor) overrides the static
+    choice; ``compute_dtype`` (XLA executor) defaults to float32 (dequantization is exact in float32).
     """
     act = check_activation(activation)
     gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
     t, k = topk_ids.shape
+    which, reason = select_executor(weights, hidden_states.dtype, executor=executor, formulation=formulation,
+                                    compute_dtype=compute_dtype)
+    if which == "pallas":
+        from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles
+
+        return fused_moe_tiles(hidden_states, topk_weights, topk_ids, convert_tiles(weights),
+                               activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
+    if reason:
+        _warn_fallback(weights, reason)
     if formulation is None:
         formulation = choose_formulation(t, k, weights.num_experts)
     if formulation not in FORMULATIONS:
@@ -383,13 +482,14 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
 
 
 def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activation="silu",
-                            compute_dtype=None):
+                            compute_dtype=None, executor: str = "auto"):
     """The batched-experts executor (vLLM's BatchedExperts format, spec §2.8).
 
     ``batched_hidden [E, M, H]`` holds up to ``M`` rows per local expert, of which the first
     ``expert_num_tokens[e]`` are valid. Returns ``[E, M, H]`` float32 expert outputs (invalid rows
     zero), without router weights: weighting and the top-k sum happen in
-    :func:`wna16_jax.routing.combine_batched`.
+    :func:`wna16_jax.routing.combine_batched`. ``executor`` as in :func:`fused_moe` (on an NVIDIA
+    GPU, BATCHED_MARLIN layers run on the Pallas engine).
     """
     act = check_activation(activation)
     if getattr(batched_hidden, "ndim", None) != 3:
@@ -400,6 +500,13 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
                          f"got {tuple(batched_hidden.shape)}")
     if tuple(expert_num_tokens.shape) != (e,):
         raise ShapeError(f"expert_num_tokens: expected shape ({e},), got {tuple(expert_num_tokens.shape)}")
+    which, reason = select_executor(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype)
+    if which == "pallas":
+        from pallas_kernels.fused_moe_tiles import batched_experts_tiles, convert_tiles
+
+        return batched_experts_tiles(batched_hidden, expert_num_tokens, convert_tiles(weights), activation=activation)
+    if reason:
+        _warn_fallback(weights, reason)
     cdt = jnp.dtype(compute_dtype or jnp.float32)
 
     def one(args):

@@ -72,8 +72,9 @@ def _is_float(dtype) -> bool:
 
 
 def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None):
-    """Convert loader-layout experts into ``backend``'s layout (``None`` → selected by the table,
-    ``"loader"`` → unchanged). Returns ``(weights, backend_name)``."""
+    """Convert loader-layout experts into the layout ``backend``'s executor reads (``None`` →
+    backend selected by the table, ``"loader"`` → unchanged): the backend's own layout, or on an
+    NVIDIA GPU for the MARLIN rows the engine's tile layout. Returns ``(weights, backend_name)``."""
     if isinstance(experts, DenseWeights) or backend == LOADER_LAYOUT:
         return experts, LOADER_LAYOUT
     if not isinstance(experts, CheckpointWeights):
@@ -81,7 +82,8 @@ def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", inp
     b = select_backend(experts.scheme, backend=backend, has_bias=experts.has_bias(),
                        activation=activation, hidden_size=experts.hidden_size,
                        intermediate_size=experts.intermediate_size)
-    return TABLE[b].convert(experts.scheme, experts.to_jax(), input_dtype), str(b)
+    # ``prepare``: the layout the row's executor reads here (the engine's tiles on NVIDIA GPUs).
+    return TABLE[b].prepare(experts.scheme, experts.to_jax(), input_dtype), str(b)
 
 
 class QuantizedMoE(nnx.Module):
