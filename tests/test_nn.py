@@ -172,6 +172,22 @@ def test_router_gradient_matches_dense_reference(mixtral_dir):
     assert np.all(np.isfinite(np.asarray(got))) and err < 2e-5, err
 
 
+def test_linen_wrapper_matches_nnx_and_trains_only_the_router(mixtral_dir):
+    from wna16_jax.nn import linen_quantized_moe
+
+    ckpt = Checkpoint(mixtral_dir)
+    layer = ckpt.load_layer(0)
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((6, H)), jnp.float32)
+    lin = linen_quantized_moe(layer.experts, layer.router, top_k=2)
+    variables = jax.jit(lin.init)(jax.random.key(0), x)
+    assert set(variables) == {"params", "QuantizedExperts"} and set(variables["params"]) == {"router"}
+    want = QuantizedMoE(layer.experts, layer.router, top_k=2)(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lin.apply)(variables, x)), np.asarray(want))
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(lin.apply({**variables, "params": p}, x) ** 2)))(variables["params"])
+    g = np.asarray(grads["router"])
+    assert g.shape == (E, H) and np.isfinite(g).all() and np.abs(g).max() > 0
+
+
 def test_typed_errors(mixtral_dir):
     with pytest.raises(ValueRangeError, match=r"7 .*MoE layers are \[0, 1\]"):
         QuantizedMoE.from_checkpoint(mixtral_dir, 7)

@@ -101,7 +101,9 @@ class QuantizedMoE(nnx.Module):
                  topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: Any = None, shared_experts: Any = None,
                  shared_expert_gate: Any = None, activation: str = "silu", backend: Any = None,
-                 param_dtype: Any = jnp.float32, formulation: str | None = None):
+                 param_dtype: Any = jnp.float32, formulation: str | None = None,
+                 rngs: nnx.Rngs | None = None):
+        del rngs          # nothing is random: the router and experts come from the arguments
         check_activation(activation)
         if scoring_func not in ("softmax", "sigmoid"):
             raise ConfigError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
@@ -250,4 +252,13 @@ class QuantizedMoE(nnx.Module):
         return out.reshape(*lead, self.hidden_size)
 
 
-__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "convert_experts", "LOADER_LAYOUT"]
+def linen_quantized_moe(experts: Any, router: Any, **kw):
+    """:class:`QuantizedMoE` as a Flax Linen module, through Flax's own NNX→Linen bridge
+    (``flax.nnx.bridge.to_linen``). ``init`` puts the router in the ``"params"`` collection (the
+    one to train) and the frozen experts in ``"QuantizedExperts"``; arguments as for
+    :class:`QuantizedMoE`."""
+    return nnx.bridge.to_linen(QuantizedMoE, experts, router, **kw)
+
+
+__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "convert_experts", "linen_quantized_moe",
+           "LOADER_LAYOUT"]
