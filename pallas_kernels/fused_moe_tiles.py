@@ -215,10 +215,10 @@ def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: st
     else:
         avg = pairs / max(e, 1)
         if avg < 48:      # decode-sized blocks: 16/32 rows, 64 columns, 4 warps (measured best)
-            bm = block_m or _pow2(max(16, default_block_m(num_tokens, top_k, e)))
+            bm = _pow2(max(16, block_m or default_block_m(num_tokens, top_k, e)))
             bn1, bn2, warps = _divisor(i, (64, 32, 16)), _divisor(h, (64, 32, 16)), 4
         else:             # prefill: 64 × 128 tiles, 4 warps beat 128-row / 256-column / 8-warp ones
-            bm = block_m or 64
+            bm = _pow2(max(16, block_m or 64))
             bn1, bn2, warps = _divisor(i, (128, 64, 32, 16)), _divisor(h, (128, 64, 32, 16)), 4
         nb = max_blocks(pairs, bm, e)
         s1 = choose_split(nb * (i // bn1), h // bk, sms=sms, waves=2)
@@ -355,7 +355,7 @@ def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeight
     if cdt not in ENGINE_DTYPES:
         raise DTypeError(f"batched_hidden: the engine takes bfloat16 or float16, got {cdt.name}")
     i_dim = weights.intermediate_size
-    bm = block_m or min(64, _pow2(max(16, m)))
+    bm = _pow2(max(16, block_m or min(64, m)))
     mp = -(-m // bm) * bm
     nbe = mp // bm
     counts = expert_num_tokens.astype(jnp.int32)
@@ -412,7 +412,7 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
     e = weights.num_experts
     h_dim, i_dim = weights.hidden_size, weights.intermediate_size
     gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
-    bm = block_m or max(16, default_block_m(t, k, e))
+    bm = _pow2(max(16, block_m or default_block_m(t, k, e)))      # Triton: power-of-two blocks
     local, bad = _local(topk_ids, expert_map, gne, e)
     aligned = moe_align_block_size(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
                                    ignore_invalid_experts=True)

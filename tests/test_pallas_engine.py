@@ -377,6 +377,8 @@ def test_choose_config_modes():
     assert isinstance(cfg, EngineConfig)
     with pytest.raises(ValueError, match="mode"):
         choose_config(1, 2, tiles, mode="nope")
+    # the Triton lowering takes power-of-two blocks only: vLLM's rule (48 here) is rounded up
+    assert choose_config(256, 2, tiles).block_m == 64 and choose_config(8, 2, tiles, mode="blocked", block_m=24).block_m == 32
 
 
 # ----------------------------------------------------------------------------- dispatch
