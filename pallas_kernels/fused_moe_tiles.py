@@ -28,15 +28,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError
-from wna16_jax.moe import ACTIVATIONS, check_activation, default_block_m
+from wna16_jax.moe import check_activation, default_block_m
 from wna16_jax.routing import moe_align_block_size
 from wna16_jax.weights import ExpertsMixin, LogicalQuant, pytree_dataclass
 
 from .wna16_grouped_gemm import (FUSED_ACTIVATIONS, choose_split, grouped_gemm, grouped_gemm_t, num_sms,
-                                 pack_tiles, pair_gemm, tile_bk, unpack_tiles)
+                                 pack_tiles, pair_gemm, tile_bk, unpack_tiles, valid_split)
 
 ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MODES = ("pair", "blocked")
@@ -180,13 +179,6 @@ def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def _valid_split(split: int, n_kb: int) -> int:
-    """The largest split-K ≤ ``split`` whose K chunks are all non-empty."""
-    split = max(1, min(int(split), n_kb))
-    chunk = -(-n_kb // split)
-    return -(-n_kb // chunk)
-
-
 def max_blocks(num_pairs: int, block_m: int, num_experts: int) -> int:
     """Blocks that can be non-empty: ``Σ_e ceil(c_e / bm) ≤ ceil(n / bm) + min(n, E)``."""
     return min(-(-num_pairs // block_m) + min(num_pairs, num_experts),
@@ -241,6 +233,22 @@ def _local(topk_ids, expert_map, gne, e):
     return local, bad
 
 
+def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e):
+    """The routed pairs sorted by expert into ``bm``-row blocks, keeping only the blocks that can
+    be non-empty. Returns ``(nb, block_expert [nb], row_expert [nb·bm], valid, flat pair id,
+    token)`` per row (``valid`` false on padding rows; ids out of range count as expert 0 and the
+    caller NaNs their tokens)."""
+    t, k = topk_ids.shape
+    aligned = moe_align_block_size(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
+                                   ignore_invalid_experts=True)
+    nb = min(max_blocks(t * k, bm, e), aligned.expert_ids.shape[0])
+    ids = aligned.sorted_token_ids[:nb * bm]
+    experts = aligned.expert_ids[:nb]
+    valid = ids < t * k
+    flat = jnp.where(valid, ids, 0)
+    return nb, experts, jnp.repeat(experts, bm), valid, flat, flat // k
+
+
 def _permute_cols(a, perm, row_expert):
     if perm is None:
         return a
@@ -273,8 +281,8 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
         return jnp.zeros_like(hidden_states)
     cfg = config or choose_config(t, k, weights, **config_overrides)
     bk = tile_bk(weights.bits)
-    cfg = dataclasses.replace(cfg, split1=_valid_split(cfg.split1, h_dim // bk),
-                              split2=_valid_split(cfg.split2, i_dim // bk))
+    cfg = dataclasses.replace(cfg, split1=valid_split(cfg.split1, h_dim // bk),
+                              split2=valid_split(cfg.split2, i_dim // bk))
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32)
     kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, dequant=cfg.dequant,
@@ -304,15 +312,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
         out = y.sum(0).reshape(t, k, h_dim).sum(1)
     else:
         bm = cfg.block_m
-        aligned = moe_align_block_size(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
-                                       ignore_invalid_experts=True)
-        nb = min(max_blocks(t * k, bm, e), aligned.expert_ids.shape[0])
-        ids = aligned.sorted_token_ids[:nb * bm]
-        experts = aligned.expert_ids[:nb]
-        valid = ids < t * k
-        flat = jnp.where(valid, ids, 0)
-        tok = flat // k
-        row_expert = jnp.repeat(experts, bm)
+        nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
         a1 = _permute_cols(jnp.where(valid[:, None], x[tok], 0).astype(cdt), weights.w13_perm, row_expert)
         tw_rows = jnp.where(valid, tw.reshape(-1)[flat], 0.0)
         fuse = cfg.split1 == 1 and act_name in FUSED_ACTIVATIONS
@@ -413,16 +413,8 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
     h_dim, i_dim = weights.hidden_size, weights.intermediate_size
     gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
     bm = _pow2(max(16, block_m or default_block_m(t, k, e)))      # Triton: power-of-two blocks
-    local, bad = _local(topk_ids, expert_map, gne, e)
-    aligned = moe_align_block_size(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
-                                   ignore_invalid_experts=True)
-    nb = min(max_blocks(t * k, bm, e), aligned.expert_ids.shape[0])
-    ids = aligned.sorted_token_ids[:nb * bm]
-    experts = aligned.expert_ids[:nb]
-    valid = ids < t * k
-    flat = jnp.where(valid, ids, 0)
-    tok = flat // k
-    row_expert = jnp.repeat(experts, bm)
+    _, bad = _local(topk_ids, expert_map, gne, e)
+    nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
     live = valid & (row_expert >= 0)
     w_rows = jnp.where(live, topk_weights.astype(jnp.float32).reshape(-1)[flat], 0.0)
     kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, block_m=bm)

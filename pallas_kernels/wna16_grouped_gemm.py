@@ -265,34 +265,54 @@ def num_sms() -> int:
         return 1
 
 
-def choose_split(programs: int, n_kb: int, *, sms: int | None = None, waves: int = 4) -> int:
-    """Split-K factor that gives about ``waves`` programs per SM (at most one K-block each)."""
-    sms = sms or num_sms()
-    want = -(-waves * sms // max(programs, 1))
-    split = max(1, min(n_kb, want))
+def valid_split(split: int, n_kb: int) -> int:
+    """The largest split-K ≤ ``split`` whose K chunks (of ``ceil(n_kb / split)`` blocks) are all
+    non-empty."""
+    split = max(1, min(int(split), n_kb))
     chunk = -(-n_kb // split)
     return -(-n_kb // chunk)
 
 
-def _call(kernel, *, grid, a, a_spec, ids, words, scales, zeros, rs, rs_spec, bias, out_shape, out_spec, out,
-          interpret, num_warps, num_stages):
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    args = [ids.astype(jnp.int32), a, words, scales, zeros, rs, bias]
-    in_specs = [full(args[0]), a_spec, full(words), full(scales), full(zeros), rs_spec, full(bias)]
+def choose_split(programs: int, n_kb: int, *, sms: int | None = None, waves: int = 4) -> int:
+    """Split-K factor that gives about ``waves`` programs per SM (at most one K-block each)."""
+    sms = sms or num_sms()
+    return valid_split(-(-waves * sms // max(programs, 1)), n_kb)
+
+
+def _chunk(n_kb: int, split_k: int, name: str) -> int:
+    """K-blocks per split; ``split_k`` must leave no split empty (see :func:`valid_split`)."""
+    if valid_split(split_k, n_kb) != split_k:
+        raise ValueError(f"{name}: split_k={split_k} does not divide {n_kb} K-blocks into non-empty chunks")
+    return -(-n_kb // split_k)
+
+
+def _launch(kernel, args, in_specs, *, grid, out_shape, out_spec, out, interpret, num_warps, num_stages):
+    """``pallas_call`` with the Triton compiler parameters; with ``out`` (a buffer of the result's
+    shape and dtype, e.g. NaN-poisoned by a test) the kernel writes into it in place."""
     kwargs = _compiler(interpret, num_warps, num_stages)
     if out is not None:
         if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
             raise ValueError(f"out: expected {out_shape.dtype} {out_shape.shape}, got {out.dtype} {out.shape}")
-        base = kernel
+        base, n_in = kernel, len(args)
 
-        def kernel(*refs):
-            base(*refs[:7], refs[8])
+        def kernel(*refs):                  # the aliased input ref is skipped: write the output ref
+            base(*refs[:n_in], refs[n_in + 1])
 
-        in_specs.append(out_spec)
-        args.append(out)
-        kwargs["input_output_aliases"] = {7: 0}
+        in_specs = [*in_specs, out_spec]
+        args = [*args, out]
+        kwargs["input_output_aliases"] = {n_in: 0}
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_spec,
                           interpret=interpret, **kwargs)(*args)
+
+
+def _full(x):
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _call(kernel, *, grid, a, a_spec, ids, words, scales, zeros, rs, rs_spec, bias, **launch):
+    args = [ids.astype(jnp.int32), a, words, scales, zeros, rs, bias]
+    in_specs = [_full(args[0]), a_spec, _full(words), _full(scales), _full(zeros), rs_spec, _full(bias)]
+    return _launch(kernel, args, in_specs, grid=grid, **launch)
 
 
 def _check(a, words, bits, k_axis_len, n, block_n, name):
@@ -351,9 +371,7 @@ def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=
         raise ValueError(f"grouped_gemm: activation {activation!r} is not fused (have {FUSED_ACTIVATIONS})")
     mode = _resolve_mode(dequant, bits, group_size, a.dtype, interpret)
     n_kb = k // tile_bk(bits)
-    chunk = -(-n_kb // split_k)
-    if -(-n_kb // chunk) != split_k:
-        raise ValueError(f"grouped_gemm: split_k={split_k} does not divide {n_kb} K-blocks into non-empty chunks")
+    chunk = _chunk(n_kb, split_k, "grouped_gemm")
     kernel = functools.partial(
         _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=chunk, has_zp=zeros is not None,
         has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=gated, act=activation,
@@ -396,18 +414,15 @@ def pair_gemm(a, pair_experts, words, scales, zeros=None, row_scale=None, bias=N
         raise ValueError(f"pair_gemm: {p} pairs for {t} rows × top_k={top_k}")
     mode = _resolve_mode(dequant, bits, group_size, a.dtype, interpret)
     n_kb = k // tile_bk(bits)
-    chunk = -(-n_kb // split_k)
-    if -(-n_kb // chunk) != split_k:
-        raise ValueError(f"pair_gemm: split_k={split_k} does not divide {n_kb} K-blocks into non-empty chunks")
+    chunk = _chunk(n_kb, split_k, "pair_gemm")
     kernel = functools.partial(
         _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=chunk, has_zp=zeros is not None,
         has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=False, act=None,
         n_half=n // 2, pair_top_k=top_k)
     rs = jnp.zeros((p,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
-    return _call(kernel, grid=(p, n // block_n, split_k), a=a, a_spec=full(a), ids=pair_experts,
+    return _call(kernel, grid=(p, n // block_n, split_k), a=a, a_spec=_full(a), ids=pair_experts,
                  words=words, scales=scales, zeros=_dummy(jnp.uint8) if zeros is None else zeros, rs=rs,
-                 rs_spec=full(rs), bias=_dummy() if bias is None else bias,
+                 rs_spec=_full(rs), bias=_dummy() if bias is None else bias,
                  out_shape=jax.ShapeDtypeStruct((split_k, p, n), jnp.float32),
                  out_spec=pl.BlockSpec((None, None, block_n), lambda i, j, s: (s, i, j)), out=out,
                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
@@ -466,27 +481,13 @@ def grouped_gemm_t(g, expert_ids, words, scales, zeros=None, out=None, *, bits: 
     mode = _resolve_mode(dequant, bits, group_size, g.dtype, interpret)
     kernel = functools.partial(_gemm_t_kernel, bits=bits, group=group_size, n=n, block_n=block_n,
                                has_zp=zeros is not None, mode=mode)
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     zeros = _dummy(jnp.uint8) if zeros is None else zeros
     args = [expert_ids.astype(jnp.int32), g, words, scales, zeros]
-    in_specs = [full(args[0]), pl.BlockSpec((block_m, n), lambda i, j: (i, 0)), full(words), full(scales),
-                full(zeros)]
-    out_spec = pl.BlockSpec((block_m, bk), lambda i, j: (i, j))
-    out_shape = jax.ShapeDtypeStruct((m, k), jnp.float32)
-    kwargs = _compiler(interpret, num_warps, num_stages)
-    if out is not None:
-        if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
-            raise ValueError(f"out: expected float32 {(m, k)}, got {out.dtype} {out.shape}")
-        base = kernel
-
-        def kernel(*refs):
-            base(*refs[:5], refs[6])
-
-        in_specs.append(out_spec)
-        args.append(out)
-        kwargs["input_output_aliases"] = {5: 0}
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=(nb, k // bk), in_specs=in_specs,
-                          out_specs=out_spec, interpret=interpret, **kwargs)(*args)
+    in_specs = [_full(args[0]), pl.BlockSpec((block_m, n), lambda i, j: (i, 0)), _full(words), _full(scales),
+                _full(zeros)]
+    return _launch(kernel, args, in_specs, grid=(nb, k // bk), out_shape=jax.ShapeDtypeStruct((m, k), jnp.float32),
+                   out_spec=pl.BlockSpec((block_m, bk), lambda i, j: (i, j)), out=out, interpret=interpret,
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 # ----------------------------------------------------------------------------- references
@@ -513,6 +514,6 @@ def grouped_gemm_reference(a, expert_ids, words, scales, zeros=None, *, bits: in
     return jnp.where(jnp.repeat(expert_ids >= 0, block_m)[:, None], out, 0.0)
 
 
-__all__ = ["DEQUANT_MODES", "FUSED_ACTIVATIONS", "asm_supported", "choose_split", "dequantize_tiles",
+__all__ = ["DEQUANT_MODES", "FUSED_ACTIVATIONS", "asm_supported", "choose_split", "dequantize_tiles", "valid_split",
            "grouped_gemm", "grouped_gemm_reference", "grouped_gemm_t", "num_sms", "one_group_per_block",
            "pack_tiles", "pair_gemm", "tile_bk", "unpack_tiles"]

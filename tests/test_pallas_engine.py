@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels.fused_moe_tiles import (EngineConfig, TileWeights, choose_config, convert_tiles,
+from pallas_kernels.fused_moe_tiles import (EngineConfig, choose_config, convert_tiles,
                                             engine_unsupported_reason, fused_moe_tiles, fused_moe_tiles_bwd,
                                             max_blocks, tile_unsupported_reason)
 from pallas_kernels.wna16_grouped_gemm import (asm_supported, choose_split, grouped_gemm, grouped_gemm_t,
@@ -200,7 +200,7 @@ def test_every_kernel_variant_lowers_to_triton():
 
     for mode in ("asm", "magic", "i2f"):
         kw = dict(bits=4, group_size=128, dequant=mode)
-        text = lower(functools.partial(grouped_gemm, block_m=16, split_k=2, **kw), a, ids, w, sc, z, rs, b)
+        lower(functools.partial(grouped_gemm, block_m=16, split_k=2, **kw), a, ids, w, sc, z, rs, b)
         lower(functools.partial(grouped_gemm, block_m=16, activation="silu", **kw), a, ids, w, sc, z, None, b)
         lower(functools.partial(pair_gemm, top_k=2, split_k=4, **kw), s((3, 1024), jnp.bfloat16),
               s((6,), jnp.int32), w, sc, z, s((6,), jnp.float32), b)
