@@ -3,10 +3,12 @@
     PYTHONPATH=$PWD python3 benchmarks/moe_engine.py [--rows mixtral:1,16 qwen3:1] [--reps 20]
         [--append benchmarks/RESULTS.md] [--json benchmarks/results.json]
     PYTHONPATH=$PWD python3 benchmarks/moe_engine.py --sweep ...   # engine variants only
+    PYTHONPATH=$PWD python3 benchmarks/moe_engine.py --sweep --profile ...   # + time per kernel
 
 One fused MoE layer (W4A16 group 128, random weights, random routing, bf16 activations) per
-row; µs per layer, timed as a jitted loop of R calls, each on its own random routing (so the
-experts a call touches are not all still in L2 from the call before), median of 5 runs / R.
+row; µs per layer, timed as one jitted program of R dependent calls (straight-line; ``--timing
+loop`` for a fori_loop), each on its own random routing (so the experts a call touches are not
+all still in L2 from the call before), median of 5 runs / R.
 Alternatives in the same run:
 
 * ``engine AWQ`` / ``engine GPTQ``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` on
@@ -60,15 +62,27 @@ def floor_us(ids_all, h, i, t, k, group=128, zeros=True):
     return max(touched * per_expert / BW, 2 * t * k * 3 * h * i / FLOPS) * 1e6
 
 
+TIMING = "unrolled"
+
+
 def timed(layer, x, tw_all, ids_all, operands, reps):
-    """µs per call of ``layer(c, tw, ids, *operands)`` in a jitted loop of ``reps`` dependent calls,
-    call ``r`` routed by ``tw_all[r], ids_all[r]``. Weights are arguments, never constants."""
+    """µs per call of ``layer(c, tw, ids, *operands)`` in one jitted program of ``reps`` dependent
+    calls, call ``r`` routed by ``tw_all[r], ids_all[r]``. Weights are arguments, never constants.
+
+    ``TIMING = "unrolled"`` (default): the calls are straight-line code, as the layers of a model
+    are; ``"loop"``: a ``fori_loop`` (an XLA while loop, whose per-iteration condition check
+    adds a device→host round trip — measured in NOTES.md)."""
     @jax.jit
     def run(x, tw_all, ids_all, operands):
         def body(r, c):
             y = layer(c, tw_all[r], ids_all[r], *operands)
             return x + y.astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
-        return jax.lax.fori_loop(0, reps, body, x)
+        if TIMING == "loop":
+            return jax.lax.fori_loop(0, reps, body, x)
+        c = x
+        for r in range(reps):
+            c = body(r, c)
+        return c
 
     run(x, tw_all, ids_all, operands).block_until_ready()
     ts = []
@@ -150,13 +164,17 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="time engine variants instead of the alternatives")
     ap.add_argument("--variants", default=None, help="with --sweep: 'name=key:value,...;...' instead of the "
                     "built-in variant list (keys: fused_moe_tiles config overrides)")
+    ap.add_argument("--profile", action="store_true", help="with --sweep: also split each variant's time into "
+                    "its device kernels (JAX profiler)")
+    ap.add_argument("--timing", choices=("unrolled", "loop"), default="unrolled",
+                    help="the timed program: straight-line calls (default) or a fori_loop")
     ap.add_argument("--skip", default="", help="comma-separated alternatives not to time")
     ap.add_argument("--append", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None, metavar="PATH", help="append one record per row to this results.json")
     args = ap.parse_args(argv)
-    global INTERPRET
-    INTERPRET = args.interpret
+    global INTERPRET, TIMING
+    INTERPRET, TIMING = args.interpret, args.timing
     rng = np.random.default_rng(0)
     alts = ["engine AWQ", "engine GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
     skip = set(filter(None, args.skip.split(",")))
@@ -196,6 +214,11 @@ def main(argv=None):
                         flag = "" if err < 2e-2 else "  <-- WRONG"
                         print(f"  {vname:16s} {us:9.1f} µs  {us / fl:6.2f}× floor  rel err {err:.1e}{flag}", flush=True)
                         lines.append({"shape": name, "tokens": t, "variant": vname, "us": us, "floor": fl, "err": err})
+                        if args.profile:
+                            from benchmarks.kernel_profile import format_breakdown, kernel_breakdown
+
+                            print(format_breakdown(kernel_breakdown(engine(**over), (x, tw_all[0], ids_all[0], tiles))),
+                                  flush=True)
                     except Exception as ex:  # noqa: BLE001 - report and continue
                         print(f"  {vname:16s} FAILED {type(ex).__name__}: {str(ex)[:400]}", flush=True)
                 continue
@@ -252,7 +275,7 @@ def main(argv=None):
                     f"Command: `PYTHONPATH=$PWD python3 benchmarks/moe_engine.py "
                     f"{' '.join(argv or sys.argv[1:])}`. W4A16 group 128 (AWQ with zero points unless the "
                     f"column says GPTQ), random weights, random routing per call, bf16 activations; µs per "
-                    f"layer (jitted loop of calls, median of 5). rel err: the engine's output vs a float32 "
+                    f"layer ({TIMING} jitted program of calls, median of 5). rel err: the engine's output vs a float32 "
                     f"XLA evaluation.\n\n" + "\n".join(table) + "\n")
     return 0
 

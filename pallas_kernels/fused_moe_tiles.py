@@ -165,6 +165,7 @@ class EngineConfig:
     num_warps: int = 4
     num_stages: int = 3
     dequant: str = "auto"
+    dot: str = "mma"        # "mma", "swap" (weights as the MMA's A operand) or, pair mode, "fma"
 
 
 def _divisor(n, prefs):
@@ -286,7 +287,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32)
     kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, dequant=cfg.dequant,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages, dot=cfg.dot)
     x = hidden_states
 
     def poison(shape, dtype=jnp.float32):

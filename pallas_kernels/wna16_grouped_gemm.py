@@ -198,7 +198,7 @@ def _split_range(s, chunk, n_kb):
 
 
 def _gemm_kernel(eid_ref, a_ref, w_ref, s_ref, z_ref, rs_ref, b_ref, o_ref, *, bits, group, n_kb, chunk,
-                 has_zp, has_rs, has_bias, mode, gated, act, n_half, pair_top_k):
+                 has_zp, has_rs, has_bias, mode, gated, act, n_half, pair_top_k, dot):
     bk = tile_bk(bits)
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = eid_ref[i]
@@ -218,21 +218,33 @@ def _gemm_kernel(eid_ref, a_ref, w_ref, s_ref, z_ref, rs_ref, b_ref, o_ref, *, b
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
+    def step(acc, k0, w):
+        if dot == "fma":                            # pair rows only: acc[16, BN] += a[k0:k0+16]ᵀ · w
+            row = a_ref[i // pair_top_k, pl.ds(k0, ROWS_PER_SLOT)].astype(jnp.float32)
+            return acc + row[:, None] * w.astype(jnp.float32)
+        if dot == "swap":                           # accᵀ[BN, BM] += wᵀ · aᵀ (weights as the A operand)
+            return acc + jnp.dot(w.T, a_tile(k0).T, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a_tile(k0), w, preferred_element_type=jnp.float32)   # one 16-deep MMA
+
     @pl.when(e >= 0)
     def _():
         def body(kb, accs):
             out = []
             for cols, acc in zip(col_sets, accs):
                 for slot, w in enumerate(_block_tiles(w_ref, s_ref, z_ref, e, kb, cols, **kw)):
-                    acc = acc + jnp.dot(a_tile(kb * bk + slot * ROWS_PER_SLOT), w,   # one 16-deep MMA
-                                        preferred_element_type=jnp.float32)
+                    acc = step(acc, kb * bk + slot * ROWS_PER_SLOT, w)
                 out.append(acc)
             return tuple(out)
 
         kb0, kb1 = _split_range(s, chunk, n_kb)
-        init = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in col_sets)
+        shape = (bn, bm) if dot == "swap" else (bm, bn)
+        init = tuple(jnp.zeros(shape, jnp.float32) for _ in col_sets)
         accs = list(jax.lax.fori_loop(kb0, kb1, body, init))
-        if pair_top_k:                               # keep MMA row 0 (the others repeat it)
+        if dot == "swap":
+            accs = [acc.T for acc in accs]
+        if pair_top_k and dot == "fma":              # the 16 partial sums of each column
+            accs = [jnp.sum(acc, axis=0) for acc in accs]
+        elif pair_top_k:                             # keep MMA row 0 (the others repeat it)
             keep = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) == 0
             accs = [jnp.sum(jnp.where(keep, acc, 0.0), axis=0) for acc in accs]
         if has_bias:
@@ -337,14 +349,20 @@ def _resolve_mode(dequant, bits, group_size, dtype, interpret):
 
 
 _STATIC = ("bits", "group_size", "block_m", "block_n", "split_k", "interpret", "num_warps", "num_stages",
-           "dequant", "activation", "out_dtype")
+           "dequant", "activation", "out_dtype", "dot")
+DOTS = ("mma", "fma", "swap")
+
+
+def _check_dot(dot, pair, name):
+    if dot not in DOTS or (dot == "fma" and not pair):
+        raise ValueError(f"{name}: dot must be one of {DOTS if pair else ('mma', 'swap')}, got {dot!r}")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=None, out=None, *,
                  bits: int, group_size: int, block_m: int, block_n: int = 64, split_k: int = 1,
                  activation: str | None = None, out_dtype=None, dequant: str = "auto",
-                 interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
+                 interpret: bool = False, num_warps: int = 4, num_stages: int = 3, dot: str = "mma"):
     """Block-sorted grouped GEMM: ``out[r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` (float32).
 
     ``a [M, K]`` (rows gathered and sorted, ``M = len(expert_ids) · block_m``),
@@ -354,8 +372,11 @@ def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=
     Returns partials ``[split_k, M, N]`` float32 (sum them), or with ``activation`` (``"silu"``,
     ``"gelu_tanh"``; ``split_k`` must be 1) ``act(h[:, :N/2]) · h[:, N/2:]`` ``[M, N / 2]`` in
     ``out_dtype`` (default ``a.dtype``). ``out``, if given, is the buffer the kernel writes into
-    (aliased): tests pass a NaN-poisoned one to prove every element is written.
+    (aliased): tests pass a NaN-poisoned one to prove every element is written. ``dot``: ``"mma"``
+    (activation rows × weight tile) or ``"swap"`` (weight tileᵀ × activation rowsᵀ: the weights
+    are the MMA's A operand, as in Marlin's small-M schedule).
     """
+    _check_dot(dot, False, "grouped_gemm")
     m, k = a.shape
     e, kw, n = words.shape
     nb = expert_ids.shape[0]
@@ -375,7 +396,7 @@ def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=
     kernel = functools.partial(
         _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=chunk, has_zp=zeros is not None,
         has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=gated, act=activation,
-        n_half=n // 2, pair_top_k=0)
+        n_half=n // 2, pair_top_k=0, dot=dot)
     rs = jnp.zeros((m,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
     if gated:
         odt = jnp.dtype(out_dtype or a.dtype)
@@ -396,14 +417,17 @@ def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=
 def pair_gemm(a, pair_experts, words, scales, zeros=None, row_scale=None, bias=None, out=None, *, top_k: int,
               bits: int, group_size: int, block_n: int = 128, split_k: int = 1, dequant: str = "auto",
               interpret: bool = False, num_warps: int = 4, num_stages: int = 3, block_m: int = 0,
-              activation: str | None = None, out_dtype=None):
+              activation: str | None = None, out_dtype=None, dot: str = "mma"):
     """Decode GEMM, one routed pair per program row: ``out[s, p] = a[p // top_k] @ W[pair_experts[p]]ᵀ``
     over split ``s``'s share of K (float32 partials ``[split_k, P, N]``; sum them).
 
     ``pair_experts [P]`` local expert per pair (``-1``: zeros), ``row_scale [P]`` multiplies each
     pair's row, ``bias [E, N]`` is added once (in split 0). ``block_m``/``activation``/``out_dtype``
-    are accepted for a uniform signature and must be left at their defaults.
+    are accepted for a uniform signature and must be left at their defaults. ``dot``: ``"mma"``
+    (the pair's row broadcast to a 16-row MMA operand), ``"swap"`` (weights as the A operand) or
+    ``"fma"`` (no MMA: float32 multiply-adds into a ``[16, BN]`` accumulator, summed at the end).
     """
+    _check_dot(dot, True, "pair_gemm")
     if block_m or activation is not None or out_dtype is not None:
         raise ValueError("pair_gemm: block_m, activation and out_dtype are not used")
     t, k = a.shape
@@ -418,7 +442,7 @@ def pair_gemm(a, pair_experts, words, scales, zeros=None, row_scale=None, bias=N
     kernel = functools.partial(
         _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=chunk, has_zp=zeros is not None,
         has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=False, act=None,
-        n_half=n // 2, pair_top_k=top_k)
+        n_half=n // 2, pair_top_k=top_k, dot=dot)
     rs = jnp.zeros((p,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
     return _call(kernel, grid=(p, n // block_n, split_k), a=a, a_spec=_full(a), ids=pair_experts,
                  words=words, scales=scales, zeros=_dummy(jnp.uint8) if zeros is None else zeros, rs=rs,

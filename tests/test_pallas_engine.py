@@ -65,9 +65,11 @@ def _close(got, ref, rtol=2e-5):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("bits, group, zp, split", [(4, 128, False, 1), (4, 128, True, 2), (4, 32, True, 1),
-                                                    (8, -1, False, 2), (8, 64, True, 1)])
-def test_grouped_gemm(bits, group, zp, split, mode):
+@pytest.mark.parametrize("bits, group, zp, split, dot", [(4, 128, False, 1, "mma"), (4, 128, True, 2, "mma"),
+                                                         (4, 32, True, 1, "mma"), (8, -1, False, 2, "mma"),
+                                                         (8, 64, True, 1, "mma"), (4, 128, True, 2, "swap"),
+                                                         (8, 32, False, 1, "swap")])
+def test_grouped_gemm(bits, group, zp, split, dot, mode):
     if mode == "asm" and asm_supported(bits, group, jnp.bfloat16):
         pytest.skip(asm_supported(bits, group, jnp.bfloat16))
     rng = np.random.default_rng()
@@ -79,7 +81,7 @@ def test_grouped_gemm(bits, group, zp, split, mode):
     poison = jnp.full((split, 4 * bm, 256), jnp.nan, jnp.float32)
     out = grouped_gemm(a, jnp.asarray(eids), pack_tiles(jnp.asarray(codes), bits), jnp.asarray(scales, jnp.bfloat16),
                        None if zeros is None else jnp.asarray(zeros, jnp.uint8), rs, bias, poison, bits=bits,
-                       group_size=group, block_m=bm, split_k=split, dequant=mode, interpret=INTERPRET)
+                       group_size=group, block_m=bm, split_k=split, dequant=mode, dot=dot, interpret=INTERPRET)
     w = _weights64(codes, scales, zeros, bits, group)
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
@@ -90,8 +92,9 @@ def test_grouped_gemm(bits, group, zp, split, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dot", ["mma", "fma", "swap"])
 @pytest.mark.parametrize("bits, group, zp", [(4, 128, True), (4, -1, False), (8, 32, True)])
-def test_pair_gemm(bits, group, zp, mode):
+def test_pair_gemm(bits, group, zp, dot, mode):
     if mode == "asm" and asm_supported(bits, group, jnp.bfloat16):
         pytest.skip(asm_supported(bits, group, jnp.bfloat16))
     rng = np.random.default_rng()
@@ -104,7 +107,7 @@ def test_pair_gemm(bits, group, zp, mode):
     out = pair_gemm(x, jnp.asarray(pe), pack_tiles(jnp.asarray(codes), bits), jnp.asarray(scales, jnp.bfloat16),
                     None if zeros is None else jnp.asarray(zeros, jnp.uint8), rs, bias,
                     jnp.full((2, t * k, 256), jnp.nan, jnp.float32), top_k=k, bits=bits, group_size=group,
-                    split_k=2, block_n=64, dequant=mode, interpret=INTERPRET)
+                    split_k=2, block_n=64, dequant=mode, dot=dot, interpret=INTERPRET)
     w = _weights64(codes, scales, zeros, bits, group)
     xr = np.repeat(np.asarray(x.astype(jnp.float32), np.float64), k, axis=0)
     ref = np.einsum("pk,pkn->pn", xr, w[np.maximum(pe, 0)]) + np.asarray(bias, np.float64)[np.maximum(pe, 0)]
@@ -202,8 +205,10 @@ def test_every_kernel_variant_lowers_to_triton():
         kw = dict(bits=4, group_size=128, dequant=mode)
         lower(functools.partial(grouped_gemm, block_m=16, split_k=2, **kw), a, ids, w, sc, z, rs, b)
         lower(functools.partial(grouped_gemm, block_m=16, activation="silu", **kw), a, ids, w, sc, z, None, b)
-        lower(functools.partial(pair_gemm, top_k=2, split_k=4, **kw), s((3, 1024), jnp.bfloat16),
-              s((6,), jnp.int32), w, sc, z, s((6,), jnp.float32), b)
+        for dot in ("mma", "fma", "swap"):
+            lower(functools.partial(pair_gemm, top_k=2, split_k=4, dot=dot, **kw), s((3, 1024), jnp.bfloat16),
+                  s((6,), jnp.int32), w, sc, z, s((6,), jnp.float32), b)
+        lower(functools.partial(grouped_gemm, block_m=16, split_k=2, dot="swap", **kw), a, ids, w, sc, z, rs, b)
         lower(functools.partial(grouped_gemm_t, block_m=16, **kw), s((64, 512), jnp.bfloat16), ids, w, sc, z)
     lower(functools.partial(grouped_gemm, block_m=64, block_n=128, bits=4, group_size=32, activation="silu"),
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
@@ -253,6 +258,17 @@ def test_fused_moe_tiles_small(key, mode):
     w, x, tw, ids, em = _layer_case(rng, SCHEMES[key], 6, 256, 256, 3, 2)
     tiles = convert_tiles(w.to_jax())
     got = fused_moe_tiles(x, tw, ids, tiles, interpret=INTERPRET, poison_outputs=True, mode=mode, split1=2, split2=2)
+    _layer_close(got, _reference(w, x, tw, ids, em))
+
+
+@pytest.mark.parametrize("key", ["awq_g128", "gptq8_channel"])
+@pytest.mark.parametrize("mode, dot", [("pair", "fma"), ("pair", "swap"), ("blocked", "swap")])
+def test_fused_moe_tiles_dot_variants(key, mode, dot):
+    rng = np.random.default_rng()
+    w, x, tw, ids, em = _layer_case(rng, SCHEMES[key], 6, 256, 256, 3, 2, bias=True)
+    tiles = convert_tiles(w.to_jax())
+    got = fused_moe_tiles(x, tw, ids, tiles, interpret=INTERPRET, poison_outputs=True, mode=mode, dot=dot,
+                          split1=2, split2=1)
     _layer_close(got, _reference(w, x, tw, ids, em))
 
 
@@ -449,7 +465,8 @@ def test_fused_moe_gpu_shapes(shape, key):
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, tiles), ref, what=f"fused_moe T={t}")
-        for over in (dict(mode="pair"), dict(mode="blocked")):
+        for over in (dict(mode="pair"), dict(mode="pair", dot="fma"), dict(mode="blocked"),
+                     dict(mode="blocked", dot="swap")):
             got = jax.jit(functools.partial(fused_moe_tiles, poison_outputs=True, **over))(x, tw, ids, tiles)
             _layer_close(got, ref, what=f"{over} T={t}")
 

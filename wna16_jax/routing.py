@@ -326,28 +326,35 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
 
 
 def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
-    """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad."""
+    """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad.
+
+    Written for the GPU's few-launch needs: one int32 sort (no payload), gathers instead of a
+    scatter for the padded list, and a compare-all ``searchsorted`` (the default binary search
+    is a loop of small launches)."""
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
-    counts_ext = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)
-    counts = counts_ext[:num_buckets]
+    counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)[:num_buckets]
     nblocks = (counts + (block_size - 1)) // block_size
-    padded = nblocks * block_size
-    padded_start = jnp.cumsum(padded) - padded  # exclusive cumsum
-    raw_start_ext = jnp.cumsum(counts_ext) - counts_ext
-    order = jnp.argsort(k, stable=True).astype(jnp.int32)  # ascending flat id within a bucket
-    sk = k[order]
-    rank = jnp.arange(n, dtype=jnp.int32) - raw_start_ext[sk]
-    dest_start = jnp.concatenate([padded_start, jnp.array([max_padded], jnp.int32)])
-    dest = jnp.where(sk < num_buckets, dest_start[sk] + rank, max_padded)
-    sorted_ids = jnp.full((max_padded,), sentinel, jnp.int32).at[dest].set(order, mode="drop")
     cum_blocks = jnp.cumsum(nblocks)
     total_blocks = cum_blocks[-1]
     b = jnp.arange(max_blocks, dtype=jnp.int32)
-    block_expert = jnp.searchsorted(cum_blocks, b, side="right").astype(jnp.int32)
-    block_expert = jnp.where(b < total_blocks, block_expert, -1)
+    block_expert = jnp.searchsorted(cum_blocks, b, side="right", method="compare_all").astype(jnp.int32)
     post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
+    if n == 0:
+        return jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post
+    if (num_buckets + 1) * n < 2 ** 31:      # stable order from one sort of unique keys
+        order = (jnp.sort(k * n + jnp.arange(n, dtype=jnp.int32)) % n).astype(jnp.int32)
+    else:
+        order = jnp.argsort(k, stable=True).astype(jnp.int32)
+    raw_start = jnp.cumsum(counts) - counts                    # first sorted position per bucket
+    # padded slot r belongs to bucket e = block_expert[r // bs] at rank r - (first slot of e)
+    r = jnp.arange(max_padded, dtype=jnp.int32)
+    e_r = jnp.minimum(block_expert[r // block_size], num_buckets - 1)
+    rank = r - (cum_blocks - nblocks)[e_r] * block_size
+    ok = (r < total_blocks * block_size) & (rank < counts[e_r])
+    sorted_ids = jnp.where(ok, order[jnp.clip(raw_start[e_r] + rank, 0, n - 1)], sentinel).astype(jnp.int32)
+    block_expert = jnp.where(b < total_blocks, block_expert, -1)
     return sorted_ids, block_expert, post
 
 
