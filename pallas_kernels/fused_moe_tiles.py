@@ -209,14 +209,17 @@ def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: st
         avg = pairs / max(e, 1)
         if avg < 48:      # decode-sized blocks: 16/32 rows, 64 columns, 4 warps (measured best)
             bm = _pow2(max(16, block_m or default_block_m(num_tokens, top_k, e)))
-            bn1, bn2, warps = _divisor(i, (64, 32, 16)), _divisor(h, (64, 32, 16)), 4
-        else:             # prefill: 64 × 128 tiles, 4 warps beat 128-row / 256-column / 8-warp ones
+            bn1, bn2, warps, dot = _divisor(i, (64, 32, 16)), _divisor(h, (64, 32, 16)), 4, "mma"
+            waves2 = 8    # v3: GEMM2 split-K 2 at Mixtral 16/64 tokens, 406 → 378 and 657 → 530 µs
+        else:             # prefill: 64 × 128 tiles, 4 warps beat 128-row / 256-column / 8-warp ones;
+            # weights as the MMA's A operand: Mixtral 4096 tokens 11.5 → 10.1 ms, Qwen3 512 720 → 632 µs
             bm = _pow2(max(16, block_m or 64))
-            bn1, bn2, warps = _divisor(i, (128, 64, 32, 16)), _divisor(h, (128, 64, 32, 16)), 4
+            bn1, bn2, warps, dot = _divisor(i, (128, 64, 32, 16)), _divisor(h, (128, 64, 32, 16)), 4, "swap"
+            waves2 = 2
         nb = max_blocks(pairs, bm, e)
         s1 = choose_split(nb * (i // bn1), h // bk, sms=sms, waves=2)
-        s2 = choose_split(nb * (h // bn2), i // bk, sms=sms, waves=2)
-        cfg = EngineConfig("blocked", bm, bn1, bn2, s1, s2, num_warps=warps)
+        s2 = choose_split(nb * (h // bn2), i // bk, sms=sms, waves=waves2)
+        cfg = EngineConfig("blocked", bm, bn1, bn2, s1, s2, num_warps=warps, dot=dot)
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 

@@ -389,7 +389,8 @@ def test_choose_config_modes():
     tiles = convert_tiles(random_checkpoint_weights(rng, QuantScheme("awq", 4, 128, True), 16, 256, 256).to_jax())
     assert choose_config(1, 2, tiles).mode == "pair"
     cfg = choose_config(512, 2, tiles)
-    assert cfg.mode == "blocked" and cfg.block_m >= 64
+    assert cfg.mode == "blocked" and cfg.block_m >= 64 and cfg.dot == "swap"
+    assert choose_config(16, 2, tiles).dot == "mma"
     assert isinstance(cfg, EngineConfig)
     with pytest.raises(ValueError, match="mode"):
         choose_config(1, 2, tiles, mode="nope")
