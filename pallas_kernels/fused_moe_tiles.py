@@ -209,7 +209,10 @@ def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: st
         avg = pairs / max(e, 1)
         if avg < 48:      # decode-sized blocks: 16/32 rows, 64 columns, 4 warps (measured best)
             bm = _pow2(max(16, block_m or default_block_m(num_tokens, top_k, e)))
-            bn1, bn2, warps, dot = _divisor(i, (64, 32, 16)), _divisor(h, (64, 32, 16)), 4, "mma"
+            bn1, bn2, warps = _divisor(i, (64, 32, 16)), _divisor(h, (64, 32, 16)), 4
+            # weights as the MMA's A operand pay off from 64-row blocks on (Qwen3 512 tokens,
+            # 64-row blocks: 704 → 612 µs; 16/32-row blocks: slower, e.g. Mixtral 16 411 → 551)
+            dot = "swap" if bm >= 64 else "mma"
             waves2 = 8    # v3: GEMM2 split-K 2 at Mixtral 16/64 tokens, 406 → 378 and 657 → 530 µs
         else:             # prefill: 64 × 128 tiles, 4 warps beat 128-row / 256-column / 8-warp ones;
             # weights as the MMA's A operand: Mixtral 4096 tokens 11.5 → 10.1 ms, Qwen3 512 720 → 632 µs

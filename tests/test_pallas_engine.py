@@ -391,6 +391,7 @@ def test_choose_config_modes():
     cfg = choose_config(512, 2, tiles)
     assert cfg.mode == "blocked" and cfg.block_m >= 64 and cfg.dot == "swap"
     assert choose_config(16, 2, tiles).dot == "mma"
+    assert choose_config(32, 2, tiles, block_m=64).dot == "swap"     # by block height, not token count
     assert isinstance(cfg, EngineConfig)
     with pytest.raises(ValueError, match="mode"):
         choose_config(1, 2, tiles, mode="nope")
