@@ -1,0 +1,23 @@
+"""The GPU engine benchmark script runs end to end on the CPU (Pallas interpret mode, the tiny
+shape): its table, its error check and its per-kernel profile path — so it does not rot
+between GPU sessions. Timings here mean nothing and are not checked."""
+
+import re
+
+from benchmarks import moe_engine
+
+
+def test_moe_engine_table_and_sweep_on_cpu(capsys, tmp_path):
+    out_md = tmp_path / "RESULTS.md"
+    assert moe_engine.main(["--rows", "tiny:1", "--interpret", "--reps", "2", "--skip",
+                            "engine←Marlin,dequant→ragged_dot", "--append", str(out_md)]) == 0
+    text = out_md.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| tiny"))
+    err = float(row.rstrip(" |").rsplit("|", 1)[1])
+    assert err < 2e-2, row                                  # the engine agrees with float32 XLA
+    assert moe_engine.main(["--rows", "tiny:8", "--interpret", "--reps", "2", "--sweep", "--profile",
+                            "--variants", "blocked=mode:blocked,dot:swap"]) == 0
+    printed = capsys.readouterr().out
+    m = re.search(r"blocked\s+[\d.]+ µs .* rel err ([\d.e+-]+)", printed)
+    assert m and float(m.group(1)) < 2e-2, printed
+    assert "device busy" in printed
