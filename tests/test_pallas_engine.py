@@ -214,6 +214,85 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
+def _wgmma_case(rng, zp, group, bm, k=512, n=256):
+    from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
+
+    codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
+    eids = np.array(rng.permutation([0, 1, 2, -1]), np.int32)
+    a = jnp.asarray(rng.standard_normal((4 * bm, k)), jnp.bfloat16)
+    lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
+                          None if zeros is None else jnp.asarray(zeros, jnp.uint8))
+    w = _weights64(codes, scales, zeros, 4, group)
+    eb = np.repeat(eids, bm)
+    ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
+    ref[eb < 0] = 0.0
+    return a, eids, lay, ref
+
+
+@pytest.mark.parametrize("zp, group", [(True, 128), (False, -1)])
+def test_wgmma_layout_indexing(zp, group):
+    """The v4 kernel's arithmetic, replayed in jnp with exactly its indexing (word tile
+    ``[n, 16·kb : 16·kb+16]``, slot ``s`` → K row ``128·kb + 16·s + w``, group ``kb`` or 0, zero
+    8 when symmetric), against the float64 reference — the layout half of the kernel, checked
+    without a GPU."""
+    rng = np.random.default_rng()
+    bm = 16
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm)
+    k = a.shape[1]
+    out = np.zeros(ref.shape)
+    for b, ex in enumerate(eids):
+        if ex < 0:
+            continue
+        x = np.asarray(a[b * bm:(b + 1) * bm].astype(jnp.float32), np.float64)
+        for kb in range(k // 128):
+            g = 0 if group == -1 else kb
+            wt = np.asarray(words[ex, :, kb * 16:(kb + 1) * 16]).astype(np.uint32)        # [N, 16]
+            sc = np.asarray(scales[ex, g].astype(jnp.float32))
+            zc = np.full(sc.shape, 8.0, np.float32) if zeros is None else np.asarray(zeros[ex, g].astype(jnp.float32))
+            for s in range(8):
+                codes = ((wt >> (4 * s)) & 15).astype(np.float32)
+                wv = jnp.asarray((codes - zc[:, None]) * sc[:, None], jnp.float32).astype(jnp.bfloat16)
+                out[b * bm:(b + 1) * bm] += x[:, kb * 128 + 16 * s: kb * 128 + 16 * s + 16] @ \
+                    np.asarray(wv.astype(jnp.float32), np.float64).T
+    _close(out, ref)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
+def test_wgmma_kernel_lowers_to_mosaic_gpu():
+    from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
+
+    s = jax.ShapeDtypeStruct
+    for dt in (jnp.bfloat16, jnp.float16):
+        for zp in (True, False):
+            args = (s((48, 512), dt), s((3,), jnp.int32), s((4, 256, 64), jnp.int32), s((4, 4, 256), dt),
+                    s((4, 4, 256), dt) if zp else None)
+            fn = functools.partial(wgmma_grouped_gemm, block_m=16, split_k=2)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    fn = functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, stages=4)     # channelwise, 8 K-blocks
+    args = (s((128, 1024), jnp.bfloat16), s((2,), jnp.int32), s((4, 512, 128), jnp.int32),
+            s((4, 1, 512), jnp.bfloat16))
+    assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="group_size"):
+        wgmma_grouped_gemm(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
+                           jnp.zeros((1, 64, 64), jnp.int32), jnp.zeros((1, 8, 64), jnp.bfloat16),
+                           block_m=16, group_size=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("zp, group, bm, split", [(True, 128, 16, 2), (False, -1, 64, 1), (True, 128, 8, 4)])
+def test_wgmma_grouped_gemm_gpu(zp, group, bm, split):
+    """Engine v4 seed (Mosaic GPU wgmma, weights as the register operand) vs float64."""
+    from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
+
+    rng = np.random.default_rng()
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm)
+    out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
+                             split_k=split)
+    assert out.shape == (split,) + ref.shape
+    _close(np.asarray(out, np.float64).sum(0), ref)
+
+
 # ----------------------------------------------------------------------------- layer level
 
 
