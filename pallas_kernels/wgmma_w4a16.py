@@ -87,20 +87,25 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     bm = block_m
     nbp = -(-nb // IDS_PAD) * IDS_PAD
     ids = jnp.full((nbp,), -1, jnp.int32).at[:nb].set(expert_ids.astype(jnp.int32))
-    if zeros is None:
-        zeros = jnp.full(scales.shape, 8, dtype)
+    has_zp = zeros is not None
     row = plgpu.Layout.WGMMA.reduce(1)
 
-    def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, z_gmem, o_gmem):
+    def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
+        z_gmem, o_gmem = rest if has_zp else (None, rest[0])
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
 
-        def step(_, w_smem, x_smem, s_smem, z_smem, acc):
-            """One K-block: words ``[64, 16]``, activations ``[BM, 128]``, scale/zero rows ``[1, 64]``."""
+        def step(_, w_smem, x_smem, s_smem, *rest):
+            """One K-block: words ``[64, 16]``, activations ``[BM, 128]``, scale (and zero) rows
+            ``[1, 64]``; the carry is the accumulator."""
+            z_smem, acc = rest if has_zp else (None, rest[0])
             words_r = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA)                  # [64, 16] int32
             sc = jax.lax.broadcast_in_dim(plgpu.load(s_smem.at[0], (), layout=row).astype(jnp.float32),
                                           (BLOCK_N, 16), (0,))
-            zc = jax.lax.broadcast_in_dim(plgpu.load(z_smem.at[0], (), layout=row).astype(jnp.float32),
-                                          (BLOCK_N, 16), (0,))
+            if has_zp:
+                zc = jax.lax.broadcast_in_dim(plgpu.load(z_smem.at[0], (), layout=row).astype(jnp.float32),
+                                              (BLOCK_N, 16), (0,))
+            else:
+                zc = 8.0                                    # symmetric 4-bit
             xt = plgpu.transpose_ref(x_smem, (1, 0))                                        # [128, BM]
 
             def mma(acc_ref):
@@ -121,8 +126,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                                 transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(64))),
                 plgpu.BlockSpec((bm, BLOCK_K), lambda kb: (0, kb),
                                 transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
-                plgpu.BlockSpec((1, BLOCK_N), lambda kb: (0 if group_size == -1 else kb, 0)),
-                plgpu.BlockSpec((1, BLOCK_N), lambda kb: (0 if group_size == -1 else kb, 0))],
+                *[plgpu.BlockSpec((1, BLOCK_N), lambda kb: (0 if group_size == -1 else kb, 0))] * (2 if has_zp else 1)],
             init_carry=plgpu.layout_cast(jnp.zeros((BLOCK_N, bm), jnp.float32), plgpu.Layout.WGMMA))
 
         def body(ids_smem, ids_bar):
@@ -138,7 +142,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             def _():
                 dst[...] = pipe(w_gmem.at[ex, cols, pl.ds(k0 * 16, chunk * 16)],
                                 a_gmem.at[pl.ds(i * bm, bm), pl.ds(k0 * BLOCK_K, chunk * BLOCK_K)],
-                                s_gmem.at[ex, groups, cols], z_gmem.at[ex, groups, cols])
+                                s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
 
             @pl.when(ex < 0)
             def _():
@@ -147,5 +151,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         pl.run_scoped(body, plgpu.SMEM((nbp,), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
     out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
-                         grid=(nb, n // BLOCK_N, split_k), grid_names=("b", "n", "s"))(ids, a, words, scales, zeros)
+                         grid=(nb, n // BLOCK_N, split_k), grid_names=("b", "n", "s"))(
+        ids, a, words, scales, *([zeros] if has_zp else []))
     return jnp.swapaxes(out_t, 1, 2)
