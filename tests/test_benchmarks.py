@@ -21,3 +21,11 @@ def test_moe_engine_table_and_sweep_on_cpu(capsys, tmp_path):
     m = re.search(r"blocked\s+[\d.]+ µs .* rel err ([\d.e+-]+)", printed)
     assert m and float(m.group(1)) < 2e-2, printed
     assert "device busy" in printed
+
+
+def test_gemm_kernels_on_cpu(capsys):
+    from benchmarks import gemm_kernels
+
+    assert gemm_kernels.main(["--interpret", "--gemms", "tiny", "--block-m", "16", "--reps", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert len(rows) >= 2 and all(float(r.rstrip(" |").rsplit("|", 1)[1]) < 2e-2 for r in rows), rows
