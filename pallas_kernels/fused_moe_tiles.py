@@ -256,6 +256,19 @@ def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e):
     return nb, experts, jnp.repeat(experts, bm), valid, flat, flat // k
 
 
+def _layer_inputs(hidden_states, topk_ids, weights, expert_map, global_num_experts):
+    """Shared argument checks of the engine layer and its backward → ``(t, k, cdt, e, H, I, gne)``."""
+    t, k = topk_ids.shape
+    if hidden_states.shape != (t, weights.hidden_size):
+        raise ShapeError(f"hidden_states: expected shape ({t}, {weights.hidden_size}), got {hidden_states.shape}")
+    cdt = jnp.dtype(hidden_states.dtype)
+    if cdt not in ENGINE_DTYPES:
+        raise DTypeError(f"hidden_states: the engine takes bfloat16 or float16, got {cdt.name}")
+    e = weights.num_experts
+    gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
+    return t, k, cdt, e, weights.hidden_size, weights.intermediate_size, gne
+
+
 def _permute_cols(a, perm, row_expert):
     if perm is None:
         return a
@@ -275,15 +288,8 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
     """
     act_name = activation
     act = check_activation(activation)
-    t, k = topk_ids.shape
-    if hidden_states.shape != (t, weights.hidden_size):
-        raise ShapeError(f"hidden_states: expected shape ({t}, {weights.hidden_size}), got {hidden_states.shape}")
-    cdt = jnp.dtype(hidden_states.dtype)
-    if cdt not in ENGINE_DTYPES:
-        raise DTypeError(f"hidden_states: the engine takes bfloat16 or float16, got {cdt.name}")
-    e = weights.num_experts
-    h_dim, i_dim = weights.hidden_size, weights.intermediate_size
-    gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
+    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
+                                                    global_num_experts)
     if t == 0:
         return jnp.zeros_like(hidden_states)
     cfg = config or choose_config(t, k, weights, **config_overrides)
@@ -412,13 +418,8 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
     """
     act = check_activation(activation)
     on_input = apply_router_weight_on_input
-    t, k = topk_ids.shape
-    cdt = jnp.dtype(hidden_states.dtype)
-    if cdt not in ENGINE_DTYPES:
-        raise DTypeError(f"hidden_states: the engine takes bfloat16 or float16, got {cdt.name}")
-    e = weights.num_experts
-    h_dim, i_dim = weights.hidden_size, weights.intermediate_size
-    gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
+    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
+                                                    global_num_experts)
     bm = _pow2(max(16, block_m or default_block_m(t, k, e)))      # Triton: power-of-two blocks
     _, bad = _local(topk_ids, expert_map, gne, e)
     nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)

@@ -20,7 +20,7 @@ from pallas_kernels.wna16_grouped_gemm import (asm_supported, choose_split, grou
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
 from wna16_jax.checkpoint import random_checkpoint_weights
-from wna16_jax.errors import DTypeError, UnsupportedError
+from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError
 from wna16_jax.schemes import QuantScheme
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -409,6 +409,19 @@ def test_tiles_decode_is_the_checkpoint():
         r13, r2 = w.dequantize(jnp.float32)
         np.testing.assert_array_equal(np.asarray(t13), np.asarray(r13))
         np.testing.assert_array_equal(np.asarray(t2), np.asarray(r2))
+
+
+def test_layer_and_backward_reject_bad_hidden_states():
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, SCHEMES["awq_g128"], 4, 256, 128, 3, 2)
+    tiles = convert_tiles(w.to_jax())
+    g = jnp.zeros((3, 256), jnp.float32)
+    for fn in (functools.partial(fused_moe_tiles, interpret=INTERPRET),
+               functools.partial(fused_moe_tiles_bwd, g, interpret=INTERPRET)):
+        with pytest.raises(ShapeError, match=r"hidden_states: expected shape \(3, 256\), got \(3, 128\)"):
+            fn(x[:, :128], tw, ids, tiles)
+        with pytest.raises(DTypeError, match="bfloat16 or float16, got float32"):
+            fn(x.astype(jnp.float32), tw, ids, tiles)
 
 
 def test_backward_matches_float64_gradient():
