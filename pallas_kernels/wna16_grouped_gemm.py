@@ -348,6 +348,17 @@ def _resolve_mode(dequant, bits, group_size, dtype, interpret):
     return dequant
 
 
+def _kernel(a, k, n, zeros, row_scale, bias, *, bits, group_size, split_k, dequant, interpret, gated, act,
+            pair_top_k, dot, name):
+    """:func:`_gemm_kernel` with its static configuration (dequantization mode, split-K chunk)."""
+    mode = _resolve_mode(dequant, bits, group_size, a.dtype, interpret)
+    n_kb = k // tile_bk(bits)
+    return functools.partial(
+        _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=_chunk(n_kb, split_k, name),
+        has_zp=zeros is not None, has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=gated,
+        act=act, n_half=n // 2, pair_top_k=pair_top_k, dot=dot)
+
+
 _STATIC = ("bits", "group_size", "block_m", "block_n", "split_k", "interpret", "num_warps", "num_stages",
            "dequant", "activation", "out_dtype", "dot")
 DOTS = ("mma", "fma", "swap")
@@ -390,13 +401,9 @@ def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=
         raise ValueError("grouped_gemm: the gated epilogue needs split_k=1")
     if gated and activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"grouped_gemm: activation {activation!r} is not fused (have {FUSED_ACTIVATIONS})")
-    mode = _resolve_mode(dequant, bits, group_size, a.dtype, interpret)
-    n_kb = k // tile_bk(bits)
-    chunk = _chunk(n_kb, split_k, "grouped_gemm")
-    kernel = functools.partial(
-        _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=chunk, has_zp=zeros is not None,
-        has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=gated, act=activation,
-        n_half=n // 2, pair_top_k=0, dot=dot)
+    kernel = _kernel(a, k, n, zeros, row_scale, bias, bits=bits, group_size=group_size, split_k=split_k,
+                     dequant=dequant, interpret=interpret, gated=gated, act=activation, pair_top_k=0, dot=dot,
+                     name="grouped_gemm")
     rs = jnp.zeros((m,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
     if gated:
         odt = jnp.dtype(out_dtype or a.dtype)
@@ -436,13 +443,9 @@ def pair_gemm(a, pair_experts, words, scales, zeros=None, row_scale=None, bias=N
     _check(a, words, bits, k, n, block_n, "pair_gemm")
     if p != t * top_k:
         raise ValueError(f"pair_gemm: {p} pairs for {t} rows × top_k={top_k}")
-    mode = _resolve_mode(dequant, bits, group_size, a.dtype, interpret)
-    n_kb = k // tile_bk(bits)
-    chunk = _chunk(n_kb, split_k, "pair_gemm")
-    kernel = functools.partial(
-        _gemm_kernel, bits=bits, group=group_size, n_kb=n_kb, chunk=chunk, has_zp=zeros is not None,
-        has_rs=row_scale is not None, has_bias=bias is not None, mode=mode, gated=False, act=None,
-        n_half=n // 2, pair_top_k=top_k, dot=dot)
+    kernel = _kernel(a, k, n, zeros, row_scale, bias, bits=bits, group_size=group_size, split_k=split_k,
+                     dequant=dequant, interpret=interpret, gated=False, act=None, pair_top_k=top_k, dot=dot,
+                     name="pair_gemm")
     rs = jnp.zeros((p,), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)
     return _call(kernel, grid=(p, n // block_n, split_k), a=a, a_spec=_full(a), ids=pair_experts,
                  words=words, scales=scales, zeros=_dummy(jnp.uint8) if zeros is None else zeros, rs=rs,
