@@ -270,13 +270,12 @@ def main(argv=None):
     table = [_header(alts)] + [_row_md(r, alts) for r in lines]
     print("\n".join(table))
     if args.append:
-        with open(args.append, "a") as f:
-            f.write(f"\n## GPU engine, {datetime.date.today()} ({jax.devices()[0].device_kind}, jax {jax.__version__})\n\n"
-                    f"Command: `PYTHONPATH=$PWD python3 benchmarks/moe_engine.py "
-                    f"{' '.join(argv or sys.argv[1:])}`. W4A16 group 128 (AWQ with zero points unless the "
-                    f"column says GPTQ), random weights, random routing per call, bf16 activations; µs per "
-                    f"layer ({TIMING} jitted program of calls, median of 5). rel err: the engine's output vs a float32 "
-                    f"XLA evaluation.\n\n" + "\n".join(table) + "\n")
+        from benchmarks.results_io import append_markdown
+
+        append_markdown(args.append, "GPU engine", "moe_engine.py", argv or sys.argv[1:],
+                        "W4A16 group 128 (AWQ with zero points unless the column says GPTQ), random weights, "
+                        f"random routing per call, bf16 activations; µs per layer ({TIMING} jitted program of "
+                        "calls, median of 5). rel err: the engine's output vs a float32 XLA evaluation.", table)
     return 0
 
 

@@ -76,4 +76,17 @@ def append_results(path: str | os.PathLike, record: Mapping[str, Any] | list) ->
     os.replace(tmp, path)
 
 
-__all__ = ["append_results", "load_results", "validate_record", "REQUIRED"]
+def append_markdown(path: str | os.PathLike, title: str, script: str, argv: list[str], description: str,
+                    table: list[str]) -> None:
+    """Append a dated section (title, device, exact command, description, table) to RESULTS.md."""
+    import datetime
+
+    import jax
+
+    with open(path, "a") as f:
+        f.write(f"\n## {title}, {datetime.date.today()} ({jax.devices()[0].device_kind}, jax {jax.__version__})\n\n"
+                f"Command: `PYTHONPATH=$PWD python3 benchmarks/{script} {' '.join(argv)}`. {description}\n\n"
+                + "\n".join(table) + "\n")
+
+
+__all__ = ["append_markdown", "append_results", "load_results", "validate_record", "REQUIRED"]
