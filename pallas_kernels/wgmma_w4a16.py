@@ -1,78 +1,129 @@
-"""Engine v4 seed: a Mosaic GPU (Hopper wgmma) grouped W4A16 GEMM with the weights dequantized
-into the register A operand — NOT YET RUN ON A GPU (written and lowering-checked on the CPU;
-its GPU test is ``tests/test_pallas_engine.py::test_wgmma_grouped_gemm_gpu``).
+"""Engine v4: a Mosaic GPU (Hopper wgmma) grouped W4A16 GEMM with the weights dequantized into
+the register A operand, and the MoE layer on it (:func:`fused_moe_wgmma`). Runs on the H200
+(GPU tests: ``test_wgmma_grouped_gemm_gpu``, ``test_fused_moe_wgmma_gpu_shapes``); not the
+default executor — measured against the Triton-lowered engine in ``benchmarks/RESULTS.md``
+(faster GEMMs at 64–128-row blocks, about even at decode; ``benchmarks/NOTES.md``, v4).
 
 Operands are swapped as in Marlin's small-M schedule: per program, ``accᵀ[BN, BM] += Wᵀ · Aᵀ``
-where ``Wᵀ`` (64 output columns × 16 of K) is the wgmma's register operand and the ``BM``
-activation rows are its shared-memory operand, so a block of 8–64 tokens fills the wgmma's N
-side instead of wasting a 64-row M side.
+where ``Wᵀ`` (64 or 128 output columns × 16 of K) is the wgmma's register operand and the
+``BM`` activation rows (8 to 256) are its shared-memory operand, so a block of 8 tokens fills
+the wgmma's N side instead of wasting a 64-row M side.
 
-Weight layout (:func:`to_wgmma_layout`, from the engine's tile layout): words ``[E, N, K/8]``
-int32 — the tile layout transposed, so slot ``s`` of the 16 words ``[n, 16·kb : 16·kb + 16]`` holds
-rows ``128·kb + 16·s + w`` (``w`` = word index) of column ``n``: each slot is exactly one 16-deep
-wgmma step. Scales and zero points ``[E, G, N]`` in the activation dtype (TMA moves whole
-128-byte rows; integer zero points up to 255 are exact in bf16/fp16).
+Weight layout (:func:`to_wgmma_layout`, from the engine's tile layout, converted once):
 
-Per program (block ``i`` of ``BM`` rows, column tile ``j``, split ``s``): ``plgpu.emit_pipeline``
-streams its K-blocks through a ring of ``stages`` shared-memory buffers (TMA copies of the
-``[64, 16]`` word tile, the ``[BM, 128]`` activation tile and the group's scale and zero rows);
-for each K-block the words are loaded in the wgmma register layout and each slot becomes
-``(code − zero) · scale`` → activation dtype → one ``wgmma``. A persistent grid and the fused
-epilogues of :mod:`pallas_kernels.wna16_grouped_gemm` are the next steps once this runs.
+* 16-bit words (default, measured 20–30% faster at decode): ``[E, N, K/4]`` int16; in each
+  128-deep K-block, word ``16·u + w`` of column ``n`` holds rows ``128·kb + 64·u + 16·t + w`` in
+  nibble ``t``. A ``[BN, 16]`` word tile loaded in the wgmma register layout gives, per nibble,
+  one 16-deep K step: ``bits(magic | c)`` is the 16-bit float ``magic + c`` (bf16 128, fp16
+  1024), minus the zero point stored biased (``magic + z``), times the scale — two packed
+  16-bit float ops per pair of weights, no int→float conversion, and the same rounding as the
+  reference (``(c − z)`` is exact, one rounding in the product).
+* 32-bit words: ``[E, N, K/8]`` int32, the tile layout transposed (slot ``s`` of word ``w`` =
+  row ``16·s + w``), dequantized through float32 — kept as the measured baseline.
+
+Scales and zero points ``[E, G, N]`` in the activation dtype (TMA moves whole 128-byte rows),
+group 128 or channelwise. Per program (block ``i``, column tile ``j``, split ``s``):
+``plgpu.emit_pipeline`` streams ``kpb`` K-blocks per step through a ring of ``stages`` TMA-fed
+shared-memory buffers; ``overlap`` keeps the accumulator across steps so one step's wgmmas run
+while the next dequantizes. Not yet: fused epilogues (the layer does bias, router weight,
+activation and the top-k sum in XLA on float32 partials), a persistent grid, 8-bit codes.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from wna16_jax.errors import ConfigError, DTypeError, ShapeError
+from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
 BLOCK_N = 64          # wgmma M side: output columns per program
 BLOCK_K = 128         # one K-block: 16 words × 8 slots
 IDS_PAD = 32          # TMA copies whole multiples of 128 bytes: the block → expert ids are padded
 
 
-def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16):
+def magic(dtype):
+    """Bit pattern ``m`` with ``bits(m | c) == m + c`` for a 4-bit ``c`` in ``dtype``: bf16 128, fp16 1024."""
+    return 0x4300 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 0x6400
+
+
+def magic_value(dtype):
+    return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
+
+
+def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16):
     """Engine tile layout (``words [E, K/8, N]``, ``scales [E, G, N]``, ``zeros`` uint8 or None)
-    → this kernel's ``(words [E, N, K/8], scales [E, G, N] dtype, zeros [E, G, N] dtype or None)``."""
-    w = jnp.swapaxes(words, 1, 2)
-    s = scales.astype(dtype)
-    z = None if zeros is None else zeros.astype(dtype)
-    return w, s, z
+    → this kernel's ``(words, scales [E, G, N] dtype, zeros [E, G, N] dtype or None)``.
+
+    ``word_bits=16`` (the default, the faster one on the H200): int16 words ``[E, N, K/4]``; in
+    each 128-deep K-block, word ``16·u + w`` of column ``n`` holds rows ``128·kb + 64·u + 16·t + w``
+    in its nibble ``t``. Zero points are stored biased by the dequantization's magic number
+    (:func:`magic_value` + z) so the kernel subtracts once. ``word_bits=32``: int32 words
+    ``[E, N, K/8]`` (the tile layout transposed; slot ``s`` of word ``w`` = row ``16·s + w``),
+    zero points stored as they are."""
+    if word_bits == 32:
+        z = None if zeros is None else zeros.astype(dtype)
+        return jnp.swapaxes(words, 1, 2), scales.astype(dtype), z
+    if word_bits != 16:
+        raise ConfigError(f"word_bits must be 16 or 32, got {word_bits}")
+    e, kw, n = words.shape
+    shifts = jnp.arange(8, dtype=jnp.int32) * 4
+    codes = (words[:, :, None, :] >> shifts[None, None, :, None]) & 15          # [E, K/8, 8, N]
+    # tile layout: in block kb, word w slot s = row 16s + w  →  codes [E, kb, s, w, N] = row 16s + w
+    codes = codes.reshape(e, kw // 16, 16, 8, n).transpose(0, 1, 3, 2, 4)       # [E, kb, s(16-row step), w, N]
+    # new layout: row 64u + 16t + w = step s = 4u + t
+    codes = codes.reshape(e, kw // 16, 2, 4, 16, n)                              # [E, kb, u, t, w, N]
+    packed = (codes << (jnp.arange(4, dtype=jnp.int32) * 4)[None, None, None, :, None, None]).sum(3)
+    packed = packed.transpose(0, 4, 1, 2, 3).reshape(e, n, kw * 2)               # [E, N, kb·u·w]
+    packed = jax.lax.bitcast_convert_type(packed.astype(jnp.uint16), jnp.int16)
+    z = None if zeros is None else (zeros.astype(jnp.float32) + magic_value(dtype)).astype(dtype)
+    return packed, scales.astype(dtype), z
 
 
 def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
     m, k = a.shape
     e, n, kw = words.shape
     if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"a: expected bfloat16 or float16, got {a.dtype}")
-    if kw * 8 != k or k % BLOCK_K or n % BLOCK_N:
-        raise ValueError(f"wgmma_grouped_gemm: a={a.shape} and words={words.shape} need K = 8·K/8 and "
-                         f"K % {BLOCK_K} == 0, N % {BLOCK_N} == 0")
+        raise DTypeError(f"a: expected bfloat16 or float16, got {a.dtype}")
+    per_word = {jnp.dtype(jnp.int32): 8, jnp.dtype(jnp.int16): 4}.get(jnp.dtype(words.dtype))
+    if per_word is None:
+        raise DTypeError(f"words: expected int32 or int16 (to_wgmma_layout), got {words.dtype}")
+    if kw * per_word != k or k % BLOCK_K or n % BLOCK_N:
+        raise ShapeError(f"wgmma_grouped_gemm: a={a.shape} and words={words.dtype}{words.shape} need "
+                         f"K = {per_word}·words.shape[2], K % {BLOCK_K} == 0, N % {BLOCK_N} == 0")
     if block_m % 8 or not 8 <= block_m <= 256 or m != expert_ids.shape[0] * block_m:
-        raise ValueError(f"wgmma_grouped_gemm: block_m={block_m} must be a multiple of 8 in [8, 256] and "
+        raise ShapeError(f"wgmma_grouped_gemm: block_m={block_m} must be a multiple of 8 in [8, 256] and "
                          f"a must hold {expert_ids.shape[0]} blocks of it, got {m} rows")
     if group_size not in (-1, BLOCK_K):
-        raise ValueError(f"wgmma_grouped_gemm: group_size must be {BLOCK_K} or -1 (channelwise), got {group_size}")
+        raise ConfigError(f"wgmma_grouped_gemm: group_size must be {BLOCK_K} or -1 (channelwise), got {group_size}")
     g = 1 if group_size == -1 else k // BLOCK_K
     for name, t in (("scales", scales), ("zeros", zeros)):
-        if t is not None and (t.shape != (e, g, n) or t.dtype != a.dtype):
-            raise ValueError(f"{name}: expected {a.dtype} {(e, g, n)}, got {t.dtype} {t.shape}")
+        if t is not None and t.shape != (e, g, n):
+            raise ShapeError(f"{name}: expected shape {(e, g, n)}, got {t.shape}")
+        if t is not None and t.dtype != a.dtype:
+            raise DTypeError(f"{name}: expected {a.dtype} (the activation dtype, to_wgmma_layout), got {t.dtype}")
     n_kb = k // BLOCK_K
     if split_k < 1 or n_kb % split_k:
-        raise ValueError(f"wgmma_grouped_gemm: split_k={split_k} must divide the {n_kb} K-blocks")
+        raise ConfigError(f"wgmma_grouped_gemm: split_k={split_k} must divide the {n_kb} K-blocks")
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages"))
+@functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
+                                             "overlap"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
-                       split_k: int = 1, stages: int = 3):
+                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1,
+                       overlap: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
     rows), weights from :func:`to_wgmma_layout`. Returns float32 partials ``[split_k, M, N]``.
-    4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: K-blocks in flight
-    (``plgpu.emit_pipeline``'s ring of shared-memory buffers, TMA-fed).
+    4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: pipeline steps in
+    flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
+    K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
+    tiles); ``overlap``: keep the accumulator across steps and let a step's wgmmas run while the
+    next step dequantizes (its buffers are released one step late).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -82,75 +133,293 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     e, n, _ = words.shape
     nb = expert_ids.shape[0]
     n_kb = k // BLOCK_K
-    chunk = n_kb // split_k
+    bn = block_n
+    if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
+        raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
+                         f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
+    chunk = n_kb // split_k // kpb            # pipeline steps per program
     dtype = a.dtype
     bm = block_m
-    nbp = -(-nb // IDS_PAD) * IDS_PAD
-    ids = jnp.full((nbp,), -1, jnp.int32).at[:nb].set(expert_ids.astype(jnp.int32))
+    # block → expert ids as [R, 32] int32 rows: TMA moves multiples of 128 bytes and at most
+    # 256 elements per dimension, so one copy covers up to 8192 blocks
+    rows_ids = -(-nb // IDS_PAD)
+    if rows_ids > 256:
+        raise ShapeError(f"wgmma_grouped_gemm: {nb} blocks > {256 * IDS_PAD}")
+    ids = jnp.full((rows_ids * IDS_PAD,), -1, jnp.int32).at[:nb].set(expert_ids.astype(jnp.int32))
+    ids = ids.reshape(rows_ids, IDS_PAD)
     has_zp = zeros is not None
     row = plgpu.Layout.WGMMA.reduce(1)
+    w16 = jnp.dtype(words.dtype) == jnp.dtype(jnp.int16)
+    wcols = 32 if w16 else 16                 # words per row per K-block
+    wswz = 32 if w16 else 64                  # bytes per 16-word tile row
+    channelwise = group_size == -1
+
+    def dequantized(w_smem, s_smem, z_smem):
+        """The step's weights as ``(K offset, [bn, 16] register operand)`` pairs, in K order."""
+        out = []
+        for q in range(kpb):
+            g = 0 if channelwise else q
+
+            def rows(ref, dt):
+                return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(dt), (bn, 16), (0,))
+
+            if w16:
+                # bf16/fp16 arithmetic on magic-number codes: bits(m | c) = m + c exactly,
+                # (m + c) − (m + z) exact, one rounding in the scale multiply — the reference's value
+                sc = rows(s_smem, dtype)
+                zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
+                for u in range(2):
+                    tile = plgpu.load(w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)], (), layout=plgpu.Layout.WGMMA)
+                    for t in range(4):
+                        c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
+                        v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(magic(dtype)), dtype)
+                        out.append((BLOCK_K * q + 64 * u + 16 * t, (v - zc) * sc))
+            else:
+                sc = rows(s_smem, jnp.float32)
+                zc = rows(z_smem, jnp.float32) if has_zp else 8.0
+                tile = plgpu.load(w_smem.at[:, pl.ds(wcols * q, 16)], (), layout=plgpu.Layout.WGMMA)
+                for t in range(8):
+                    codes = jax.lax.shift_right_logical(tile, jnp.int32(4 * t)) & 15
+                    out.append((BLOCK_K * q + 16 * t, ((codes.astype(jnp.float32) - zc) * sc).astype(dtype)))
+        return out
+
+    def transposed(x_smem):
+        return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
 
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         z_gmem, o_gmem = rest if has_zp else (None, rest[0])
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        delay = 1 if overlap else 0
+        specs = [
+            plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
+            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb), delay_release=delay,
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+            *[plgpu.BlockSpec((1 if channelwise else kpb, bn), lambda kb: (0 if channelwise else kb, 0))]
+            * (2 if has_zp else 1)]
 
-        def step(_, w_smem, x_smem, s_smem, *rest):
-            """One K-block: words ``[64, 16]``, activations ``[BM, 128]``, scale (and zero) rows
-            ``[1, 64]``; the carry is the accumulator."""
-            z_smem, acc = rest if has_zp else (None, rest[0])
-            words_r = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA)                  # [64, 16] int32
-            sc = jax.lax.broadcast_in_dim(plgpu.load(s_smem.at[0], (), layout=row).astype(jnp.float32),
-                                          (BLOCK_N, 16), (0,))
-            if has_zp:
-                zc = jax.lax.broadcast_in_dim(plgpu.load(z_smem.at[0], (), layout=row).astype(jnp.float32),
-                                              (BLOCK_N, 16), (0,))
-            else:
-                zc = 8.0                                    # symmetric 4-bit
-            xt = plgpu.transpose_ref(x_smem, (1, 0))                                        # [128, BM]
+        def split_refs(rest):
+            return (rest[0], rest[1]) if has_zp else (None, rest[0])
 
-            def mma(acc_ref):
-                acc_ref[...] = acc
-                for slot in range(8):
-                    codes = jax.lax.shift_right_logical(words_r, jnp.int32(4 * slot)) & 15
-                    w = ((codes.astype(jnp.float32) - zc) * sc).astype(dtype)
-                    plgpu.wgmma(acc_ref, w, xt.at[pl.ds(16 * slot, 16)])
+        def run_k(acc_ref, gmem_refs):
+            """Stream this program's K range into ``acc_ref``."""
+            if overlap:
+                def step(_, w_smem, x_smem, s_smem, *rest):
+                    z_smem, _ = (rest[0], None) if has_zp else (None, None)
+                    ops = dequantized(w_smem, s_smem, z_smem)
+                    xt = transposed(x_smem)
+                    for k0, w in ops:
+                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                    plgpu.wgmma_wait(len(ops))          # the previous step's wgmmas are done
+                plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk) if chunk > 1 else 2,
+                                    in_specs=specs)(*gmem_refs)
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
-            return pl.run_scoped(mma, plgpu.ACC((BLOCK_N, bm), jnp.float32))
+            def step(_, w_smem, x_smem, s_smem, *rest):
+                z_smem, acc = split_refs(rest)
+                ops = dequantized(w_smem, s_smem, z_smem)
+                xt = transposed(x_smem)
+                acc_ref[...] = acc
+                for k0, w in ops:
+                    plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
 
-        pipe = plgpu.emit_pipeline(
-            step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
-            in_specs=[
-                plgpu.BlockSpec((BLOCK_N, 16), lambda kb: (0, kb),
-                                transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(64))),
-                plgpu.BlockSpec((bm, BLOCK_K), lambda kb: (0, kb),
-                                transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
-                *[plgpu.BlockSpec((1, BLOCK_N), lambda kb: (0 if group_size == -1 else kb, 0))] * (2 if has_zp else 1)],
-            init_carry=plgpu.layout_cast(jnp.zeros((BLOCK_N, bm), jnp.float32), plgpu.Layout.WGMMA))
+            return plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
+                                       in_specs=specs,
+                                       init_carry=plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32),
+                                                                    plgpu.Layout.WGMMA))(*gmem_refs)
 
         def body(ids_smem, ids_bar):
             plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
-            ex = ids_smem[i]
-            cols = pl.ds(j * BLOCK_N, BLOCK_N)
-            k0 = sp * chunk
-            groups = pl.ds(0, 1) if group_size == -1 else pl.ds(k0, chunk)
+            ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
+            cols = pl.ds(j * bn, bn)
+            kb0 = sp * chunk * kpb
+            nk = chunk * kpb
+            groups = pl.ds(0, 1) if channelwise else pl.ds(kb0, nk)
             dst = o_gmem.at[sp, cols, pl.ds(i * bm, bm)]
 
             @pl.when(ex >= 0)
             def _():
-                dst[...] = pipe(w_gmem.at[ex, cols, pl.ds(k0 * 16, chunk * 16)],
-                                a_gmem.at[pl.ds(i * bm, bm), pl.ds(k0 * BLOCK_K, chunk * BLOCK_K)],
-                                s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
+                refs = (w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
+                        a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
+                        s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
+
+                def with_acc(acc_ref):
+                    if overlap:
+                        acc_ref[...] = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+                    dst[...] = run_k(acc_ref, refs)
+                pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex < 0)
             def _():
-                dst[...] = plgpu.layout_cast(jnp.zeros((BLOCK_N, bm), jnp.float32), plgpu.Layout.WGMMA)
+                dst[...] = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
 
-        pl.run_scoped(body, plgpu.SMEM((nbp,), jnp.int32), plgpu.Barrier(num_arrivals=1))
+        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
     out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
-                         grid=(nb, n // BLOCK_N, split_k), grid_names=("b", "n", "s"))(
+                         grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
         ids, a, words, scales, *([zeros] if has_zp else []))
     return jnp.swapaxes(out_t, 1, 2)
+
+
+# ----------------------------------------------------------------------------- the layer on wgmma
+
+
+def from_wgmma_layout(words16):
+    """Inverse of :func:`to_wgmma_layout`'s 16-bit words: ``[E, N, K/4]`` int16 → the engine's
+    tile layout ``[E, K/8, N]`` int32."""
+    e, n, k4 = words16.shape
+    w = jax.lax.bitcast_convert_type(words16, jnp.uint16).astype(jnp.int32)
+    codes = (w[..., None] >> (jnp.arange(4, dtype=jnp.int32) * 4)) & 15              # [E, N, K/4, t]
+    codes = codes.reshape(e, n, k4 // 32, 2, 16, 4).transpose(0, 2, 3, 5, 4, 1)        # [E, kb, u, t, w, N]
+    codes = codes.reshape(e, k4 // 32, 8, 16, n).transpose(0, 1, 3, 2, 4)              # [E, kb, w, s, N]
+    shifts = (jnp.arange(8, dtype=jnp.int32) * 4)[None, None, None, :, None]
+    tiles = (codes.astype(jnp.uint32) << shifts.astype(jnp.uint32)).sum(3, dtype=jnp.uint32)   # disjoint bits
+    return jax.lax.bitcast_convert_type(tiles.reshape(e, k4 // 2, n), jnp.int32)
+
+
+@pytree_dataclass(meta=("hidden_size", "intermediate_size"))
+class WgmmaWeights(ExpertsMixin):
+    """One layer in the v4 kernel's layout (:func:`convert_wgmma`): 16-bit words
+    ``w13_words [E, 2I, H/4]``, ``w2_words [E, H, I/4]``; scales ``[E, G, N]`` and zero points
+    (stored biased by the magic number, or None) in ``dtype``; biases and act-order row
+    orders as in :class:`pallas_kernels.fused_moe_tiles.TileWeights`. 4-bit, group 128 or
+    channelwise."""
+
+    w13_words: Any
+    w2_words: Any
+    w13_scales: Any
+    w2_scales: Any
+    w13_zeros: Any = None
+    w2_zeros: Any = None
+    w13_bias: Any = None
+    w2_bias: Any = None
+    w13_perm: Any = None
+    w2_perm: Any = None
+    hidden_size: int = 0
+    intermediate_size: int = 0
+
+    def to_tiles(self):
+        from .fused_moe_tiles import TileWeights
+
+        def zeros(z, s):
+            return None if z is None else (z.astype(jnp.float32) - magic_value(s.dtype)).astype(jnp.uint8)
+
+        g = self.w13_scales.shape[1]
+        return TileWeights(from_wgmma_layout(self.w13_words), from_wgmma_layout(self.w2_words),
+                           self.w13_scales, self.w2_scales, zeros(self.w13_zeros, self.w13_scales),
+                           zeros(self.w2_zeros, self.w2_scales), self.w13_bias, self.w2_bias, self.w13_perm,
+                           self.w2_perm, bits=4, group_size=-1 if g == 1 else BLOCK_K,
+                           hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
+
+    def decode(self):
+        return self.to_tiles().decode()
+
+
+def wgmma_unsupported_reason(weights) -> str | None:
+    """Why :func:`convert_wgmma` cannot take ``weights`` (None if it can)."""
+    from .fused_moe_tiles import TileWeights, tile_unsupported_reason
+
+    if isinstance(weights, WgmmaWeights):
+        return None
+    scheme = getattr(weights, "scheme", None)
+    bits = scheme.bits if scheme is not None else getattr(weights, "bits", None)
+    group = scheme.group_size if scheme is not None else getattr(weights, "group_size", None)
+    if not isinstance(weights, TileWeights):
+        reason = tile_unsupported_reason(weights)
+        if reason:
+            return reason
+    if bits != 4:
+        return f"{bits}-bit weights (the wgmma kernel takes 4-bit codes)"
+    if group not in (-1, 0, BLOCK_K) and not (group == weights.hidden_size == weights.intermediate_size):
+        return f"group size {group} (the wgmma kernel takes {BLOCK_K} or channelwise)"
+    for name, n in (("2·intermediate size", 2 * weights.intermediate_size), ("hidden size", weights.hidden_size)):
+        if n % BLOCK_N:
+            return f"{name} {n} is not a multiple of {BLOCK_N} columns"
+    return None
+
+
+def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
+    """Any experts pytree with a decode → :class:`WgmmaWeights` for ``dtype`` activations
+    (through the engine's tile conversion, so act-order rows are sorted the same way). Scales
+    are stored in ``dtype`` (a float16 checkpoint scale run with bfloat16 activations is rounded
+    to bfloat16 once, here); :func:`fused_moe_wgmma` re-casts them if called with the other
+    16-bit dtype."""
+    from wna16_jax.errors import UnsupportedError
+    from .fused_moe_tiles import convert_tiles
+
+    if isinstance(weights, WgmmaWeights):
+        return weights
+    reason = wgmma_unsupported_reason(weights)
+    if reason:
+        raise UnsupportedError(f"wgmma engine: {reason}")
+    tw = convert_tiles(weights)
+    if tw.w13_scales.shape[1] not in (1, tw.hidden_size // BLOCK_K):
+        raise UnsupportedError(f"wgmma engine: {tw.w13_scales.shape[1]} scale groups over K={tw.hidden_size}")
+    w13 = to_wgmma_layout(tw.w13_qweight, tw.w13_scales, tw.w13_zeros, dtype)
+    w2 = to_wgmma_layout(tw.w2_qweight, tw.w2_scales, tw.w2_zeros, dtype)
+    return WgmmaWeights(w13[0], w2[0], w13[1], w2[1], w13[2], w2[2], tw.w13_bias, tw.w2_bias, tw.w13_perm,
+                        tw.w2_perm, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size)
+
+
+def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert block: the average rows per expert rounded up to a power of two, 8 to 128."""
+    avg = max(1, -(-num_pairs // max(num_experts, 1)))
+    return min(128, max(8, 1 << (avg - 1).bit_length()))
+
+
+def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",
+                    apply_router_weight_on_input: bool = False, expert_map=None,
+                    global_num_experts: int | None = None, block_m: int | None = None, split1: int | None = None,
+                    split2: int | None = None, block_n: int = 128, stages: int = 4):
+    """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`):
+    rows sorted into ``block_m`` expert blocks; GEMM1 → split sum, bias, router weight (on input)
+    and activation in XLA → GEMM2 → split sum, bias, router weight, top-k segment sum in XLA.
+    Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
+    from wna16_jax.moe import check_activation
+    from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks, max_blocks
+    from .wna16_grouped_gemm import choose_split, num_sms
+
+    act = check_activation(activation)
+    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
+                                                    global_num_experts)
+    if t == 0:
+        return jnp.zeros_like(hidden_states)
+    local, bad = _local(topk_ids, expert_map, gne, e)
+    bm = block_m or wgmma_block_m(t * k, e)
+    nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+    tw_rows = jnp.where(valid, topk_weights.astype(jnp.float32).reshape(-1)[flat], 0.0)
+    group = -1 if weights.w13_scales.shape[1] == 1 else BLOCK_K
+
+    def operands(words, scales, zeros):
+        if scales.dtype != cdt:                      # stored for the other 16-bit dtype: re-bias
+            zeros = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(scales.dtype)
+                                                 + magic_value(cdt)).astype(cdt)
+            scales = scales.astype(cdt)
+        return words, scales, zeros
+
+    def gemm(a, ops, n, kdim, split):
+        bn = block_n if n % block_n == 0 else BLOCK_N
+        n_kb = kdim // BLOCK_K
+        want = split or choose_split(nb * (n // bn), n_kb, sms=num_sms(), waves=2)
+        s = max(d for d in range(1, min(want, n_kb) + 1) if n_kb % d == 0)     # the kernel needs a divisor
+        return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
+                                  stages=stages).sum(0)
+
+    a1 = _permute_cols(jnp.where(valid[:, None], hidden_states[tok], 0).astype(cdt), weights.w13_perm, row_expert)
+    h = gemm(a1, operands(weights.w13_words, weights.w13_scales, weights.w13_zeros), 2 * i_dim, h_dim, split1)
+    if weights.w13_bias is not None:
+        h = h + weights.w13_bias[jnp.maximum(row_expert, 0)].astype(jnp.float32)
+    if apply_router_weight_on_input:
+        h = h * tw_rows[:, None]
+    a2 = _permute_cols(act(h).astype(cdt), weights.w2_perm, row_expert)
+    y = gemm(a2, operands(weights.w2_words, weights.w2_scales, weights.w2_zeros), h_dim, i_dim, split2)
+    if weights.w2_bias is not None:
+        y = y + weights.w2_bias[jnp.maximum(row_expert, 0)].astype(jnp.float32)
+    y = y * (valid.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]
+    out = jax.ops.segment_sum(y, jnp.where(valid, tok, t), num_segments=t + 1)[:t]
+    out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
+    return out.astype(cdt)

@@ -15,12 +15,12 @@ from hypothesis import given, settings, strategies as st
 from pallas_kernels.fused_moe_tiles import (EngineConfig, choose_config, convert_tiles,
                                             engine_unsupported_reason, fused_moe_tiles, fused_moe_tiles_bwd,
                                             max_blocks, tile_unsupported_reason)
-from pallas_kernels.wna16_grouped_gemm import (asm_supported, choose_split, grouped_gemm, grouped_gemm_t,
+from pallas_kernels.wna16_grouped_gemm import (asm_supported, choose_split, dequantize_tiles, grouped_gemm, grouped_gemm_t,
                                                pack_tiles, pair_gemm, unpack_tiles)
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
 from wna16_jax.checkpoint import random_checkpoint_weights
-from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError
+from wna16_jax.errors import ConfigError, DTypeError, ShapeError, UnsupportedError
 from wna16_jax.schemes import QuantScheme
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -214,14 +214,14 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
-def _wgmma_case(rng, zp, group, bm, k=512, n=256):
+def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16):
     from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
     codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
     eids = np.array(rng.permutation([0, 1, 2, -1]), np.int32)
     a = jnp.asarray(rng.standard_normal((4 * bm, k)), jnp.bfloat16)
     lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
-                          None if zeros is None else jnp.asarray(zeros, jnp.uint8))
+                          None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits)
     w = _weights64(codes, scales, zeros, 4, group)
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
@@ -229,15 +229,19 @@ def _wgmma_case(rng, zp, group, bm, k=512, n=256):
     return a, eids, lay, ref
 
 
+@pytest.mark.parametrize("word_bits", [16, 32])
 @pytest.mark.parametrize("zp, group", [(True, 128), (False, -1)])
-def test_wgmma_layout_indexing(zp, group):
-    """The v4 kernel's arithmetic, replayed in jnp with exactly its indexing (word tile
-    ``[n, 16·kb : 16·kb+16]``, slot ``s`` → K row ``128·kb + 16·s + w``, group ``kb`` or 0, zero
-    8 when symmetric), against the float64 reference — the layout half of the kernel, checked
-    without a GPU."""
+def test_wgmma_layout_indexing(zp, group, word_bits):
+    """The v4 kernel's arithmetic, replayed in numpy with exactly its indexing, against the
+    float64 reference — the layout half of the kernel, checked without a GPU. int32 words: tile
+    ``[n, 16·kb : 16·kb+16]``, slot ``s`` → K row ``128·kb + 16·s + w``, zero 8 when symmetric.
+    int16 words: tile ``[n, 32·kb + 16·u : +16]``, nibble ``t`` → row ``128·kb + 64·u + 16·t + w``,
+    value ``(magic | c) − zero`` with the zero stored as magic + z (magic + 8 when symmetric)."""
+    from pallas_kernels.wgmma_w4a16 import magic, magic_value
+
     rng = np.random.default_rng()
     bm = 16
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits)
     k = a.shape[1]
     out = np.zeros(ref.shape)
     for b, ex in enumerate(eids):
@@ -246,13 +250,24 @@ def test_wgmma_layout_indexing(zp, group):
         x = np.asarray(a[b * bm:(b + 1) * bm].astype(jnp.float32), np.float64)
         for kb in range(k // 128):
             g = 0 if group == -1 else kb
-            wt = np.asarray(words[ex, :, kb * 16:(kb + 1) * 16]).astype(np.uint32)        # [N, 16]
             sc = np.asarray(scales[ex, g].astype(jnp.float32))
-            zc = np.full(sc.shape, 8.0, np.float32) if zeros is None else np.asarray(zeros[ex, g].astype(jnp.float32))
-            for s in range(8):
-                codes = ((wt >> (4 * s)) & 15).astype(np.float32)
-                wv = jnp.asarray((codes - zc[:, None]) * sc[:, None], jnp.float32).astype(jnp.bfloat16)
-                out[b * bm:(b + 1) * bm] += x[:, kb * 128 + 16 * s: kb * 128 + 16 * s + 16] @ \
+            if word_bits == 32:
+                zc = np.full(sc.shape, 8.0, np.float32) if zeros is None else np.asarray(zeros[ex, g].astype(jnp.float32))
+                wt = np.asarray(words[ex, :, kb * 16:(kb + 1) * 16]).astype(np.uint32)        # [N, 16]
+                steps = [(16 * s, (wt >> (4 * s)) & 15) for s in range(8)]
+            else:
+                zc = np.full(sc.shape, magic_value(jnp.bfloat16) + 8, np.float32) if zeros is None else \
+                    np.asarray(zeros[ex, g].astype(jnp.float32))
+                steps = []
+                for u in range(2):
+                    wt = np.asarray(words[ex, :, kb * 32 + 16 * u: kb * 32 + 16 * u + 16]).view(np.uint16)
+                    for t in range(4):
+                        bits = ((wt >> (4 * t)) & 15) | magic(jnp.bfloat16)
+                        steps.append((64 * u + 16 * t, np.asarray(jax.lax.bitcast_convert_type(
+                            jnp.asarray(bits.astype(np.uint16)), jnp.bfloat16).astype(jnp.float32))))
+            for k0, codes in steps:
+                wv = jnp.asarray((codes.astype(np.float32) - zc[:, None]) * sc[:, None], jnp.float32).astype(jnp.bfloat16)
+                out[b * bm:(b + 1) * bm] += x[:, kb * 128 + k0: kb * 128 + k0 + 16] @ \
                     np.asarray(wv.astype(jnp.float32), np.float64).T
     _close(out, ref)
 
@@ -268,10 +283,16 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                     s((4, 4, 256), dt) if zp else None)
             fn = functools.partial(wgmma_grouped_gemm, block_m=16, split_k=2)
             assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            args = (args[0], args[1], s((4, 256, 128), jnp.int16)) + args[3:]                # 16-bit words
+            assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     fn = functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, stages=4)     # channelwise, 8 K-blocks
     args = (s((128, 1024), jnp.bfloat16), s((2,), jnp.int32), s((4, 512, 128), jnp.int32),
             s((4, 1, 512), jnp.bfloat16))
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
+            s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
+    assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
+        lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ValueError, match="group_size"):
         wgmma_grouped_gemm(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
                            jnp.zeros((1, 64, 64), jnp.int32), jnp.zeros((1, 8, 64), jnp.bfloat16),
@@ -280,17 +301,117 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
-@pytest.mark.parametrize("zp, group, bm, split", [(True, 128, 16, 2), (False, -1, 64, 1), (True, 128, 8, 4)])
-def test_wgmma_grouped_gemm_gpu(zp, group, bm, split):
-    """Engine v4 seed (Mosaic GPU wgmma, weights as the register operand) vs float64."""
+@pytest.mark.parametrize("word_bits", [16, 32])
+@pytest.mark.parametrize("zp, group, bm, split, opts", [
+    (True, 128, 16, 2, {}), (False, -1, 64, 1, {}), (True, 128, 8, 4, {}),
+    (True, 128, 8, 1, dict(block_n=128)), (False, 128, 16, 1, dict(kpb=2, stages=2)),
+    (True, 128, 8, 2, dict(overlap=True)), (True, -1, 16, 1, dict(block_n=128, kpb=2, overlap=True))])
+def test_wgmma_grouped_gemm_gpu(zp, group, bm, split, opts, word_bits):
+    """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
+    schedule option (column tile, K-blocks per pipeline step, wgmma/dequantization overlap)."""
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
     rng = np.random.default_rng()
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
-                             split_k=split)
+                             split_k=split, **opts)
     assert out.shape == (split,) + ref.shape
     _close(np.asarray(out, np.float64).sum(0), ref)
+
+
+def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, **_):
+    """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, zero rows
+    for id -1), for testing the layer's glue on the CPU."""
+    from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
+
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)      # the kernel's own contract
+    z = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(a.dtype)).astype(jnp.uint8)
+    w = dequantize_tiles(from_wgmma_layout(words), scales, z, bits=4, group_size=group_size, dtype=a.dtype)
+    blocks = a.reshape(-1, block_m, a.shape[1]).astype(jnp.float32)
+    out = jnp.einsum("bmk,bkn->bmn", blocks, w[jnp.maximum(expert_ids, 0)].astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    out = jnp.where((expert_ids >= 0)[:, None, None], out, 0.0).reshape(a.shape[0], -1)
+    return jnp.concatenate([out[None], jnp.zeros((split_k - 1,) + out.shape)], 0)
+
+
+WGMMA_SCHEMES = {"awq_g128": SCHEMES["awq_g128"], "gptq4_g128_actorder": SCHEMES["gptq4_g128_actorder"],
+                 "gptq4_channel": QuantScheme("gptq", 4, -1, False)}
+
+
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_weights_convert_and_decode(key):
+    """``convert_wgmma`` holds exactly the engine tiles' content (decode round trip, zero points
+    re-biased for fp16), and formats outside the kernel get a reason and a typed error."""
+    from pallas_kernels.wgmma_w4a16 import convert_wgmma, wgmma_unsupported_reason
+
+    rng = np.random.default_rng()
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], 4, 256, 256).to_jax()
+    tiles = convert_tiles(w)
+    for dt in (jnp.bfloat16, jnp.float16):
+        wg = convert_wgmma(w, dt)
+        assert wg.w13_words.dtype == jnp.int16 and wg.w13_words.shape == (4, 512, 64)
+        back = wg.to_tiles()
+        for f in ("w13_qweight", "w2_qweight", "w13_zeros", "w2_zeros", "w13_perm", "w2_perm"):
+            a, b = getattr(back, f), getattr(tiles, f)
+            assert (a is None) == (b is None), f
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f)
+    for bad in ("gptq8_channel", "ct4_asym_g32", "gptq4_g64"):
+        wb = random_checkpoint_weights(rng, SCHEMES[bad], 2, 256, 256).to_jax()
+        assert wgmma_unsupported_reason(wb)
+        with pytest.raises(UnsupportedError, match="wgmma engine"):
+            convert_wgmma(wb)
+
+
+def test_wgmma_rejects_bad_input():
+    """Typed errors naming the tensor, raised while tracing (before any GPU lowering)."""
+    from pallas_kernels.wgmma_w4a16 import convert_wgmma, fused_moe_wgmma, wgmma_grouped_gemm
+
+    a = jnp.zeros((32, 256), jnp.bfloat16)
+    ids = jnp.zeros((2,), jnp.int32)
+    w16 = jnp.zeros((3, 128, 64), jnp.int16)
+    sc = jnp.ones((3, 2, 128), jnp.bfloat16)
+    with pytest.raises(DTypeError, match="words"):
+        wgmma_grouped_gemm(a, ids, w16.astype(jnp.int8), sc, block_m=16)
+    with pytest.raises(DTypeError, match="scales"):
+        wgmma_grouped_gemm(a, ids, w16, sc.astype(jnp.float32), block_m=16)
+    with pytest.raises(ShapeError, match="zeros"):
+        wgmma_grouped_gemm(a, ids, w16, sc, sc[:, :1], block_m=16)
+    with pytest.raises(DTypeError, match="a: expected"):
+        wgmma_grouped_gemm(a.astype(jnp.float32), ids, w16, sc, block_m=16)
+    with pytest.raises(ShapeError, match="block_m"):
+        wgmma_grouped_gemm(a, ids, w16, sc, block_m=8)
+    with pytest.raises(ConfigError, match="split_k"):
+        wgmma_grouped_gemm(a, ids, w16, sc, block_m=16, split_k=3)
+    with pytest.raises(ConfigError, match="block_n"):
+        wgmma_grouped_gemm(a, ids, w16, sc, block_m=16, block_n=96)
+    rng = np.random.default_rng()
+    w, x, tw, ids2, _ = _layer_case(rng, SCHEMES["awq_g128"], 4, 256, 256, 3, 2)
+    wg = convert_wgmma(w.to_jax())
+    with pytest.raises(ShapeError, match="hidden_states"):
+        fused_moe_wgmma(x[:, :128], tw, ids2, wg)
+    with pytest.raises(DTypeError, match="hidden_states"):
+        fused_moe_wgmma(x.astype(jnp.float32), tw, ids2, wg)
+
+
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+@pytest.mark.parametrize("t, bias, map_, on_input, activation", [
+    (3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")])
+@pytest.mark.parametrize("split", [None, 3])
+def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, activation, split):
+    """The wgmma layer's sorting, bias, router weights (on input too), expert map, activation
+    and top-k sum against the float64 reference on the CPU, with the kernel replaced by its jnp
+    contract (the kernel itself is checked on the GPU by ``test_wgmma_grouped_gemm_gpu`` and
+    ``test_fused_moe_wgmma_gpu_shapes``)."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", _emulated_wgmma_gemm)
+    rng = np.random.default_rng()
+    w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 256, t, 2, bias=bias, map_=map_)
+    wg = wgm.convert_wgmma(w.to_jax())
+    got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
+                                    apply_router_weight_on_input=on_input))(x, tw, ids, wg, expert_map=em)
+    _layer_close(got, _reference(w, x, tw, ids, em, activation=activation, on_input=on_input))
 
 
 # ----------------------------------------------------------------------------- layer level
@@ -563,6 +684,33 @@ def test_fused_moe_gpu_shapes(shape, key):
                      dict(mode="blocked", dot="swap")):
             got = jax.jit(functools.partial(fused_moe_tiles, poison_outputs=True, **over))(x, tw, ids, tiles)
             _layer_close(got, ref, what=f"{over} T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_fused_moe_wgmma_gpu_shapes(shape, key):
+    """The layer on the v4 wgmma kernels at the three model shapes: decode, a few-token batch and
+    a prefill batch, auto and forced schedules (8- to 128-row blocks, split-K, 64-column tiles),
+    against the float64 reference; expert 0 never routed. (The kernel creates its outputs and
+    writes every element in both branches — an id of -1 writes zeros — so there is no buffer to
+    poison; NaN or a missed tile fails the finite/error checks.)"""
+    from pallas_kernels.wgmma_w4a16 import convert_wgmma, fused_moe_wgmma
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    wg = jax.jit(convert_wgmma)(w)
+    for t in GPU_TOKENS[shape] + (300,):
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
+        tw, ids = routing.fused_topk(logits, k, renormalize=True)
+        ref = _fast_reference(w, x, tw, ids)
+        for over in ({}, dict(block_m=16, split1=2, split2=2), dict(block_m=64, block_n=64, stages=2),
+                     dict(block_m=128)):
+            got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
+            _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
 
 @pytest.mark.gpu
