@@ -1,6 +1,6 @@
 """One expert-grouped W4A16 GEMM, kernel against kernel: the Triton-lowered engine kernel
 (`pallas_kernels.wna16_grouped_gemm.grouped_gemm`, mma and swapped operands) against the v4 Mosaic
-GPU wgmma kernel (`pallas_kernels.wgmma_w4a16`), same data, one run.
+GPU wgmma kernel (`pallas_kernels.wgmma_w4a16`, 32-bit and 16-bit word layouts), same data, one run.
 
     PYTHONPATH=$PWD python3 benchmarks/gemm_kernels.py [--gemms mixtral1 qwen3_1] [--block-m 8 16 64]
         [--reps 20] [--append benchmarks/RESULTS.md]
@@ -33,6 +33,12 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
          "qwen3_1": (128, 1536, 2048), "qwen3_2": (128, 2048, 768),
          "tiny": (4, 256, 512)}
 BW, FLOPS = 4.3e12, 640e12
+# (word bits, name, wgmma_grouped_gemm options)
+WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
+                  (16, "bn128 st4", dict(block_n=128, stages=4)), (16, "kpb2 st3", dict(kpb=2, stages=3)),
+                  (16, "ovl st4", dict(overlap=True, stages=4)),
+                  (16, "bn128 ovl st4", dict(block_n=128, overlap=True, stages=4)),
+                  (16, "bn128 kpb2 ovl st3", dict(block_n=128, kpb=2, overlap=True, stages=3))]
 
 
 def timed(fn, args, reps):
@@ -63,11 +69,11 @@ def variants(bm, n_kb, e, n, interpret):
         return v
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
-    for stages in (2, 3, 4):
+    for bits, vname, opts in WGMMA_VARIANTS:
         for sk in sorted({1, split}):
-            if n_kb % sk == 0:
-                v[f"wgmma st{stages} s{sk}"] = lambda a, ids, t, g, stages=stages, sk=sk: wgmma_grouped_gemm(
-                    a, ids, *g, block_m=bm, split_k=sk, stages=stages).sum(0)
+            if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % opts.get("block_n", 64) == 0:
+                v[f"wgmma i{bits} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, bits=bits, opts=opts: wgmma_grouped_gemm(
+                    a, ids, *g[bits], block_m=bm, split_k=sk, **opts).sum(0)
     return v
 
 
@@ -92,7 +98,8 @@ def main(argv=None):
         if not args.interpret:
             from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
-            wg_ops = jax.jit(to_wgmma_layout)(words, scales, zeros)
+            wg_ops = {bits: jax.jit(to_wgmma_layout, static_argnames=("word_bits",))(words, scales, zeros, word_bits=bits)
+                      for bits in (16, 32)}
         w64 = None
         nbytes = e * (n * k / 2 + (k // 128) * n * 2 * 2)        # int4 codes + scales + zeros (2 B each)
         for bm in args.block_m:

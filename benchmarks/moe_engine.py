@@ -13,6 +13,9 @@ Alternatives in the same run:
 
 * ``engine AWQ`` / ``engine GPTQ``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` on
   the kernel-native tile layout, converted once ahead of time (AWQ: zero points; GPTQ: symmetric);
+* ``wgmma AWQ`` / ``wgmma GPTQ``: :func:`pallas_kernels.wgmma_w4a16.fused_moe_wgmma`, the v4
+  Mosaic GPU (Hopper wgmma) kernels on their own 16-bit-word layout, converted once ahead of
+  time (GPU only; skipped in interpret mode);
 * ``engine←Marlin``: the same engine fed the vLLM Marlin layout, re-laid into tiles inside the
   jitted call (the cost of *not* converting ahead of time to the kernel-native layout);
 * ``XLA path``: :func:`wna16_jax.moe.fused_moe` on the loader layout, bf16 compute;
@@ -107,6 +110,14 @@ def ragged_bf16(x, tw, ids, w13, w2):
 
 
 def engine(**cfg):
+    """A layer on the Triton-lowered engine, or (``kernel="wgmma"``) on the v4 wgmma kernels."""
+    if cfg.pop("kernel", None) == "wgmma":
+        from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+        def wg_layer(c, tw, ids, wg):
+            return fused_moe_wgmma(c, tw, ids, wg, **cfg)
+        return wg_layer
+
     def layer(c, tw, ids, tiles):
         return fused_moe_tiles(c, tw, ids, tiles, interpret=INTERPRET, **cfg)
     return layer
@@ -176,8 +187,10 @@ def main(argv=None):
     global INTERPRET, TIMING
     INTERPRET, TIMING = args.interpret, args.timing
     rng = np.random.default_rng(0)
-    alts = ["engine AWQ", "engine GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
+    alts = ["engine AWQ", "engine GPTQ", "wgmma AWQ", "wgmma GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
     skip = set(filter(None, args.skip.split(",")))
+    if INTERPRET:
+        skip |= {"wgmma AWQ", "wgmma GPTQ"}          # Mosaic GPU kernels: Hopper only
     lines = []
     for key, tokens in parse_rows(args.rows):
         name, (e, k, h, i), _ = SHAPES[key]
@@ -185,6 +198,11 @@ def main(argv=None):
         w = random_checkpoint_weights(rng, AWQ, e, h, i).to_jax()
         tiles = jax.jit(convert_tiles)(w)
         gptq_tiles = jax.jit(convert_tiles)(random_checkpoint_weights(rng, GPTQ, e, h, i).to_jax())
+        wg = gptq_wg = None
+        if not INTERPRET:
+            from pallas_kernels.wgmma_w4a16 import convert_wgmma
+
+            wg, gptq_wg = jax.jit(convert_wgmma)(tiles), jax.jit(convert_wgmma)(gptq_tiles)
         dense = None
         print(f"# {name}: weights ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for t in tokens:
@@ -198,10 +216,17 @@ def main(argv=None):
             ref = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))(
                 x.astype(jnp.float32), tw_all[0], ids_all[0], tiles)
             scale = float(jnp.abs(ref).max())
+            refs = {}
 
-            def check(fn, operands):
+            def check(fn, operands, gptq=False):
+                r = ref
+                if gptq:                         # the GPTQ layer's own float32 reference
+                    if "gptq" not in refs:
+                        refs["gptq"] = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))(
+                            x.astype(jnp.float32), tw_all[0], ids_all[0], gptq_tiles)
+                    r = refs["gptq"]
                 got = jax.jit(fn)(x, tw_all[0], ids_all[0], *operands).astype(jnp.float32)
-                return float(jnp.abs(got - ref).max()) / scale
+                return float(jnp.abs(got - r).max()) / float(jnp.abs(r).max())
 
             if args.sweep:
                 cfg = choose_config(t, k, tiles)
@@ -209,15 +234,16 @@ def main(argv=None):
                 variants = parse_variants(args.variants) if args.variants else sweep_variants(key, t, k, e)
                 for vname, over in variants.items():
                     try:
-                        err = check(engine(**over), (tiles,))
-                        us = timed(engine(**over), x, tw_all, ids_all, (tiles,), reps)
+                        ops = (wg,) if over.get("kernel") == "wgmma" else (tiles,)
+                        err = check(engine(**over), ops)
+                        us = timed(engine(**over), x, tw_all, ids_all, ops, reps)
                         flag = "" if err < 2e-2 else "  <-- WRONG"
                         print(f"  {vname:16s} {us:9.1f} µs  {us / fl:6.2f}× floor  rel err {err:.1e}{flag}", flush=True)
                         lines.append({"shape": name, "tokens": t, "variant": vname, "us": us, "floor": fl, "err": err})
                         if args.profile:
                             from benchmarks.kernel_profile import format_breakdown, kernel_breakdown
 
-                            print(format_breakdown(kernel_breakdown(engine(**over), (x, tw_all[0], ids_all[0], tiles))),
+                            print(format_breakdown(kernel_breakdown(engine(**over), (x, tw_all[0], ids_all[0], *ops))),
                                   flush=True)
                     except Exception as ex:  # noqa: BLE001 - report and continue
                         print(f"  {vname:16s} FAILED {type(ex).__name__}: {str(ex)[:400]}", flush=True)
@@ -233,6 +259,8 @@ def main(argv=None):
             layers = {
                 "engine AWQ": (engine(), (tiles,)),
                 "engine GPTQ": (engine(), (gptq_tiles,)),
+                "wgmma AWQ": (engine(kernel="wgmma"), (wg,)),
+                "wgmma GPTQ": (engine(kernel="wgmma"), (gptq_wg,)),
                 "engine←Marlin": (engine_from_marlin, (marlin,)),
                 "XLA path": (lambda c, tw, ids, w: fused_moe(c, tw, ids, w, compute_dtype=jnp.bfloat16), (w,)),
                 "ragged_dot bf16": (ragged_bf16, dense),
@@ -246,8 +274,8 @@ def main(argv=None):
                     continue
                 try:
                     fn, operands = layers[a]
-                    if a.startswith("engine") and a != "engine GPTQ":
-                        errs.append(check(fn, operands))
+                    if a.startswith(("engine", "wgmma")):
+                        errs.append(check(fn, operands, gptq=a.endswith("GPTQ")))
                     cells.append(timed(fn, x, tw_all, ids_all, operands, reps))
                 except Exception as ex:  # noqa: BLE001 - report and continue (e.g. out of memory)
                     print(f"  {a} at {name} T={t}: {type(ex).__name__}: {str(ex)[:300]}", file=sys.stderr, flush=True)
@@ -281,16 +309,22 @@ def main(argv=None):
 
 def _header(alts):
     return ("| shape (E, top-k, H, I) | tokens | floor µs | " + " | ".join(f"{a} µs" for a in alts)
-            + " | engine / floor | GPTQ / AWQ | rel err |\n|" + "---|" * (len(alts) + 6))
+            + " | engine / floor | wgmma / floor | GPTQ / AWQ engine | GPTQ / AWQ wgmma | rel err |\n|"
+            + "---|" * (len(alts) + 8))
 
 
 def _row_md(row, alts):
-    c = row["cells"]
-    ratio = f"{c[0] / row['floor_us']:.2f}" if c[0] else "—"
-    fmt = f"{c[1] / c[0]:.2f}" if c[0] and c[1] else "—"
+    c = dict(zip(alts, row["cells"]))
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "—"
+
     err = "—" if row["err"] is None else f"{row['err']:.1e}"
     return (f"| {row['shape']} | {row['tokens']} | {row['floor_us']:.1f} | "
-            + " | ".join("—" if v is None else f"{v:.0f}" for v in c) + f" | {ratio} | {fmt} | {err} |")
+            + " | ".join("—" if v is None else f"{v:.0f}" for v in row["cells"])
+            + f" | {ratio(c.get('engine AWQ'), row['floor_us'])} | {ratio(c.get('wgmma AWQ'), row['floor_us'])}"
+            f" | {ratio(c.get('engine GPTQ'), c.get('engine AWQ'))} | {ratio(c.get('wgmma GPTQ'), c.get('wgmma AWQ'))}"
+            f" | {err} |")
 
 
 if __name__ == "__main__":
