@@ -1,6 +1,7 @@
 """One expert-grouped W4A16 GEMM, kernel against kernel: the Triton-lowered engine kernel
 (`pallas_kernels.wna16_grouped_gemm.grouped_gemm`, mma and swapped operands) against the v4 Mosaic
-GPU wgmma kernel (`pallas_kernels.wgmma_w4a16`, 32-bit and 16-bit word layouts), same data, one run.
+GPU wgmma kernel (`pallas_kernels.wgmma_w4a16`: 32-bit, 16-bit and tile-major 16-bit word layouts),
+same data, one run.
 
     PYTHONPATH=$PWD python3 benchmarks/gemm_kernels.py [--gemms mixtral1 qwen3_1] [--block-m 8 16 64]
         [--reps 20] [--append benchmarks/RESULTS.md]
@@ -33,12 +34,12 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
          "qwen3_1": (128, 1536, 2048), "qwen3_2": (128, 2048, 768),
          "tiny": (4, 256, 512)}
 BW, FLOPS = 4.3e12, 640e12
-# (word bits, name, wgmma_grouped_gemm options)
+# (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
+# tile-major words for 128-column programs. (kpb 2 and overlap measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
-                  (16, "bn128 st4", dict(block_n=128, stages=4)), (16, "kpb2 st3", dict(kpb=2, stages=3)),
-                  (16, "ovl st4", dict(overlap=True, stages=4)),
-                  (16, "bn128 ovl st4", dict(block_n=128, overlap=True, stages=4)),
-                  (16, "bn128 kpb2 ovl st3", dict(block_n=128, kpb=2, overlap=True, stages=3))]
+                  (16, "bn128 st4", dict(block_n=128, stages=4)),
+                  ("t128", "bn128 st4", dict(block_n=128, stages=4)),
+                  ("t128", "bn128 st3", dict(block_n=128, stages=3))]
 
 
 def timed(fn, args, reps):
@@ -72,15 +73,16 @@ def variants(bm, n_kb, e, n, interpret):
     for bits, vname, opts in WGMMA_VARIANTS:
         for sk in sorted({1, split}):
             if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % opts.get("block_n", 64) == 0:
-                v[f"wgmma i{bits} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, bits=bits, opts=opts: wgmma_grouped_gemm(
-                    a, ids, *g[bits], block_m=bm, split_k=sk, **opts).sum(0)
+                label = bits if bits == "t128" else f"i{bits}"
+                v[f"wgmma {label} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, bits=bits, opts=opts: \
+                    wgmma_grouped_gemm(a, ids, *g[bits], block_m=bm, split_k=sk, **opts).sum(0)
     return v
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemms", nargs="*", default=["mixtral1", "mixtral2", "qwen3_1", "qwen3_2"])
-    ap.add_argument("--block-m", nargs="*", type=int, default=[8, 16, 64])
+    ap.add_argument("--block-m", nargs="*", type=int, default=[8, 16, 64, 128])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
     ap.add_argument("--append", default=None)
@@ -98,8 +100,9 @@ def main(argv=None):
         if not args.interpret:
             from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
-            wg_ops = {bits: jax.jit(to_wgmma_layout, static_argnames=("word_bits",))(words, scales, zeros, word_bits=bits)
-                      for bits in (16, 32)}
+            conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n"))
+            wg_ops = {16: conv(words, scales, zeros, word_bits=16), 32: conv(words, scales, zeros, word_bits=32),
+                      "t128": conv(words, scales, zeros, tile_n=128)}
         w64 = None
         nbytes = e * (n * k / 2 + (k // 128) * n * 2 * 2)        # int4 codes + scales + zeros (2 B each)
         for bm in args.block_m:

@@ -54,7 +54,7 @@ def magic_value(dtype):
     return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
 
 
-def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16):
+def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16, tile_n=None):
     """Engine tile layout (``words [E, K/8, N]``, ``scales [E, G, N]``, ``zeros`` uint8 or None)
     → this kernel's ``(words, scales [E, G, N] dtype, zeros [E, G, N] dtype or None)``.
 
@@ -63,7 +63,12 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16)
     in its nibble ``t``. Zero points are stored biased by the dequantization's magic number
     (:func:`magic_value` + z) so the kernel subtracts once. ``word_bits=32``: int32 words
     ``[E, N, K/8]`` (the tile layout transposed; slot ``s`` of word ``w`` = row ``16·s + w``),
-    zero points stored as they are."""
+    zero points stored as they are.
+
+    ``tile_n`` (16-bit words only; 64 or 128): tile-major words ``[E, N/tile_n, (K/128)·tile_n,
+    32]`` — row ``kb·tile_n + r`` of column tile ``j`` holds the 32 words of K-block ``kb`` of
+    column ``j·tile_n + r``, so each pipeline step of a ``block_n = tile_n`` program reads one
+    contiguous ``tile_n × 64``-byte chunk instead of ``tile_n`` 64-byte pieces 2·K/8 bytes apart."""
     if word_bits == 32:
         z = None if zeros is None else zeros.astype(dtype)
         return jnp.swapaxes(words, 1, 2), scales.astype(dtype), z
@@ -79,13 +84,37 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16)
     packed = (codes << (jnp.arange(4, dtype=jnp.int32) * 4)[None, None, None, :, None, None]).sum(3)
     packed = packed.transpose(0, 4, 1, 2, 3).reshape(e, n, kw * 2)               # [E, N, kb·u·w]
     packed = jax.lax.bitcast_convert_type(packed.astype(jnp.uint16), jnp.int16)
+    if tile_n is not None:
+        if tile_n not in (64, 128) or n % tile_n:
+            raise ConfigError(f"tile_n={tile_n} must be 64 or 128 and divide N={n}")
+        n_kb = kw // 16
+        packed = packed.reshape(e, n // tile_n, tile_n, n_kb, 32).transpose(0, 1, 3, 2, 4).reshape(
+            e, n // tile_n, n_kb * tile_n, 32)
     z = None if zeros is None else (zeros.astype(jnp.float32) + magic_value(dtype)).astype(dtype)
     return packed, scales.astype(dtype), z
 
 
+def _words_dims(words, k):
+    """``(E, N, words per row, tile_n or None)`` of a 3-D ``[E, N, K/w]`` or tile-major 4-D
+    ``[E, N/tile_n, (K/128)·tile_n, 32]`` words array."""
+    if words.ndim == 4:
+        e, nt, rows, cols = words.shape
+        n_kb = max(k // BLOCK_K, 1)
+        tile_n = rows // n_kb
+        if cols != 32 or rows % n_kb or tile_n not in (64, 128):
+            raise ShapeError(f"words: tile-major words must be [E, N/tile_n, (K/128)·tile_n, 32] with tile_n 64 or "
+                             f"128 for K={k}, got {words.shape}")
+        return e, nt * tile_n, cols * n_kb, tile_n
+    if words.ndim != 3:
+        raise ShapeError(f"words: expected [E, N, K/w] or tile-major [E, N/t, K/128·t, 32], got {words.shape}")
+    return (*words.shape, None)
+
+
 def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
     m, k = a.shape
-    e, n, kw = words.shape
+    e, n, kw, tile_n = _words_dims(words, k)
+    if tile_n is not None and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
+        raise DTypeError(f"words: tile-major words are int16, got {words.dtype}")
     if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise DTypeError(f"a: expected bfloat16 or float16, got {a.dtype}")
     per_word = {jnp.dtype(jnp.int32): 8, jnp.dtype(jnp.int16): 4}.get(jnp.dtype(words.dtype))
@@ -130,10 +159,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
     _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)
     m, k = a.shape
-    e, n, _ = words.shape
+    e, n, _, tile_n = _words_dims(words, k)
     nb = expert_ids.shape[0]
     n_kb = k // BLOCK_K
     bn = block_n
+    if tile_n is not None and bn != tile_n:
+        raise ConfigError(f"wgmma_grouped_gemm: tile-major words of {tile_n}-column tiles need block_n={tile_n}, "
+                          f"got {bn}")
     if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
         raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
@@ -169,7 +201,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 sc = rows(s_smem, dtype)
                 zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
                 for u in range(2):
-                    tile = plgpu.load(w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)], (), layout=plgpu.Layout.WGMMA)
+                    src = (w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)] if tile_n else
+                           w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)])
+                    tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA)
                     for t in range(4):
                         c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
                         v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(magic(dtype)), dtype)
@@ -191,6 +225,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         delay = 1 if overlap else 0
         specs = [
+            plgpu.BlockSpec((bn * kpb, wcols), lambda kb: (kb, 0),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
+            if tile_n else
             plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb), delay_release=delay,
@@ -243,7 +280,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when(ex >= 0)
             def _():
-                refs = (w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
+                refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
+                        w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
                         a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
                         s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
 

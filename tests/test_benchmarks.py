@@ -29,3 +29,15 @@ def test_gemm_kernels_on_cpu(capsys):
     assert gemm_kernels.main(["--interpret", "--gemms", "tiny", "--block-m", "16", "--reps", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
     assert len(rows) >= 2 and all(float(r.rstrip(" |").rsplit("|", 1)[1]) < 2e-2 for r in rows), rows
+
+
+def test_ptxas_report_summary(tmp_path):
+    """The device-side report keeps only ptxas's summary lines of the files a kernel wrote."""
+    from benchmarks.ptxas_report import summarize
+
+    (tmp_path / "kernel_3.ptxas").write_text("ptxas info    : Compiling entry function 'k'\n"
+                                             "ptxas info    : Used 168 registers, 0 bytes smem\n"
+                                             "noise line\n")
+    (tmp_path / "kernel_3.ptx").write_text("Used 1 registers (not a ptxas file)\n")
+    lines = summarize(set(tmp_path.iterdir()))
+    assert len(lines) == 2 and "168 registers" in lines[1] and all("kernel_3.ptxas" in ln for ln in lines)

@@ -214,14 +214,15 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
-def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16):
+def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None):
     from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
     codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
     eids = np.array(rng.permutation([0, 1, 2, -1]), np.int32)
     a = jnp.asarray(rng.standard_normal((4 * bm, k)), jnp.bfloat16)
     lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
-                          None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits)
+                          None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits,
+                          tile_n=tile_n)
     w = _weights64(codes, scales, zeros, 4, group)
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
@@ -272,6 +273,27 @@ def test_wgmma_layout_indexing(zp, group, word_bits):
     _close(out, ref)
 
 
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_wgmma_tile_major_layout(tile_n):
+    """Tile-major words are the 16-bit layout's rows regrouped per (column tile, K-block):
+    ``tiled[e, j, kb·t + r] == plain[e, j·t + r, 32·kb : 32·kb + 32]``."""
+    from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
+
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 16, (3, 256, 512))
+    tiles = pack_tiles(jnp.asarray(codes), 4)
+    sc = jnp.ones((3, 4, 256), jnp.bfloat16)
+    plain = np.asarray(to_wgmma_layout(tiles, sc)[0])
+    tiled = np.asarray(to_wgmma_layout(tiles, sc, tile_n=tile_n)[0])
+    assert tiled.shape == (3, 256 // tile_n, 4 * tile_n, 32)
+    for j in range(256 // tile_n):
+        for kb in range(4):
+            np.testing.assert_array_equal(tiled[:, j, kb * tile_n:(kb + 1) * tile_n],
+                                          plain[:, j * tile_n:(j + 1) * tile_n, 32 * kb:32 * kb + 32])
+    with pytest.raises(ConfigError, match="tile_n"):
+        to_wgmma_layout(tiles, sc, tile_n=96)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
 def test_wgmma_kernel_lowers_to_mosaic_gpu():
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
@@ -289,6 +311,13 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
     args = (s((128, 1024), jnp.bfloat16), s((2,), jnp.int32), s((4, 512, 128), jnp.int32),
             s((4, 1, 512), jnp.bfloat16))
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for kpb in (1, 2):                                  # tile-major words, 128-column tiles
+        tm = (s((48, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 2, 4 * 128, 32), jnp.int16),
+              s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=kpb, overlap=kpb == 2)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*tm).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="block_n"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=64)).trace(*tm)
     many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
             s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
     assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
@@ -299,20 +328,26 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                            block_m=16, group_size=64)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
-@pytest.mark.parametrize("word_bits", [16, 32])
-@pytest.mark.parametrize("zp, group, bm, split, opts", [
+_WGMMA_GPU_CASES = [
     (True, 128, 16, 2, {}), (False, -1, 64, 1, {}), (True, 128, 8, 4, {}),
     (True, 128, 8, 1, dict(block_n=128)), (False, 128, 16, 1, dict(kpb=2, stages=2)),
-    (True, 128, 8, 2, dict(overlap=True)), (True, -1, 16, 1, dict(block_n=128, kpb=2, overlap=True))])
-def test_wgmma_grouped_gemm_gpu(zp, group, bm, split, opts, word_bits):
+    (True, 128, 8, 2, dict(overlap=True)), (True, -1, 16, 1, dict(block_n=128, kpb=2, overlap=True)),
+    (True, 128, 8, 1, dict(block_n=128, tile_n=128)), (False, 128, 64, 2, dict(block_n=64, tile_n=64, kpb=2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("word_bits, zp, group, bm, split, opts", [
+    (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES if wb == 16 or "tile_n" not in c[-1]])
+def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
     schedule option (column tile, K-blocks per pipeline step, wgmma/dequantization overlap)."""
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
+    opts = dict(opts)
+    tile_n = opts.pop("tile_n", None)
     rng = np.random.default_rng()
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
                              split_k=split, **opts)
     assert out.shape == (split,) + ref.shape

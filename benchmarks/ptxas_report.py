@@ -1,0 +1,70 @@
+"""Registers, spills and shared memory of the wgmma kernel variants, from ptxas (GPU machine).
+
+    PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--gemm mixtral1] [--block-m 8 64]
+
+Sets ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_TO`` (a temporary directory) before the
+first kernel compiles, runs each variant of ``benchmarks/gemm_kernels.py``'s ``WGMMA_VARIANTS``
+once (no timing), and prints only the ptxas summary lines of the kernels each variant compiled —
+the dump itself is ~10 files per kernel, too many to bring back from the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+
+KEYS = ("registers", "spill", "smem", "bytes stack", "Compiling entry", "serializ", "arning")
+
+
+def summarize(files):
+    lines = []
+    for f in sorted(files):
+        if f.suffix in (".ptxas", ".txt") and ("ptxas" in f.name or "resources" in f.name):
+            lines += [f"    {f.name}: {ln.strip()}" for ln in f.read_text(errors="replace").splitlines()
+                      if any(k in ln for k in KEYS)]
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemm", default="mixtral1")
+    ap.add_argument("--block-m", nargs="*", type=int, default=[8, 64])
+    args = ap.parse_args(argv)
+    dump = pathlib.Path(tempfile.mkdtemp(prefix="mosaic_dump_"))
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.gemm_kernels import GEMMS, WGMMA_VARIANTS
+    from pallas_kernels.wgmma_w4a16 import to_wgmma_layout, wgmma_grouped_gemm
+
+    e, n, k = GEMMS[args.gemm]
+    rng = np.random.default_rng(0)
+    words = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, (e, k // 8, n), dtype=np.int64).astype(np.int32))
+    scales = jnp.asarray(rng.random((e, k // 128, n)) * 0.01, jnp.bfloat16)
+    zeros = jnp.asarray(rng.integers(0, 16, (e, k // 128, n)), jnp.uint8)
+    layouts = {16: dict(word_bits=16), 32: dict(word_bits=32), "t128": dict(tile_n=128)}
+    for bm in args.block_m:
+        a = jnp.zeros((e * bm, k), jnp.bfloat16)
+        ids = jnp.arange(e, dtype=jnp.int32)
+        for lay, name, opts in WGMMA_VARIANTS:
+            before = set(dump.iterdir())
+            ops = to_wgmma_layout(words, scales, zeros, **layouts[lay])
+            try:
+                jax.block_until_ready(wgmma_grouped_gemm(a, ids, *ops, block_m=bm, **opts))
+            except Exception as ex:  # noqa: BLE001 - report and continue
+                print(f"{args.gemm} bm={bm} {lay} {name}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
+                continue
+            print(f"{args.gemm} bm={bm} {lay} {name}:")
+            print("\n".join(summarize(set(dump.iterdir()) - before)) or "    (no ptxas output)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
