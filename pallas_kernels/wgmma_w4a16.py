@@ -411,14 +411,18 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
 
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",
                     apply_router_weight_on_input: bool = False, expert_map=None,
-                    global_num_experts: int | None = None, block_m: int | None = None, split1: int | None = None,
-                    split2: int | None = None, block_n: int = 128, stages: int = 4):
-    """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`):
-    rows sorted into ``block_m`` expert blocks; GEMM1 → split sum, bias, router weight (on input)
-    and activation in XLA → GEMM2 → split sum, bias, router weight, top-k segment sum in XLA.
+                    global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
+                    split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4):
+    """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
+
+    ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
+    ``"pair"``: no alignment — every routed pair is its own 8-row block (row 0 holds the token,
+    rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
+    experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
+    and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
-    from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks, max_blocks
+    from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
     from .wna16_grouped_gemm import choose_split, num_sms
 
     act = check_activation(activation)
@@ -426,10 +430,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                                     global_num_experts)
     if t == 0:
         return jnp.zeros_like(hidden_states)
+    schedule = schedule or ("pair" if t * k <= e and block_m is None else "blocked")
+    if schedule not in ("pair", "blocked"):
+        raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
     local, bad = _local(topk_ids, expert_map, gne, e)
-    bm = block_m or wgmma_block_m(t * k, e)
-    nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
-    tw_rows = jnp.where(valid, topk_weights.astype(jnp.float32).reshape(-1)[flat], 0.0)
+    tw = topk_weights.astype(jnp.float32).reshape(-1)
     group = -1 if weights.w13_scales.shape[1] == 1 else BLOCK_K
 
     def operands(words, scales, zeros):
@@ -439,25 +444,58 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             scales = scales.astype(cdt)
         return words, scales, zeros
 
-    def gemm(a, ops, n, kdim, split):
+    def gemm(a, experts, bm, ops, n, kdim, split):
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
-        want = split or choose_split(nb * (n // bn), n_kb, sms=num_sms(), waves=2)
+        want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, n_kb) + 1) if n_kb % d == 0)     # the kernel needs a divisor
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                   stages=stages).sum(0)
 
-    a1 = _permute_cols(jnp.where(valid[:, None], hidden_states[tok], 0).astype(cdt), weights.w13_perm, row_expert)
-    h = gemm(a1, operands(weights.w13_words, weights.w13_scales, weights.w13_zeros), 2 * i_dim, h_dim, split1)
+    ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
+    ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
+    if schedule == "pair":
+        bm = 8
+        experts = local.reshape(-1)                                              # [P], -1: no expert
+        row_expert = jnp.repeat(experts, bm)
+        live = experts >= 0
+        tw_rows = jnp.where(live, tw, 0.0)
+
+        def spread(rows):                     # [P, D] → [P·8, D]: row 8p = rows[p], the rest zero
+            return jnp.pad(rows[:, None, :], ((0, 0), (0, bm - 1), (0, 0))).reshape(-1, rows.shape[1])
+
+        def first_rows(y):
+            return y.reshape(-1, bm, y.shape[1])[:, 0]
+
+        x_rows = hidden_states[jnp.arange(t * k) // k].astype(cdt)
+        expert_of_row = experts
+    else:
+        bm = block_m or wgmma_block_m(t * k, e)
+        _, experts, row_expert, live, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+        tw_rows = jnp.where(live, tw[flat], 0.0)
+
+        def spread(rows):
+            return rows
+
+        def first_rows(y):
+            return y
+
+        x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
+        expert_of_row = row_expert
+    a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
+    h = first_rows(gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1))
     if weights.w13_bias is not None:
-        h = h + weights.w13_bias[jnp.maximum(row_expert, 0)].astype(jnp.float32)
+        h = h + weights.w13_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
     if apply_router_weight_on_input:
         h = h * tw_rows[:, None]
-    a2 = _permute_cols(act(h).astype(cdt), weights.w2_perm, row_expert)
-    y = gemm(a2, operands(weights.w2_words, weights.w2_scales, weights.w2_zeros), h_dim, i_dim, split2)
+    a2 = _permute_cols(spread(act(h).astype(cdt)), weights.w2_perm, row_expert)
+    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2))
     if weights.w2_bias is not None:
-        y = y + weights.w2_bias[jnp.maximum(row_expert, 0)].astype(jnp.float32)
-    y = y * (valid.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]
-    out = jax.ops.segment_sum(y, jnp.where(valid, tok, t), num_segments=t + 1)[:t]
+        y = y + weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+    y = y * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]
+    if schedule == "pair":
+        out = y.reshape(t, k, h_dim).sum(1)
+    else:
+        out = jax.ops.segment_sum(y, jnp.where(live, tok, t), num_segments=t + 1)[:t]
     out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
     return out.astype(cdt)

@@ -427,15 +427,18 @@ def test_wgmma_rejects_bad_input():
         fused_moe_wgmma(x[:, :128], tw, ids2, wg)
     with pytest.raises(DTypeError, match="hidden_states"):
         fused_moe_wgmma(x.astype(jnp.float32), tw, ids2, wg)
+    with pytest.raises(ConfigError, match="schedule"):
+        fused_moe_wgmma(x, tw, ids2, wg, schedule="stream")
 
 
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 @pytest.mark.parametrize("t, bias, map_, on_input, activation", [
     (3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")])
-@pytest.mark.parametrize("split", [None, 3])
-def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, activation, split):
-    """The wgmma layer's sorting, bias, router weights (on input too), expert map, activation
-    and top-k sum against the float64 reference on the CPU, with the kernel replaced by its jnp
+@pytest.mark.parametrize("split, schedule", [(None, None), (3, "pair"), (3, "blocked")])
+def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, activation, split, schedule):
+    """The wgmma layer's schedules (pair: no alignment; blocked: sorted rows), bias, router
+    weights (on input too), expert map, activation and top-k sum against the float64 reference
+    on the CPU, with the kernel replaced by its jnp
     contract (the kernel itself is checked on the GPU by ``test_wgmma_grouped_gemm_gpu`` and
     ``test_fused_moe_wgmma_gpu_shapes``)."""
     import pallas_kernels.wgmma_w4a16 as wgm
@@ -445,7 +448,8 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 256, t, 2, bias=bias, map_=map_)
     wg = wgm.convert_wgmma(w.to_jax())
     got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
-                                    apply_router_weight_on_input=on_input))(x, tw, ids, wg, expert_map=em)
+                                    schedule=schedule, apply_router_weight_on_input=on_input))(
+        x, tw, ids, wg, expert_map=em)
     _layer_close(got, _reference(w, x, tw, ids, em, activation=activation, on_input=on_input))
 
 
@@ -742,8 +746,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
-        for over in ({}, dict(block_m=16, split1=2, split2=2), dict(block_m=64, block_n=64, stages=2),
-                     dict(block_m=128)):
+        for over in ({}, dict(schedule="pair"), dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2),
+                     dict(block_m=64, block_n=64, stages=2), dict(block_m=128)):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
