@@ -40,6 +40,8 @@ import jax.numpy as jnp
 from wna16_jax.errors import ConfigError, DTypeError, ShapeError
 from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
+from .wna16_grouped_gemm import pack_tiles, unpack_tiles
+
 BLOCK_N = 64          # wgmma M side: output columns per program
 BLOCK_K = 128         # one K-block: 16 words × 8 slots
 IDS_PAD = 32          # TMA copies whole multiples of 128 bytes: the block → expert ids are padded
@@ -74,20 +76,17 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16,
         return jnp.swapaxes(words, 1, 2), scales.astype(dtype), z
     if word_bits != 16:
         raise ConfigError(f"word_bits must be 16 or 32, got {word_bits}")
-    e, kw, n = words.shape
-    shifts = jnp.arange(8, dtype=jnp.int32) * 4
-    codes = (words[:, :, None, :] >> shifts[None, None, :, None]) & 15          # [E, K/8, 8, N]
-    # tile layout: in block kb, word w slot s = row 16s + w  →  codes [E, kb, s, w, N] = row 16s + w
-    codes = codes.reshape(e, kw // 16, 16, 8, n).transpose(0, 1, 3, 2, 4)       # [E, kb, s(16-row step), w, N]
-    # new layout: row 64u + 16t + w = step s = 4u + t
-    codes = codes.reshape(e, kw // 16, 2, 4, 16, n)                              # [E, kb, u, t, w, N]
-    packed = (codes << (jnp.arange(4, dtype=jnp.int32) * 4)[None, None, None, :, None, None]).sum(3)
-    packed = packed.transpose(0, 4, 1, 2, 3).reshape(e, n, kw * 2)               # [E, N, kb·u·w]
+    codes = unpack_tiles(words, 4)                                                 # [E, N, K]
+    e, n, k = codes.shape
+    # row 128·kb + 64·u + 16·t + w → nibble t of word (kb, u, w)
+    codes = codes.reshape(e, n, k // BLOCK_K, 2, 4, 16).astype(jnp.uint32)        # [E, N, kb, u, t, w]
+    shifts = (jnp.arange(4, dtype=jnp.uint32) * 4)[:, None]
+    packed = jnp.sum(codes << shifts, axis=4, dtype=jnp.uint32).reshape(e, n, k // 4)
     packed = jax.lax.bitcast_convert_type(packed.astype(jnp.uint16), jnp.int16)
     if tile_n is not None:
         if tile_n not in (64, 128) or n % tile_n:
             raise ConfigError(f"tile_n={tile_n} must be 64 or 128 and divide N={n}")
-        n_kb = kw // 16
+        n_kb = k // BLOCK_K
         packed = packed.reshape(e, n // tile_n, tile_n, n_kb, 32).transpose(0, 1, 3, 2, 4).reshape(
             e, n // tile_n, n_kb * tile_n, 32)
     z = None if zeros is None else (zeros.astype(jnp.float32) + magic_value(dtype)).astype(dtype)
@@ -310,13 +309,10 @@ def from_wgmma_layout(words16):
     """Inverse of :func:`to_wgmma_layout`'s 16-bit words: ``[E, N, K/4]`` int16 → the engine's
     tile layout ``[E, K/8, N]`` int32."""
     e, n, k4 = words16.shape
-    w = jax.lax.bitcast_convert_type(words16, jnp.uint16).astype(jnp.int32)
-    codes = (w[..., None] >> (jnp.arange(4, dtype=jnp.int32) * 4)) & 15              # [E, N, K/4, t]
-    codes = codes.reshape(e, n, k4 // 32, 2, 16, 4).transpose(0, 2, 3, 5, 4, 1)        # [E, kb, u, t, w, N]
-    codes = codes.reshape(e, k4 // 32, 8, 16, n).transpose(0, 1, 3, 2, 4)              # [E, kb, w, s, N]
-    shifts = (jnp.arange(8, dtype=jnp.int32) * 4)[None, None, None, :, None]
-    tiles = (codes.astype(jnp.uint32) << shifts.astype(jnp.uint32)).sum(3, dtype=jnp.uint32)   # disjoint bits
-    return jax.lax.bitcast_convert_type(tiles.reshape(e, k4 // 2, n), jnp.int32)
+    w = jax.lax.bitcast_convert_type(words16, jnp.uint16).astype(jnp.uint32).reshape(e, n, k4 // 32, 2, 1, 16)
+    shifts = (jnp.arange(4, dtype=jnp.uint32) * 4)[:, None]
+    codes = (w >> shifts) & 15                                                     # [E, N, kb, u, t, w]
+    return pack_tiles(codes.reshape(e, n, 4 * k4), 4)
 
 
 @pytree_dataclass(meta=("hidden_size", "intermediate_size"))
@@ -372,7 +368,7 @@ def wgmma_unsupported_reason(weights) -> str | None:
             return reason
     if bits != 4:
         return f"{bits}-bit weights (the wgmma kernel takes 4-bit codes)"
-    if group not in (-1, 0, BLOCK_K) and not (group == weights.hidden_size == weights.intermediate_size):
+    if group not in (-1, 0, BLOCK_K):
         return f"group size {group} (the wgmma kernel takes {BLOCK_K} or channelwise)"
     for name, n in (("2·intermediate size", 2 * weights.intermediate_size), ("hidden size", weights.hidden_size)):
         if n % BLOCK_N:
