@@ -24,8 +24,7 @@ Weight layout (:func:`to_wgmma_layout`, from the engine's tile layout, converted
 Scales and zero points ``[E, G, N]`` in the activation dtype (TMA moves whole 128-byte rows),
 group 128 or channelwise. Per program (block ``i``, column tile ``j``, split ``s``):
 ``plgpu.emit_pipeline`` streams ``kpb`` K-blocks per step through a ring of ``stages`` TMA-fed
-shared-memory buffers; ``overlap`` keeps the accumulator across steps so one step's wgmmas run
-while the next dequantizes. Not yet: fused epilogues (the layer does bias, router weight,
+shared-memory buffers. Not yet: fused epilogues (the layer does bias, router weight,
 activation and the top-k sum in XLA on float32 partials), a persistent grid, 8-bit codes.
 """
 
@@ -138,11 +137,9 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
         raise ConfigError(f"wgmma_grouped_gemm: split_k={split_k} must divide the {n_kb} K-blocks")
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "overlap"))
+@functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
-                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1,
-                       overlap: bool = False):
+                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -150,8 +147,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: pipeline steps in
     flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
     K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
-    tiles); ``overlap``: keep the accumulator across steps and let a step's wgmmas run while the
-    next step dequantizes (its buffers are released one step late).
+    tiles). (An option that kept the accumulator across steps, overlapping one step's wgmmas with
+    the next step's dequantization, measured no gain and was removed: benchmarks/NOTES.md, v4.)
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -222,14 +219,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         z_gmem, o_gmem = rest if has_zp else (None, rest[0])
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
-        delay = 1 if overlap else 0
         specs = [
             plgpu.BlockSpec((bn * kpb, wcols), lambda kb: (kb, 0),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
             if tile_n else
             plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
-            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb), delay_release=delay,
+            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
             *[plgpu.BlockSpec((1 if channelwise else kpb, bn), lambda kb: (0 if channelwise else kb, 0))]
             * (2 if has_zp else 1)]
@@ -239,19 +235,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
         def run_k(acc_ref, gmem_refs):
             """Stream this program's K range into ``acc_ref``."""
-            if overlap:
-                def step(_, w_smem, x_smem, s_smem, *rest):
-                    z_smem, _ = (rest[0], None) if has_zp else (None, None)
-                    ops = dequantized(w_smem, s_smem, z_smem)
-                    xt = transposed(x_smem)
-                    for k0, w in ops:
-                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
-                    plgpu.wgmma_wait(len(ops))          # the previous step's wgmmas are done
-                plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk) if chunk > 1 else 2,
-                                    in_specs=specs)(*gmem_refs)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
             def step(_, w_smem, x_smem, s_smem, *rest):
                 z_smem, acc = split_refs(rest)
                 ops = dequantized(w_smem, s_smem, z_smem)
@@ -285,8 +268,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                         s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
 
                 def with_acc(acc_ref):
-                    if overlap:
-                        acc_ref[...] = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
                     dst[...] = run_k(acc_ref, refs)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 

@@ -314,7 +314,7 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
     for kpb in (1, 2):                                  # tile-major words, 128-column tiles
         tm = (s((48, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 2, 4 * 128, 32), jnp.int16),
               s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
-        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=kpb, overlap=kpb == 2)
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=kpb)
         assert "mosaic_gpu" in jax.jit(fn).trace(*tm).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ConfigError, match="block_n"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=64)).trace(*tm)
@@ -331,7 +331,7 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
 _WGMMA_GPU_CASES = [
     (True, 128, 16, 2, {}), (False, -1, 64, 1, {}), (True, 128, 8, 4, {}),
     (True, 128, 8, 1, dict(block_n=128)), (False, 128, 16, 1, dict(kpb=2, stages=2)),
-    (True, 128, 8, 2, dict(overlap=True)), (True, -1, 16, 1, dict(block_n=128, kpb=2, overlap=True)),
+    (True, 128, 8, 2, dict(stages=4)), (True, -1, 16, 1, dict(block_n=128, kpb=2)),
     (True, 128, 8, 1, dict(block_n=128, tile_n=128)), (False, 128, 64, 2, dict(block_n=64, tile_n=64, kpb=2))]
 
 
@@ -341,7 +341,7 @@ _WGMMA_GPU_CASES = [
     (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES if wb == 16 or "tile_n" not in c[-1]])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
-    schedule option (column tile, K-blocks per pipeline step, wgmma/dequantization overlap)."""
+    schedule option (column tile, K-blocks per pipeline step, stages, tile-major words)."""
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
     opts = dict(opts)
