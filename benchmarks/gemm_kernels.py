@@ -35,11 +35,15 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
          "tiny": (4, 256, 512)}
 BW, FLOPS = 4.3e12, 640e12
 # (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
-# tile-major words for 128-column programs. (kpb 2 and overlap measured no gain: RESULTS.md.)
+# tile-major words for 128-column programs, "f128" = the same viewed flat (512-byte TMA rows).
+# (kpb 2 and overlap measured no gain on the swizzled copies: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st4", dict(block_n=128, stages=4)),
                   ("t128", "bn128 st4", dict(block_n=128, stages=4)),
-                  ("t128", "bn128 st3", dict(block_n=128, stages=3))]
+                  ("t128", "bn128 st3", dict(block_n=128, stages=3)),
+                  ("t128", "bn128 st6", dict(block_n=128, stages=6)),
+                  ("f128", "bn128 st4", dict(block_n=128, stages=4)),
+                  ("f128", "bn128 st4 kpb2", dict(block_n=128, stages=4, kpb=2))]
 
 
 def timed(fn, args, reps):
@@ -73,9 +77,9 @@ def variants(bm, n_kb, e, n, interpret):
     for bits, vname, opts in WGMMA_VARIANTS:
         for sk in sorted({1, split}):
             if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % opts.get("block_n", 64) == 0:
-                label = bits if bits == "t128" else f"i{bits}"
-                v[f"wgmma {label} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, bits=bits, opts=opts: \
-                    wgmma_grouped_gemm(a, ids, *g[bits], block_m=bm, split_k=sk, **opts).sum(0)
+                label = bits if isinstance(bits, str) else f"i{bits}"
+                v[f"wgmma {label} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, label=label, opts=opts: \
+                    wgmma_grouped_gemm(a, ids, *g[label], block_m=bm, split_k=sk, **opts).sum(0)
     return v
 
 
@@ -85,6 +89,7 @@ def main(argv=None):
     ap.add_argument("--block-m", nargs="*", type=int, default=[8, 16, 64, 128])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
+    ap.add_argument("--only", nargs="*", default=None, help="time only variants whose name contains one of these")
     ap.add_argument("--append", default=None)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -100,9 +105,10 @@ def main(argv=None):
         if not args.interpret:
             from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
-            conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n"))
-            wg_ops = {16: conv(words, scales, zeros, word_bits=16), 32: conv(words, scales, zeros, word_bits=32),
-                      "t128": conv(words, scales, zeros, tile_n=128)}
+            conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n", "flat"))
+            wg_ops = {"i16": conv(words, scales, zeros, word_bits=16), "i32": conv(words, scales, zeros, word_bits=32),
+                      "t128": conv(words, scales, zeros, tile_n=128),
+                      "f128": conv(words, scales, zeros, tile_n=128, flat=True)}
         w64 = None
         nbytes = e * (n * k / 2 + (k // 128) * n * 2 * 2)        # int4 codes + scales + zeros (2 B each)
         for bm in args.block_m:
@@ -116,6 +122,8 @@ def main(argv=None):
             scale = float(jnp.abs(ref).max())
             fl = max(nbytes / BW, 2 * e * bm * n * k / FLOPS) * 1e6
             for vname, fn in variants(bm, k // 128, e, n, args.interpret).items():
+                if args.only and not any(o in vname for o in args.only):
+                    continue
                 try:
                     got = jax.jit(fn)(a, ids, tile_ops, wg_ops)
                     err = float(jnp.abs(got - ref).max()) / scale

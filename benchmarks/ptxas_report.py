@@ -4,27 +4,44 @@
 
 Sets ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_TO`` (a temporary directory) before the
 first kernel compiles, runs each variant of ``benchmarks/gemm_kernels.py``'s ``WGMMA_VARIANTS``
-once (no timing), and prints only the ptxas summary lines of the kernels each variant compiled —
-the dump itself is ~10 files per kernel, too many to bring back from the device.
+once (no timing), and prints only the ptxas summary lines and a SASS opcode histogram of the
+kernels each variant compiled — the dump itself is ~10 files per kernel, too many to bring back
+from the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
+SASS_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+PTX_OP = re.compile(r"^\s+(?:@!?%p\w+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)\s", re.M)
 KEYS = ("registers", "spill", "smem", "bytes stack", "Compiling entry", "serializ", "arning")
 
 
 def summarize(files):
+    """ptxas resource lines of the dumped files, and an opcode histogram of each SASS dump."""
     lines = []
     for f in sorted(files):
-        if f.suffix in (".ptxas", ".txt") and ("ptxas" in f.name or "resources" in f.name):
+        if "ptxas" in f.name:
             lines += [f"    {f.name}: {ln.strip()}" for ln in f.read_text(errors="replace").splitlines()
                       if any(k in ln for k in KEYS)]
+        elif f.suffix == ".ptx":
+            ops = collections.Counter(PTX_OP.findall(f.read_text(errors="replace")))
+            top = ", ".join(f"{op} {c}" for op, c in ops.most_common(24))
+            lines.append(f"    {f.name}: {sum(ops.values())} PTX instructions; {top}")
+        elif f.suffix == ".sass":
+            ops = collections.Counter(m.group(1) for m in
+                                      SASS_OP.finditer(f.read_text(errors="replace")))
+            top = ", ".join(f"{op} {c}" for op, c in ops.most_common(14))
+            lines.append(f"    {f.name}: {sum(ops.values())} instructions; {top}")
+    if not lines:
+        lines = [f"    (no ptxas/SASS summary; dumped files: {', '.join(sorted(f.name for f in files)[:12])})"]
     return lines
 
 
@@ -49,7 +66,8 @@ def main(argv=None):
     words = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, (e, k // 8, n), dtype=np.int64).astype(np.int32))
     scales = jnp.asarray(rng.random((e, k // 128, n)) * 0.01, jnp.bfloat16)
     zeros = jnp.asarray(rng.integers(0, 16, (e, k // 128, n)), jnp.uint8)
-    layouts = {16: dict(word_bits=16), 32: dict(word_bits=32), "t128": dict(tile_n=128)}
+    layouts = {16: dict(word_bits=16), 32: dict(word_bits=32), "t128": dict(tile_n=128),
+               "f128": dict(tile_n=128, flat=True)}
     for bm in args.block_m:
         a = jnp.zeros((e * bm, k), jnp.bfloat16)
         ids = jnp.arange(e, dtype=jnp.int32)
@@ -62,7 +80,7 @@ def main(argv=None):
                 print(f"{args.gemm} bm={bm} {lay} {name}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
                 continue
             print(f"{args.gemm} bm={bm} {lay} {name}:")
-            print("\n".join(summarize(set(dump.iterdir()) - before)) or "    (no ptxas output)", flush=True)
+            print("\n".join(summarize(set(dump.iterdir()) - before)), flush=True)
     return 0
 
 

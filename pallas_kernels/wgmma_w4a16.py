@@ -55,7 +55,7 @@ def magic_value(dtype):
     return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
 
 
-def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16, tile_n=None):
+def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16, tile_n=None, flat=False):
     """Engine tile layout (``words [E, K/8, N]``, ``scales [E, G, N]``, ``zeros`` uint8 or None)
     → this kernel's ``(words, scales [E, G, N] dtype, zeros [E, G, N] dtype or None)``.
 
@@ -69,7 +69,11 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16,
     ``tile_n`` (16-bit words only; 64 or 128): tile-major words ``[E, N/tile_n, (K/128)·tile_n,
     32]`` — row ``kb·tile_n + r`` of column tile ``j`` holds the 32 words of K-block ``kb`` of
     column ``j·tile_n + r``, so each pipeline step of a ``block_n = tile_n`` program reads one
-    contiguous ``tile_n × 64``-byte chunk instead of ``tile_n`` 64-byte pieces 2·K/8 bytes apart."""
+    contiguous ``tile_n × 64``-byte chunk instead of ``tile_n`` 64-byte pieces 2·K/8 bytes apart.
+    ``flat=True`` (with ``tile_n``): the same bytes viewed as ``[E, N/tile_n, (K/128)·tile_n/8,
+    256]``, so the kernel moves each chunk as 512-byte rows (one unswizzled TMA box) instead of
+    the 32-byte rows of the swizzled ``(8, 16)``-tiled copy — measured: the TMA ring alone moves
+    2.4 TB/s with the latter (``benchmarks/stream_ceiling.py``)."""
     if word_bits == 32:
         z = None if zeros is None else zeros.astype(dtype)
         return jnp.swapaxes(words, 1, 2), scales.astype(dtype), z
@@ -88,29 +92,35 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16,
         n_kb = k // BLOCK_K
         packed = packed.reshape(e, n // tile_n, tile_n, n_kb, 32).transpose(0, 1, 3, 2, 4).reshape(
             e, n // tile_n, n_kb * tile_n, 32)
+        if flat:
+            packed = packed.reshape(e, n // tile_n, n_kb * tile_n // 8, 256)
+    elif flat:
+        raise ConfigError("flat=True needs tile_n (the flat view is of tile-major words)")
     z = None if zeros is None else (zeros.astype(jnp.float32) + magic_value(dtype)).astype(dtype)
     return packed, scales.astype(dtype), z
 
 
 def _words_dims(words, k):
-    """``(E, N, words per row, tile_n or None)`` of a 3-D ``[E, N, K/w]`` or tile-major 4-D
-    ``[E, N/tile_n, (K/128)·tile_n, 32]`` words array."""
+    """``(E, N, words per row, tile_n or None, flat)`` of a 3-D ``[E, N, K/w]``, tile-major 4-D
+    ``[E, N/tile_n, (K/128)·tile_n, 32]`` or flat tile-major ``[E, N/tile_n, (K/128)·tile_n/8, 256]``
+    words array."""
     if words.ndim == 4:
         e, nt, rows, cols = words.shape
         n_kb = max(k // BLOCK_K, 1)
-        tile_n = rows // n_kb
-        if cols != 32 or rows % n_kb or tile_n not in (64, 128):
-            raise ShapeError(f"words: tile-major words must be [E, N/tile_n, (K/128)·tile_n, 32] with tile_n 64 or "
-                             f"128 for K={k}, got {words.shape}")
-        return e, nt * tile_n, cols * n_kb, tile_n
+        flat = cols == 256
+        tile_n = rows // n_kb * (8 if flat else 1)
+        if cols not in (32, 256) or rows % n_kb or tile_n not in (64, 128):
+            raise ShapeError(f"words: tile-major words must be [E, N/tile_n, (K/128)·tile_n, 32] or, flat, "
+                             f"[E, N/tile_n, (K/128)·tile_n/8, 256] with tile_n 64 or 128 for K={k}, got {words.shape}")
+        return e, nt * tile_n, 32 * n_kb, tile_n, flat
     if words.ndim != 3:
         raise ShapeError(f"words: expected [E, N, K/w] or tile-major [E, N/t, K/128·t, 32], got {words.shape}")
-    return (*words.shape, None)
+    return (*words.shape, None, False)
 
 
 def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
     m, k = a.shape
-    e, n, kw, tile_n = _words_dims(words, k)
+    e, n, kw, tile_n, _ = _words_dims(words, k)
     if tile_n is not None and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
         raise DTypeError(f"words: tile-major words are int16, got {words.dtype}")
     if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -155,7 +165,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
     _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)
     m, k = a.shape
-    e, n, _, tile_n = _words_dims(words, k)
+    e, n, _, tile_n, flat = _words_dims(words, k)
     nb = expert_ids.shape[0]
     n_kb = k // BLOCK_K
     bn = block_n
@@ -197,9 +207,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 sc = rows(s_smem, dtype)
                 zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
                 for u in range(2):
-                    src = (w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)] if tile_n else
-                           w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)])
-                    tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA)
+                    if flat:           # unswizzled chunk: the plain (bank-conflicting) register load
+                        src = w_smem.reshape(bn * kpb, 32).at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)]
+                    elif tile_n:
+                        src = w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)]
+                    else:
+                        src = w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)]
+                    tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA, optimized=not flat)
                     for t in range(4):
                         c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
                         v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(magic(dtype)), dtype)
@@ -220,6 +234,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         z_gmem, o_gmem = rest if has_zp else (None, rest[0])
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         specs = [
+            plgpu.BlockSpec((bn * kpb // 8, 256), lambda kb: (kb, 0)) if flat else
             plgpu.BlockSpec((bn * kpb, wcols), lambda kb: (kb, 0),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
             if tile_n else
@@ -262,7 +277,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when(ex >= 0)
             def _():
-                refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
+                refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn // 8, nk * bn // 8)] if flat else
+                        w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
                         w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
                         a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
                         s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))

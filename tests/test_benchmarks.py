@@ -32,12 +32,18 @@ def test_gemm_kernels_on_cpu(capsys):
 
 
 def test_ptxas_report_summary(tmp_path):
-    """The device-side report keeps only ptxas's summary lines of the files a kernel wrote."""
+    """The device-side report keeps only ptxas's summary lines and a PTX opcode histogram of the
+    files a kernel wrote (the dump itself is too many files to bring back)."""
     from benchmarks.ptxas_report import summarize
 
     (tmp_path / "kernel_3.ptxas").write_text("ptxas info    : Compiling entry function 'k'\n"
                                              "ptxas info    : Used 168 registers, 0 bytes smem\n"
                                              "noise line\n")
-    (tmp_path / "kernel_3.ptx").write_text("Used 1 registers (not a ptxas file)\n")
+    (tmp_path / "kernel_3.ptx").write_text("// Used 1 registers (not a ptxas file)\n\tshr.u16 \t%rs1, %rs2, 4;\n"
+                                           "\t@%p1 bra $L__BB0_2;\n\tshr.u16 %rs3, %rs1, 8;\n"
+                                           "\tfma.rn.bf16x2 %r1, %r2, %r3, %r4;\n")
+    (tmp_path / "kernel_3.mlir").write_text("not summarized\n")
     lines = summarize(set(tmp_path.iterdir()))
-    assert len(lines) == 2 and "168 registers" in lines[1] and all("kernel_3.ptxas" in ln for ln in lines)
+    assert len(lines) == 3 and "168 registers" in lines[2] and all("kernel_3.ptx" in ln for ln in lines)
+    assert "4 PTX instructions; shr.u16 2, bra 1, fma.rn.bf16x2 1" in lines[0]
+    assert "dumped files: kernel_3.mlir" in summarize({tmp_path / "kernel_3.mlir"})[0]

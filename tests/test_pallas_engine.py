@@ -214,7 +214,7 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
-def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None):
+def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, flat=False):
     from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
     codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
@@ -222,7 +222,7 @@ def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None):
     a = jnp.asarray(rng.standard_normal((4 * bm, k)), jnp.bfloat16)
     lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
                           None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits,
-                          tile_n=tile_n)
+                          tile_n=tile_n, flat=flat)
     w = _weights64(codes, scales, zeros, 4, group)
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
@@ -290,8 +290,13 @@ def test_wgmma_tile_major_layout(tile_n):
         for kb in range(4):
             np.testing.assert_array_equal(tiled[:, j, kb * tile_n:(kb + 1) * tile_n],
                                           plain[:, j * tile_n:(j + 1) * tile_n, 32 * kb:32 * kb + 32])
+    flat = np.asarray(to_wgmma_layout(tiles, sc, tile_n=tile_n, flat=True)[0])    # the same bytes, 256 per row
+    assert flat.shape == (3, 256 // tile_n, 4 * tile_n // 8, 256)
+    np.testing.assert_array_equal(flat.reshape(tiled.shape), tiled)
     with pytest.raises(ConfigError, match="tile_n"):
         to_wgmma_layout(tiles, sc, tile_n=96)
+    with pytest.raises(ConfigError, match="flat"):
+        to_wgmma_layout(tiles, sc, flat=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
@@ -318,6 +323,10 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         assert "mosaic_gpu" in jax.jit(fn).trace(*tm).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ConfigError, match="block_n"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=64)).trace(*tm)
+    for kpb in (1, 2):                                  # the same, flat (512-byte TMA rows)
+        fl = tm[:2] + (s((4, 2, 4 * 128 // 8, 256), jnp.int16),) + tm[3:]
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=kpb)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*fl).lower(lowering_platforms=("cuda",)).as_text()
     many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
             s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
     assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
@@ -332,7 +341,10 @@ _WGMMA_GPU_CASES = [
     (True, 128, 16, 2, {}), (False, -1, 64, 1, {}), (True, 128, 8, 4, {}),
     (True, 128, 8, 1, dict(block_n=128)), (False, 128, 16, 1, dict(kpb=2, stages=2)),
     (True, 128, 8, 2, dict(stages=4)), (True, -1, 16, 1, dict(block_n=128, kpb=2)),
-    (True, 128, 8, 1, dict(block_n=128, tile_n=128)), (False, 128, 64, 2, dict(block_n=64, tile_n=64, kpb=2))]
+    (True, 128, 8, 1, dict(block_n=128, tile_n=128)), (False, 128, 64, 2, dict(block_n=64, tile_n=64, kpb=2)),
+    (True, 128, 8, 1, dict(block_n=128, tile_n=128, flat=True)),
+    (False, -1, 16, 2, dict(block_n=64, tile_n=64, flat=True, kpb=2, stages=4)),
+    (True, 128, 128, 1, dict(block_n=128, tile_n=128, flat=True))]
 
 
 @pytest.mark.gpu
@@ -345,9 +357,10 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
     opts = dict(opts)
-    tile_n = opts.pop("tile_n", None)
+    tile_n, flat = opts.pop("tile_n", None), opts.pop("flat", False)
     rng = np.random.default_rng()
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n,
+                                                       flat=flat)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
                              split_k=split, **opts)
     assert out.shape == (split,) + ref.shape
