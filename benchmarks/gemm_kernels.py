@@ -35,15 +35,16 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
          "tiny": (4, 256, 512)}
 BW, FLOPS = 4.3e12, 640e12
 # (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
-# tile-major words for 128-column programs, "f128" = the same viewed flat (512-byte TMA rows).
-# (kpb 2 and overlap measured no gain on the swizzled copies: RESULTS.md.)
+# tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies.
+# (kpb 2 without wide, and overlap, measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st4", dict(block_n=128, stages=4)),
                   ("t128", "bn128 st4", dict(block_n=128, stages=4)),
                   ("t128", "bn128 st3", dict(block_n=128, stages=3)),
                   ("t128", "bn128 st6", dict(block_n=128, stages=6)),
-                  ("f128", "bn128 st4", dict(block_n=128, stages=4)),
-                  ("f128", "bn128 st4 kpb2", dict(block_n=128, stages=4, kpb=2))]
+                  (16, "bn128 st4 kpb2 wide", dict(block_n=128, stages=4, kpb=2, wide=True)),
+                  (16, "bn128 st2 kpb2 wide", dict(block_n=128, stages=2, kpb=2, wide=True)),
+                  (16, "st4 kpb2 wide", dict(stages=4, kpb=2, wide=True))]
 
 
 def timed(fn, args, reps):
@@ -105,10 +106,9 @@ def main(argv=None):
         if not args.interpret:
             from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
-            conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n", "flat"))
+            conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n"))
             wg_ops = {"i16": conv(words, scales, zeros, word_bits=16), "i32": conv(words, scales, zeros, word_bits=32),
-                      "t128": conv(words, scales, zeros, tile_n=128),
-                      "f128": conv(words, scales, zeros, tile_n=128, flat=True)}
+                      "t128": conv(words, scales, zeros, tile_n=128)}
         w64 = None
         nbytes = e * (n * k / 2 + (k // 128) * n * 2 * 2)        # int4 codes + scales + zeros (2 B each)
         for bm in args.block_m:

@@ -66,8 +66,7 @@ def main(argv=None):
     words = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, (e, k // 8, n), dtype=np.int64).astype(np.int32))
     scales = jnp.asarray(rng.random((e, k // 128, n)) * 0.01, jnp.bfloat16)
     zeros = jnp.asarray(rng.integers(0, 16, (e, k // 128, n)), jnp.uint8)
-    layouts = {16: dict(word_bits=16), 32: dict(word_bits=32), "t128": dict(tile_n=128),
-               "f128": dict(tile_n=128, flat=True)}
+    layouts = {16: dict(word_bits=16), 32: dict(word_bits=32), "t128": dict(tile_n=128)}
     for bm in args.block_m:
         a = jnp.zeros((e * bm, k), jnp.bfloat16)
         ids = jnp.arange(e, dtype=jnp.int32)

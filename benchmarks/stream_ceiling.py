@@ -12,9 +12,9 @@ over the same bytes (the practical read ceiling) and the real kernel at 8-row bl
 * ``dequant``: plus the magic-number dequantization of every nibble (summed, no wgmma);
 * ``kernel``: ``wgmma_grouped_gemm`` (8-row blocks, ``block_n`` 128), the whole step;
 
-each for the kernel's swizzled ``(8, 16)``-tiled word copies (32-byte TMA rows) and for the
-flat tile-major layout (``to_wgmma_layout(..., tile_n=128, flat=True)``: one contiguous 8 KB
-``[16, 256]`` box per step, registers loaded from the unswizzled buffer).
+each for the kernel's swizzled ``(8, 16)``-tiled word copies (32-byte TMA rows) and its
+``wide`` ones (128-byte swizzle, ``[128, 64]`` per step); ``flat copy`` moves the same bytes as
+one unswizzled ``[16, 256]`` box per step (the tile-major layout viewed flat, 512-byte rows).
 
 If ``copy`` already stops near 2 TB/s the pipeline structure is the limit (one warpgroup both
 issuing the copies and computing); if ``copy`` runs near the XLA ceiling and ``dequant`` does
@@ -36,23 +36,32 @@ from benchmarks.gemm_kernels import GEMMS
 BN = 128
 
 
-def stream(words, mode: str, stages: int):
+def stream(words, mode: str, stages: int, wide: bool = False):
     """``words`` int16, ``[E, N, K/4]`` (swizzled ``(8, 16)``-tiled TMA copies of ``[128, 32]``,
-    as the kernel's default) or flat tile-major ``[E, N/128, (K/128)·16, 256]`` (one unswizzled
-    ``[16, 256]`` box per step) → ``[E, N/128, 64, 16]`` bf16 folded per program (mode as above)."""
+    as the kernel's default; ``wide``: 128-byte swizzled ``[128, 64]`` copies, two K-blocks per
+    step, as ``wgmma_grouped_gemm(..., kpb=2, wide=True)``) or flat tile-major ``[E, N/128,
+    (K/128)·16, 256]`` (one unswizzled ``[16, 256]`` box per step, copy mode only) →
+    ``[E, N/128, 64, 16]`` bf16 folded per program (mode as above)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     flat = words.ndim == 4
+    if flat and mode != "copy":
+        raise ValueError("flat words: copy mode only (registers cannot be loaded from the unswizzled buffer on "
+                         "jax 0.11: its layout inference rejects the reshaped view)")
     e = words.shape[0]
     n = words.shape[1] * BN if flat else words.shape[1]
     n_kb = words.shape[2] // 16 if flat else words.shape[2] // 32
+    steps = n_kb // 2 if wide else n_kb
     layout = plgpu.Layout.WGMMA
 
     def kernel(w_gmem, o_gmem):
         i, j = jax.lax.axis_index("e"), jax.lax.axis_index("n")
         if flat:
             spec = plgpu.BlockSpec((16, 256), lambda kb: (kb, 0))
+        elif wide:
+            spec = plgpu.BlockSpec((BN, 64), lambda kb: (0, kb),
+                                   transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
         else:
             spec = plgpu.BlockSpec((BN, 32), lambda kb: (0, kb),
                                    transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
@@ -61,22 +70,24 @@ def stream(words, mode: str, stages: int):
             if mode == "copy":
                 return carry
             acc = carry
-            view = w_smem.reshape(BN, 32) if flat else w_smem
-            for h in range(BN // 64):
-                for u in range(2):
-                    tile = plgpu.load(view.at[pl.ds(64 * h, 64), pl.ds(16 * u, 16)], (), layout=layout,
-                                      optimized=not flat)
-                    if mode == "load":
-                        acc = acc + jax.lax.bitcast_convert_type(tile, jnp.bfloat16)
-                        continue
-                    for t in range(4):
-                        c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
-                        v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(0x4300), jnp.bfloat16)
-                        acc = acc + (v - jnp.bfloat16(136.0)) * jnp.bfloat16(0.01)
+            if wide:
+                whole = plgpu.load(w_smem, (), layout=layout)
+                tiles = [whole[64 * h: 64 * h + 64, 16 * v: 16 * v + 16] for h in range(BN // 64) for v in range(4)]
+            else:
+                tiles = [plgpu.load(w_smem.at[pl.ds(64 * h, 64), pl.ds(16 * u, 16)], (), layout=layout)
+                         for h in range(BN // 64) for u in range(2)]
+            for tile in tiles:
+                if mode == "load":
+                    acc = acc + jax.lax.bitcast_convert_type(tile, jnp.bfloat16)
+                    continue
+                for t in range(4):
+                    c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
+                    v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(0x4300), jnp.bfloat16)
+                    acc = acc + (v - jnp.bfloat16(136.0)) * jnp.bfloat16(0.01)
             return acc
 
         init = plgpu.layout_cast(jnp.zeros((64, 16), jnp.bfloat16), layout)
-        out = plgpu.emit_pipeline(step, grid=(n_kb,), max_concurrent_steps=min(stages, n_kb), in_specs=[spec],
+        out = plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=min(stages, steps), in_specs=[spec],
                                   init_carry=init)(w_gmem.at[i, j] if flat else w_gmem.at[i, pl.ds(j * BN, BN)])
         o_gmem.at[i, j][...] = out
 
@@ -111,9 +122,9 @@ def main(argv=None):
         words = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, (e, k // 8, n), dtype=np.int64).astype(np.int32))
         scales = jnp.asarray(rng.random((e, k // 128, n)) * 0.01 + 0.001, jnp.bfloat16)
         zeros = jnp.asarray(rng.integers(0, 16, (e, k // 128, n)), jnp.uint8)
-        conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n", "flat"))
+        conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n"))
         w16, s16, z16 = conv(words, scales, zeros, word_bits=16)
-        wflat = conv(words, scales, zeros, tile_n=BN, flat=True)[0]
+        wflat = conv(words, scales, zeros, tile_n=BN)[0].reshape(e, n // BN, -1, 256)    # same bytes, 512-byte rows
         nbytes = w16.size * 2
 
         def row(variant, stages, us, extra_bytes=0):
@@ -122,11 +133,12 @@ def main(argv=None):
 
         row("XLA sum (read ceiling)", "—", timed(jax.jit(lambda w: jnp.sum(w, dtype=jnp.int32)), w16, reps=args.reps))
         for st in args.stages:
-            for lay, w in (("", w16), ("flat ", wflat)):
-                for mode in ("copy", "load", "dequant"):
+            for lay, w, wide, modes in (("", w16, False, ("copy", "load", "dequant")),
+                                        ("wide ", w16, True, ("copy", "load", "dequant")), ("flat ", wflat, False, ("copy",))):
+                for mode in modes:
                     try:
-                        row(lay + mode, st, timed(jax.jit(lambda w, mode=mode, st=st: stream(w, mode, st)), w,
-                                                  reps=args.reps))
+                        row(lay + mode, st, timed(jax.jit(lambda w, mode=mode, st=st, wide=wide: stream(w, mode, st, wide)),
+                                                  w, reps=args.reps))
                     except Exception as ex:  # noqa: BLE001 - report and continue
                         print(f"  {name} {lay}{mode} st{st}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             a = jnp.asarray(rng.standard_normal((8 * e, k)), jnp.bfloat16)
@@ -134,7 +146,9 @@ def main(argv=None):
             fn = jax.jit(lambda a, ids, w, s, z, st=st: wgmma_grouped_gemm(a, ids, w, s, z, block_m=8,
                                                                           block_n=128, stages=st))
             row("kernel (8-row blocks)", st, timed(fn, a, ids, w16, s16, z16, reps=args.reps), s16.size * 4)
-            row("flat kernel (8-row blocks)", st, timed(fn, a, ids, wflat, s16, z16, reps=args.reps), s16.size * 4)
+            fnw = jax.jit(lambda a, ids, w, s, z, st=st: wgmma_grouped_gemm(a, ids, w, s, z, block_m=8, block_n=128,
+                                                                           stages=st, kpb=2, wide=True))
+            row("wide kernel (8-row blocks)", st, timed(fnw, a, ids, w16, s16, z16, reps=args.reps), s16.size * 4)
     return 0
 
 

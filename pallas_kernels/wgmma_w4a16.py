@@ -55,7 +55,7 @@ def magic_value(dtype):
     return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
 
 
-def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16, tile_n=None, flat=False):
+def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16, tile_n=None):
     """Engine tile layout (``words [E, K/8, N]``, ``scales [E, G, N]``, ``zeros`` uint8 or None)
     → this kernel's ``(words, scales [E, G, N] dtype, zeros [E, G, N] dtype or None)``.
 
@@ -69,11 +69,7 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16,
     ``tile_n`` (16-bit words only; 64 or 128): tile-major words ``[E, N/tile_n, (K/128)·tile_n,
     32]`` — row ``kb·tile_n + r`` of column tile ``j`` holds the 32 words of K-block ``kb`` of
     column ``j·tile_n + r``, so each pipeline step of a ``block_n = tile_n`` program reads one
-    contiguous ``tile_n × 64``-byte chunk instead of ``tile_n`` 64-byte pieces 2·K/8 bytes apart.
-    ``flat=True`` (with ``tile_n``): the same bytes viewed as ``[E, N/tile_n, (K/128)·tile_n/8,
-    256]``, so the kernel moves each chunk as 512-byte rows (one unswizzled TMA box) instead of
-    the 32-byte rows of the swizzled ``(8, 16)``-tiled copy — measured: the TMA ring alone moves
-    2.4 TB/s with the latter (``benchmarks/stream_ceiling.py``)."""
+    contiguous ``tile_n × 64``-byte chunk instead of ``tile_n`` 64-byte pieces 2·K/8 bytes apart."""
     if word_bits == 32:
         z = None if zeros is None else zeros.astype(dtype)
         return jnp.swapaxes(words, 1, 2), scales.astype(dtype), z
@@ -92,35 +88,29 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16,
         n_kb = k // BLOCK_K
         packed = packed.reshape(e, n // tile_n, tile_n, n_kb, 32).transpose(0, 1, 3, 2, 4).reshape(
             e, n // tile_n, n_kb * tile_n, 32)
-        if flat:
-            packed = packed.reshape(e, n // tile_n, n_kb * tile_n // 8, 256)
-    elif flat:
-        raise ConfigError("flat=True needs tile_n (the flat view is of tile-major words)")
     z = None if zeros is None else (zeros.astype(jnp.float32) + magic_value(dtype)).astype(dtype)
     return packed, scales.astype(dtype), z
 
 
 def _words_dims(words, k):
-    """``(E, N, words per row, tile_n or None, flat)`` of a 3-D ``[E, N, K/w]``, tile-major 4-D
-    ``[E, N/tile_n, (K/128)·tile_n, 32]`` or flat tile-major ``[E, N/tile_n, (K/128)·tile_n/8, 256]``
-    words array."""
+    """``(E, N, words per row, tile_n or None)`` of a 3-D ``[E, N, K/w]`` or tile-major 4-D
+    ``[E, N/tile_n, (K/128)·tile_n, 32]`` words array."""
     if words.ndim == 4:
         e, nt, rows, cols = words.shape
         n_kb = max(k // BLOCK_K, 1)
-        flat = cols == 256
-        tile_n = rows // n_kb * (8 if flat else 1)
-        if cols not in (32, 256) or rows % n_kb or tile_n not in (64, 128):
-            raise ShapeError(f"words: tile-major words must be [E, N/tile_n, (K/128)·tile_n, 32] or, flat, "
-                             f"[E, N/tile_n, (K/128)·tile_n/8, 256] with tile_n 64 or 128 for K={k}, got {words.shape}")
-        return e, nt * tile_n, 32 * n_kb, tile_n, flat
+        tile_n = rows // n_kb
+        if cols != 32 or rows % n_kb or tile_n not in (64, 128):
+            raise ShapeError(f"words: tile-major words must be [E, N/tile_n, (K/128)·tile_n, 32] with tile_n 64 or "
+                             f"128 for K={k}, got {words.shape}")
+        return e, nt * tile_n, cols * n_kb, tile_n
     if words.ndim != 3:
         raise ShapeError(f"words: expected [E, N, K/w] or tile-major [E, N/t, K/128·t, 32], got {words.shape}")
-    return (*words.shape, None, False)
+    return (*words.shape, None)
 
 
 def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
     m, k = a.shape
-    e, n, kw, tile_n, _ = _words_dims(words, k)
+    e, n, kw, tile_n = _words_dims(words, k)
     if tile_n is not None and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
         raise DTypeError(f"words: tile-major words are int16, got {words.dtype}")
     if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -147,9 +137,10 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
         raise ConfigError(f"wgmma_grouped_gemm: split_k={split_k} must divide the {n_kb} K-blocks")
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb"))
+@functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
+                                             "wide"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
-                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1):
+                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -157,15 +148,19 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: pipeline steps in
     flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
     K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
-    tiles). (An option that kept the accumulator across steps, overlapping one step's wgmmas with
-    the next step's dequantization, measured no gain and was removed: benchmarks/NOTES.md, v4.)
+    tiles). ``wide`` (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word
+    tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
+    ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
+    and loaded into registers whole, its 16-word K steps sliced there. (An option that kept the
+    accumulator across steps, overlapping one step's wgmmas with the next step's dequantization,
+    measured no gain and was removed: benchmarks/NOTES.md, v4.)
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)
     m, k = a.shape
-    e, n, _, tile_n, flat = _words_dims(words, k)
+    e, n, _, tile_n = _words_dims(words, k)
     nb = expert_ids.shape[0]
     n_kb = k // BLOCK_K
     bn = block_n
@@ -175,6 +170,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
         raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
+    if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
+        raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
+                          f"words {words.dtype}{words.shape}")
     chunk = n_kb // split_k // kpb            # pipeline steps per program
     dtype = a.dtype
     bm = block_m
@@ -206,14 +204,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 # (m + c) − (m + z) exact, one rounding in the scale multiply — the reference's value
                 sc = rows(s_smem, dtype)
                 zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
+                if wide and q == 0:
+                    whole = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA)     # [bn, 64]: both K-blocks
                 for u in range(2):
-                    if flat:           # unswizzled chunk: the plain (bank-conflicting) register load
-                        src = w_smem.reshape(bn * kpb, 32).at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)]
-                    elif tile_n:
-                        src = w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)]
+                    if wide:
+                        tile = whole[:, wcols * q + 16 * u: wcols * q + 16 * u + 16]
                     else:
-                        src = w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)]
-                    tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA, optimized=not flat)
+                        src = (w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)] if tile_n else
+                               w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)])
+                        tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA)
                     for t in range(4):
                         c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
                         v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(magic(dtype)), dtype)
@@ -234,10 +233,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         z_gmem, o_gmem = rest if has_zp else (None, rest[0])
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         specs = [
-            plgpu.BlockSpec((bn * kpb // 8, 256), lambda kb: (kb, 0)) if flat else
             plgpu.BlockSpec((bn * kpb, wcols), lambda kb: (kb, 0),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
             if tile_n else
+            plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
             plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
@@ -277,8 +277,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when(ex >= 0)
             def _():
-                refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn // 8, nk * bn // 8)] if flat else
-                        w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
+                refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
                         w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
                         a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
                         s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
@@ -405,7 +404,8 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
-                    split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4):
+                    split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4,
+                    wide: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -413,6 +413,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
     experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
     and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
+    ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
+    GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -440,10 +442,13 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     def gemm(a, experts, bm, ops, n, kdim, split):
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
+        kpb = 2 if wide and n_kb % 2 == 0 else 1
+        steps = n_kb // kpb
         want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
-        s = max(d for d in range(1, min(want, n_kb) + 1) if n_kb % d == 0)     # the kernel needs a divisor
+        s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
+        st = min(stages, 2) if kpb == 2 and bm >= 128 else stages             # shared memory: 227 KB
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
-                                  stages=stages).sum(0)
+                                  stages=st, kpb=kpb, wide=kpb == 2).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

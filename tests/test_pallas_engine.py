@@ -214,7 +214,7 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
-def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, flat=False):
+def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None):
     from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
     codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
@@ -222,7 +222,7 @@ def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, fla
     a = jnp.asarray(rng.standard_normal((4 * bm, k)), jnp.bfloat16)
     lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
                           None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits,
-                          tile_n=tile_n, flat=flat)
+                          tile_n=tile_n)
     w = _weights64(codes, scales, zeros, 4, group)
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
@@ -290,13 +290,8 @@ def test_wgmma_tile_major_layout(tile_n):
         for kb in range(4):
             np.testing.assert_array_equal(tiled[:, j, kb * tile_n:(kb + 1) * tile_n],
                                           plain[:, j * tile_n:(j + 1) * tile_n, 32 * kb:32 * kb + 32])
-    flat = np.asarray(to_wgmma_layout(tiles, sc, tile_n=tile_n, flat=True)[0])    # the same bytes, 256 per row
-    assert flat.shape == (3, 256 // tile_n, 4 * tile_n // 8, 256)
-    np.testing.assert_array_equal(flat.reshape(tiled.shape), tiled)
     with pytest.raises(ConfigError, match="tile_n"):
         to_wgmma_layout(tiles, sc, tile_n=96)
-    with pytest.raises(ConfigError, match="flat"):
-        to_wgmma_layout(tiles, sc, flat=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
@@ -323,10 +318,15 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         assert "mosaic_gpu" in jax.jit(fn).trace(*tm).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ConfigError, match="block_n"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=64)).trace(*tm)
-    for kpb in (1, 2):                                  # the same, flat (512-byte TMA rows)
-        fl = tm[:2] + (s((4, 2, 4 * 128 // 8, 256), jnp.int16),) + tm[3:]
-        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=kpb)
-        assert "mosaic_gpu" in jax.jit(fn).trace(*fl).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="wide"):                                  # wide: plain 16-bit words only
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=2, wide=True)).trace(*tm)
+    for bn, zp in ((128, True), (64, False)):           # wide: 128-byte swizzled [bn, 64] word tiles
+        wd = (s((48, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+              s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16) if zp else None)
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=bn, kpb=2, wide=True, stages=4)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*wd).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="wide"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, kpb=1, wide=True)).trace(*wd)
     many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
             s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
     assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
@@ -342,37 +342,37 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 1, dict(block_n=128)), (False, 128, 16, 1, dict(kpb=2, stages=2)),
     (True, 128, 8, 2, dict(stages=4)), (True, -1, 16, 1, dict(block_n=128, kpb=2)),
     (True, 128, 8, 1, dict(block_n=128, tile_n=128)), (False, 128, 64, 2, dict(block_n=64, tile_n=64, kpb=2)),
-    (True, 128, 8, 1, dict(block_n=128, tile_n=128, flat=True)),
-    (False, -1, 16, 2, dict(block_n=64, tile_n=64, flat=True, kpb=2, stages=4)),
-    (True, 128, 128, 1, dict(block_n=128, tile_n=128, flat=True))]
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, stages=4)), (False, -1, 16, 2, dict(kpb=2, wide=True)),
+    (True, 128, 64, 1, dict(block_n=128, kpb=2, wide=True, stages=2))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("word_bits, zp, group, bm, split, opts", [
-    (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES if wb == 16 or "tile_n" not in c[-1]])
+    (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES if wb == 16 or not {"tile_n", "wide"} & set(c[-1])])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
     schedule option (column tile, K-blocks per pipeline step, stages, tile-major words)."""
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
     opts = dict(opts)
-    tile_n, flat = opts.pop("tile_n", None), opts.pop("flat", False)
+    tile_n = opts.pop("tile_n", None)
     rng = np.random.default_rng()
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n,
-                                                       flat=flat)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
                              split_k=split, **opts)
     assert out.shape == (split,) + ref.shape
     _close(np.asarray(out, np.float64).sum(0), ref)
 
 
-def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, **_):
+def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, kpb=1,
+                         wide=False, **_):
     """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, zero rows
     for id -1), for testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
 
     _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)      # the kernel's own contract
+    assert (a.shape[1] // 128 // split_k) % kpb == 0 and (not wide or kpb == 2), (split_k, kpb, wide)
     z = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(a.dtype)).astype(jnp.uint8)
     w = dequantize_tiles(from_wgmma_layout(words), scales, z, bits=4, group_size=group_size, dtype=a.dtype)
     blocks = a.reshape(-1, block_m, a.shape[1]).astype(jnp.float32)
@@ -447,7 +447,7 @@ def test_wgmma_rejects_bad_input():
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 @pytest.mark.parametrize("t, bias, map_, on_input, activation", [
     (3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")])
-@pytest.mark.parametrize("split, schedule", [(None, None), (3, "pair"), (3, "blocked")])
+@pytest.mark.parametrize("split, schedule", [(None, None), (3, "pair"), (3, "blocked"), (None, "wide")])
 def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, activation, split, schedule):
     """The wgmma layer's schedules (pair: no alignment; blocked: sorted rows), bias, router
     weights (on input too), expert map, activation and top-k sum against the float64 reference
@@ -460,8 +460,10 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     rng = np.random.default_rng()
     w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 256, t, 2, bias=bias, map_=map_)
     wg = wgm.convert_wgmma(w.to_jax())
+    wide = schedule == "wide"                           # 256-deep steps: splits must divide K-blocks / 2
     got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
-                                    schedule=schedule, apply_router_weight_on_input=on_input))(
+                                    schedule=None if wide else schedule, wide=wide,
+                                    apply_router_weight_on_input=on_input))(
         x, tw, ids, wg, expert_map=em)
     _layer_close(got, _reference(w, x, tw, ids, em, activation=activation, on_input=on_input))
 
@@ -760,7 +762,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
         for over in ({}, dict(schedule="pair"), dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2),
-                     dict(block_m=64, block_n=64, stages=2), dict(block_m=128)):
+                     dict(block_m=64, block_n=64, stages=2), dict(block_m=128), dict(wide=True),
+                     dict(block_m=128, wide=True)):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
