@@ -24,10 +24,11 @@ Weight layout (:func:`to_wgmma_layout`, from the engine's tile layout, converted
 Scales and zero points ``[E, G, N]`` in the activation dtype (TMA moves whole 128-byte rows),
 group 128 or channelwise. Per program (block ``i``, column tile ``j``, split ``s``):
 ``plgpu.emit_pipeline`` streams ``kpb`` K-blocks per step through a ring of ``stages`` TMA-fed
-shared-memory buffers; ``wide=True`` (with ``kpb=2``) copies ``[BN, 64]`` word tiles with a 128-byte
-swizzle instead of ``(8, 16)``-tiled 32-byte rows (the narrow copies alone stop at 2.4 TB/s, the
-wide ones reach 3.9 TB/s: ``benchmarks/stream_ceiling.py``). Not yet: fused epilogues (the layer does bias, router weight,
-activation and the top-k sum in XLA on float32 partials), a persistent grid, 8-bit codes.
+shared-memory buffers; ``wide=True`` (with ``kpb=2``) copies ``[BN, 64]`` word tiles with a
+128-byte swizzle instead of ``(8, 16)``-tiled 32-byte rows (the narrow copies alone stop at
+2.4 TB/s, the wide ones reach 3.9 TB/s: ``benchmarks/stream_ceiling.py``). Not yet: fused
+epilogues (the layer does bias, router weight, activation and the top-k sum in XLA on float32
+partials), a persistent grid, 8-bit codes.
 """
 
 from __future__ import annotations
