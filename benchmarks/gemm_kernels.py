@@ -35,7 +35,8 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
          "tiny": (4, 256, 512)}
 BW, FLOPS = 4.3e12, 640e12
 # (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
-# tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies.
+# tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
+# "shift32": nibbles extracted with 32-bit register ops.
 # (kpb 2 without wide, and overlap, measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st4", dict(block_n=128, stages=4)),
@@ -44,7 +45,9 @@ WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   ("t128", "bn128 st6", dict(block_n=128, stages=6)),
                   (16, "bn128 st4 kpb2 wide", dict(block_n=128, stages=4, kpb=2, wide=True)),
                   (16, "bn128 st2 kpb2 wide", dict(block_n=128, stages=2, kpb=2, wide=True)),
-                  (16, "st4 kpb2 wide", dict(stages=4, kpb=2, wide=True))]
+                  (16, "st4 kpb2 wide", dict(stages=4, kpb=2, wide=True)),
+                  (16, "bn128 st4 shift32", dict(block_n=128, stages=4, shift32=True)),
+                  (16, "bn128 st2 kpb2 wide shift32", dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True))]
 
 
 def timed(fn, args, reps):

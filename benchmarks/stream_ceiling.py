@@ -10,6 +10,7 @@ over the same bytes (the practical read ceiling) and the real kernel at 8-row bl
 * ``copy``: the TMA ring only — each step waits for its buffer and does nothing with it;
 * ``load``: plus the shared-memory → register loads of the word tiles (xor-folded);
 * ``dequant``: plus the magic-number dequantization of every nibble (summed, no wgmma);
+  ``dequant32`` the same with the nibbles extracted by 32-bit register ops (``shift32``);
 * ``kernel``: ``wgmma_grouped_gemm`` (8-row blocks, ``block_n`` 128), the whole step;
 
 each for the kernel's swizzled ``(8, 16)``-tiled word copies (32-byte TMA rows) and its
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gemm_kernels import GEMMS
+from pallas_kernels.wgmma_w4a16 import _nibble_planes
 
 BN = 128
 
@@ -54,6 +56,7 @@ def stream(words, mode: str, stages: int, wide: bool = False):
     n_kb = words.shape[2] // 16 if flat else words.shape[2] // 32
     steps = n_kb // 2 if wide else n_kb
     layout = plgpu.Layout.WGMMA
+    planes = _nibble_planes(64, jnp.bfloat16) if mode == "dequant32" else None
 
     def kernel(w_gmem, o_gmem):
         i, j = jax.lax.axis_index("e"), jax.lax.axis_index("n")
@@ -80,9 +83,13 @@ def stream(words, mode: str, stages: int, wide: bool = False):
                 if mode == "load":
                     acc = acc + jax.lax.bitcast_convert_type(tile, jnp.bfloat16)
                     continue
-                for t in range(4):
-                    c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
-                    v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(0x4300), jnp.bfloat16)
+                if mode == "dequant32":
+                    vs = planes(tile)
+                else:
+                    vs = [jax.lax.bitcast_convert_type(
+                        ((jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile) & jnp.int16(15))
+                        | jnp.int16(0x4300), jnp.bfloat16) for t in range(4)]
+                for v in vs:
                     acc = acc + (v - jnp.bfloat16(136.0)) * jnp.bfloat16(0.01)
             return acc
 
@@ -134,7 +141,8 @@ def main(argv=None):
         row("XLA sum (read ceiling)", "—", timed(jax.jit(lambda w: jnp.sum(w, dtype=jnp.int32)), w16, reps=args.reps))
         for st in args.stages:
             for lay, w, wide, modes in (("", w16, False, ("copy", "load", "dequant")),
-                                        ("wide ", w16, True, ("copy", "load", "dequant")), ("flat ", wflat, False, ("copy",))):
+                                        ("wide ", w16, True, ("copy", "load", "dequant", "dequant32")),
+                                        ("flat ", wflat, False, ("copy",))):
                 for mode in modes:
                     try:
                         row(lay + mode, st, timed(jax.jit(lambda w, mode=mode, st=st, wide=wide: stream(w, mode, st, wide)),
@@ -149,6 +157,10 @@ def main(argv=None):
             fnw = jax.jit(lambda a, ids, w, s, z, st=st: wgmma_grouped_gemm(a, ids, w, s, z, block_m=8, block_n=128,
                                                                            stages=st, kpb=2, wide=True))
             row("wide kernel (8-row blocks)", st, timed(fnw, a, ids, w16, s16, z16, reps=args.reps), s16.size * 4)
+            fn32 = jax.jit(lambda a, ids, w, s, z, st=st: wgmma_grouped_gemm(a, ids, w, s, z, block_m=8, block_n=128,
+                                                                            stages=st, kpb=2, wide=True, shift32=True))
+            row("wide shift32 kernel (8-row blocks)", st, timed(fn32, a, ids, w16, s16, z16, reps=args.reps),
+                s16.size * 4)
     return 0
 
 

@@ -58,6 +58,44 @@ def magic_value(dtype):
     return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
 
 
+def _nibble_planes(bn: int, dtype):
+    """Mosaic GPU function: a ``[bn, 16]`` int16 word tile in the WGMMA register layout → its four
+    nibble planes as ``magic + c`` in ``dtype`` (the same values as ``bits(magic | (w >> 4t & 15))``),
+    computed on each 32-bit register (two adjacent words) with one 32-bit shift and one
+    and/or (``& 0x000F000F | magic·0x10001``) per plane — two codes per instruction, where the
+    same jnp ops on int16 lower to two scalar 16-bit shifts per register (PTX ``shr.u16``)."""
+    import numpy as np
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+
+    layout = plgpu.Layout.WGMMA
+    magic32 = magic(dtype) * 0x10001
+
+    @plgpu.inline_mgpu(arg_types=(layout,),
+                       return_type=tuple(plgpu.ShapeDtypeStruct((bn, 16), dtype, layout) for _ in range(4)))
+    def planes(_ctx, words):
+        i32 = ir.IntegerType.get_signless(32)
+        one = ir.VectorType.get([1], i32)
+        regs = words.registers
+        out_ty = ir.VectorType.get(ir.VectorType(regs.flat[0].type).shape, mgpu.utils.dtype_to_ir_type(dtype))
+        mask, mg = arith.constant(i32, 0x000F000F), arith.constant(i32, magic32)
+        outs = []
+        for t in range(4):
+            plane = np.empty(regs.shape, dtype=object)
+            for idx, r in np.ndenumerate(regs):
+                x = vector.extract(vector.bitcast(one, r), dynamic_position=[], static_position=[0])
+                if t:
+                    x = arith.shrui(x, arith.constant(i32, 4 * t))
+                x = arith.ori(arith.andi(x, mask), mg)
+                plane[idx] = vector.bitcast(out_ty, vector.broadcast(one, x))
+            outs.append(mgpu.FragmentedArray(_registers=plane, _layout=words.layout, _is_signed=None))
+        return tuple(outs)
+
+    return planes
+
+
 def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16, tile_n=None):
     """Engine tile layout (``words [E, K/8, N]``, ``scales [E, G, N]``, ``zeros`` uint8 or None)
     → this kernel's ``(words, scales [E, G, N] dtype, zeros [E, G, N] dtype or None)``.
@@ -141,9 +179,10 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide"))
+                                             "wide", "shift32"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
-                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False):
+                       split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
+                       shift32: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -154,7 +193,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     tiles). ``wide`` (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word
     tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
     ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
-    and loaded into registers whole, its 16-word K steps sliced there. (An option that kept the
+    and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
+    nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
+    lowers on jax 0.10.2 and 0.11.2, not yet run on a GPU). (An option that kept the
     accumulator across steps, overlapping one step's wgmmas with the next step's dequantization,
     measured no gain and was removed: benchmarks/NOTES.md, v4.)
     """
@@ -173,6 +214,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
         raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
+    if shift32 and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
+        raise ConfigError(f"wgmma_grouped_gemm: shift32=True needs 16-bit words, got {words.dtype}")
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
         raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
                           f"words {words.dtype}{words.shape}")
@@ -192,6 +235,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     wcols = 32 if w16 else 16                 # words per row per K-block
     wswz = 32 if w16 else 64                  # bytes per 16-word tile row
     channelwise = group_size == -1
+
+    planes = _nibble_planes(bn, dtype) if shift32 else None
 
     def dequantized(w_smem, s_smem, z_smem):
         """The step's weights as ``(K offset, [bn, 16] register operand)`` pairs, in K order."""
@@ -216,9 +261,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                         src = (w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)] if tile_n else
                                w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)])
                         tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA)
-                    for t in range(4):
-                        c = jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile
-                        v = jax.lax.bitcast_convert_type((c & jnp.int16(15)) | jnp.int16(magic(dtype)), dtype)
+                    if shift32:
+                        vs = planes(tile)
+                    else:
+                        vs = [jax.lax.bitcast_convert_type(
+                            ((jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile) & jnp.int16(15))
+                            | jnp.int16(magic(dtype)), dtype) for t in range(4)]
+                    for t, v in enumerate(vs):
                         out.append((BLOCK_K * q + 64 * u + 16 * t, (v - zc) * sc))
             else:
                 sc = rows(s_smem, jnp.float32)
@@ -408,7 +457,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4,
-                    wide: bool = False):
+                    wide: bool = False, shift32: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -417,7 +466,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
     and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
-    GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones).
+    GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
+    ``shift32``: the kernel's 32-bit nibble extraction.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -451,7 +501,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         st = min(stages, 2) if kpb == 2 and bm >= 128 else stages             # shared memory: 227 KB
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
-                                  stages=st, kpb=kpb, wide=kpb == 2).sum(0)
+                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

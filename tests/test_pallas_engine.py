@@ -327,6 +327,14 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         assert "mosaic_gpu" in jax.jit(fn).trace(*wd).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ConfigError, match="wide"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, kpb=1, wide=True)).trace(*wd)
+    for opts in (dict(block_n=128), dict(block_n=64, kpb=2, wide=True)):    # 32-bit nibble extraction
+        for dt in (jnp.bfloat16, jnp.float16):
+            sh = (s((48, 512), dt), s((3,), jnp.int32), s((4, 256, 128), jnp.int16), s((4, 4, 256), dt),
+                  s((4, 4, 256), dt))
+            fn = functools.partial(wgmma_grouped_gemm, block_m=16, shift32=True, **opts)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*sh).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="shift32"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, shift32=True)).trace(*args)
     many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
             s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
     assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
@@ -343,13 +351,16 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 2, dict(stages=4)), (True, -1, 16, 1, dict(block_n=128, kpb=2)),
     (True, 128, 8, 1, dict(block_n=128, tile_n=128)), (False, 128, 64, 2, dict(block_n=64, tile_n=64, kpb=2)),
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, stages=4)), (False, -1, 16, 2, dict(kpb=2, wide=True)),
-    (True, 128, 64, 1, dict(block_n=128, kpb=2, wide=True, stages=2))]
+    (True, 128, 64, 1, dict(block_n=128, kpb=2, wide=True, stages=2)),
+    (True, 128, 8, 1, dict(block_n=128, shift32=True)), (False, -1, 16, 2, dict(shift32=True)),
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("word_bits, zp, group, bm, split, opts", [
-    (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES if wb == 16 or not {"tile_n", "wide"} & set(c[-1])])
+    (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES
+    if wb == 16 or not {"tile_n", "wide", "shift32"} & set(c[-1])])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
     schedule option (column tile, K-blocks per pipeline step, stages, tile-major words)."""
@@ -763,7 +774,7 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         ref = _fast_reference(w, x, tw, ids)
         for over in ({}, dict(schedule="pair"), dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2),
                      dict(block_m=64, block_n=64, stages=2), dict(block_m=128), dict(wide=True),
-                     dict(block_m=128, wide=True)):
+                     dict(block_m=128, wide=True), dict(shift32=True), dict(wide=True, shift32=True)):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
