@@ -273,6 +273,25 @@ def test_wgmma_layout_indexing(zp, group, word_bits):
     _close(out, ref)
 
 
+def test_wgmma_shift32_bit_identity():
+    """``shift32``'s register arithmetic: one 32-bit ``(w >> 4t) & 0x000F000F | magic·0x10001`` on
+    two adjacent 16-bit words (little-endian: the first word in the low half, as a WGMMA-layout
+    register holds them) is, half by half, the 16-bit ``(h >> 4t) & 15 | magic`` the kernel's
+    default path computes — for every word value, both dtypes' magic numbers."""
+    from pallas_kernels.wgmma_w4a16 import magic
+
+    rng = np.random.default_rng()
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    hi = rng.permutation(lo)
+    pair = lo | (hi << 16)
+    for dt in (jnp.bfloat16, jnp.float16):
+        m = magic(dt)
+        for t in range(4):
+            got = ((pair >> (4 * t)) & 0x000F000F) | (m * 0x10001)
+            np.testing.assert_array_equal(got & 0xFFFF, ((lo >> (4 * t)) & 15) | m)
+            np.testing.assert_array_equal(got >> 16, ((hi >> (4 * t)) & 15) | m)
+
+
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_wgmma_tile_major_layout(tile_n):
     """Tile-major words are the 16-bit layout's rows regrouped per (column tile, K-block):
