@@ -36,7 +36,8 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
 BW, FLOPS = 4.3e12, 640e12
 # (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
 # tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
-# "shift32": nibbles extracted with 32-bit register ops.
+# "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
+# into each K-block's partial sum instead of applied per weight.
 # (kpb 2 without wide, and overlap, measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st4", dict(block_n=128, stages=4)),
@@ -47,7 +48,10 @@ WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st2 kpb2 wide", dict(block_n=128, stages=2, kpb=2, wide=True)),
                   (16, "st4 kpb2 wide", dict(stages=4, kpb=2, wide=True)),
                   (16, "bn128 st4 shift32", dict(block_n=128, stages=4, shift32=True)),
-                  (16, "bn128 st2 kpb2 wide shift32", dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True))]
+                  (16, "bn128 st2 kpb2 wide shift32", dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True)),
+                  (16, "bn128 st4 zfold", dict(block_n=128, stages=4, zfold=True)),
+                  (16, "bn128 st2 kpb2 wide shift32 zfold",
+                   dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True))]
 
 
 def timed(fn, args, reps):

@@ -179,10 +179,10 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide", "shift32"))
+                                             "wide", "shift32", "zfold"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
-                       shift32: bool = False):
+                       shift32: bool = False, zfold: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -195,7 +195,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
     nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
-    lowers on jax 0.10.2 and 0.11.2, not yet run on a GPU). (An option that kept the
+    lowers on jax 0.10.2 and 0.11.2, not yet run on a GPU). ``zfold`` (16-bit words): the wgmma
+    takes the raw magic-number codes ``v = m + c`` and each K-block's partial ``P = Σ v·x`` (its own
+    accumulator) is folded as ``acc += s ⊙ (P − (m + z) ⊗ Σx)``, with ``Σx`` per row and K-block
+    computed by XLA — no per-weight subtract or multiply (float32-exact up to the accumulation
+    order, not the reference's bit pattern; for decode-sized blocks, where the fold's
+    ``block_n × block_m`` work per K-block is small; not yet run on a GPU). (An option that kept the
     accumulator across steps, overlapping one step's wgmmas with the next step's dequantization,
     measured no gain and was removed: benchmarks/NOTES.md, v4.)
     """
@@ -214,8 +219,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
         raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
-    if shift32 and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
-        raise ConfigError(f"wgmma_grouped_gemm: shift32=True needs 16-bit words, got {words.dtype}")
+    for flag, on in (("shift32", shift32), ("zfold", zfold)):
+        if on and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
+            raise ConfigError(f"wgmma_grouped_gemm: {flag}=True needs 16-bit words, got {words.dtype}")
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
         raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
                           f"words {words.dtype}{words.shape}")
@@ -237,9 +243,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     channelwise = group_size == -1
 
     planes = _nibble_planes(bn, dtype) if shift32 else None
+    col = plgpu.Layout.WGMMA.reduce(0)
+    xw = max(IDS_PAD, bm)                     # Σx rows padded to whole 128-byte TMA rows
+    if zfold:                                 # Σx per K-block and row: [n_kb, blocks, xw] float32
+        xs = a.astype(jnp.float32).reshape(nb, bm, n_kb, BLOCK_K).sum(-1).transpose(2, 0, 1)
+        xsum = jnp.pad(xs, ((0, 0), (0, 0), (0, xw - bm)))
 
     def dequantized(w_smem, s_smem, z_smem):
-        """The step's weights as ``(K offset, [bn, 16] register operand)`` pairs, in K order."""
+        """The step's weights as ``(K offset, [bn, 16] register operand)`` pairs, in K order
+        (with ``zfold``: the raw codes ``magic + c``, scale and zero point left to the fold)."""
         out = []
         for q in range(kpb):
             g = 0 if channelwise else q
@@ -250,8 +262,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             if w16:
                 # bf16/fp16 arithmetic on magic-number codes: bits(m | c) = m + c exactly,
                 # (m + c) − (m + z) exact, one rounding in the scale multiply — the reference's value
-                sc = rows(s_smem, dtype)
-                zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
+                if not zfold:
+                    sc = rows(s_smem, dtype)
+                    zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
                 if wide and q == 0:
                     whole = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA)     # [bn, 64]: both K-blocks
                 for u in range(2):
@@ -268,7 +281,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                             ((jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile) & jnp.int16(15))
                             | jnp.int16(magic(dtype)), dtype) for t in range(4)]
                     for t, v in enumerate(vs):
-                        out.append((BLOCK_K * q + 64 * u + 16 * t, (v - zc) * sc))
+                        out.append((BLOCK_K * q + 64 * u + 16 * t, v if zfold else (v - zc) * sc))
             else:
                 sc = rows(s_smem, jnp.float32)
                 zc = rows(z_smem, jnp.float32) if has_zp else 8.0
@@ -282,7 +295,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
 
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
-        z_gmem, o_gmem = rest if has_zp else (None, rest[0])
+        z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
+        xs_gmem, rest = (rest[0], rest[1:]) if zfold else (None, rest)
+        o_gmem = rest[0]
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         specs = [
             plgpu.BlockSpec((bn * kpb, wcols), lambda kb: (kb, 0),
@@ -295,22 +310,44 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
             *[plgpu.BlockSpec((1 if channelwise else kpb, bn), lambda kb: (0 if channelwise else kb, 0))]
-            * (2 if has_zp else 1)]
+            * (2 if has_zp else 1),
+            *([plgpu.BlockSpec((kpb, 1, xw), lambda kb: (kb, 0, 0))] if zfold else [])]
 
         def split_refs(rest):
-            return (rest[0], rest[1]) if has_zp else (None, rest[0])
+            z_smem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
+            xs_smem, rest = (rest[0], rest[1:]) if zfold else (None, rest)
+            return z_smem, xs_smem, rest[0]
+
+        def zero():
+            return plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
 
         def run_k(acc_ref, gmem_refs):
             """Stream this program's K range into ``acc_ref``."""
             def step(_, w_smem, x_smem, s_smem, *rest):
-                z_smem, acc = split_refs(rest)
+                z_smem, xs_smem, acc = split_refs(rest)
                 ops = dequantized(w_smem, s_smem, z_smem)
                 xt = transposed(x_smem)
-                acc_ref[...] = acc
-                for k0, w in ops:
-                    plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
+                if not zfold:
+                    acc_ref[...] = acc
+                    for k0, w in ops:
+                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+                for q in range(kpb):             # one K-block (one scale group) per partial
+                    g = 0 if channelwise else q
+
+                    def cols(ref):
+                        return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(jnp.float32),
+                                                        (bn, bm), (0,))
+                    acc_ref[...] = zero()
+                    for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
+                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                    plgpu.wgmma_wait(0)
+                    zb = cols(z_smem) if has_zp else jnp.float32(magic_value(dtype) + 8.0)
+                    xrow = jax.lax.broadcast_in_dim(
+                        plgpu.load(xs_smem.at[q, 0, pl.ds(0, bm)], (), layout=col), (bn, bm), (1,))
+                    acc = acc + cols(s_smem) * (acc_ref[...] - zb * xrow)
+                return acc
 
             return plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
                                        in_specs=specs,
@@ -332,7 +369,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
                         w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
                         a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
-                        s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []))
+                        s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []),
+                        *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
                 def with_acc(acc_ref):
                     dst[...] = run_k(acc_ref, refs)
@@ -346,7 +384,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
     out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
                          grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
-        ids, a, words, scales, *([zeros] if has_zp else []))
+        ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []))
     return jnp.swapaxes(out_t, 1, 2)
 
 
@@ -457,7 +495,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4,
-                    wide: bool = False, shift32: bool = False):
+                    wide: bool = False, shift32: bool = False, zfold: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -467,7 +505,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
-    ``shift32``: the kernel's 32-bit nibble extraction.
+    ``shift32``: the kernel's 32-bit nibble extraction; ``zfold``: the kernel's folded scale and
+    zero point, for blocks of up to 32 rows (larger blocks keep the per-weight dequantization).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -501,7 +540,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         st = min(stages, 2) if kpb == 2 and bm >= 128 else stages             # shared memory: 227 KB
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
-                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32).sum(0)
+                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
+                                  zfold=zfold and bm <= 32).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

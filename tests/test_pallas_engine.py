@@ -214,7 +214,10 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
-def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None):
+def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, exact=False):
+    """A 4-block wgmma GEMM case; ``ref`` in float64 from the bf16-rounded weight values (the
+    dequantize-then-matmul semantics), or with ``exact`` from the unrounded ``(c − z)·s``
+    (what ``zfold`` computes)."""
     from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
     codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
@@ -223,26 +226,31 @@ def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None):
     lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
                           None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits,
                           tile_n=tile_n)
-    w = _weights64(codes, scales, zeros, 4, group)
+    if exact:                                   # bf16 scales (as stored), unrounded products
+        w = _weights64(codes, np.asarray(jnp.asarray(scales, jnp.bfloat16).astype(jnp.float32)), zeros, 4, group,
+                       dtype=jnp.float32)
+    else:
+        w = _weights64(codes, scales, zeros, 4, group)
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
     ref[eb < 0] = 0.0
     return a, eids, lay, ref
 
 
-@pytest.mark.parametrize("word_bits", [16, 32])
+@pytest.mark.parametrize("word_bits, zfold", [(16, False), (32, False), (16, True)])
 @pytest.mark.parametrize("zp, group", [(True, 128), (False, -1)])
-def test_wgmma_layout_indexing(zp, group, word_bits):
+def test_wgmma_layout_indexing(zp, group, word_bits, zfold):
     """The v4 kernel's arithmetic, replayed in numpy with exactly its indexing, against the
     float64 reference — the layout half of the kernel, checked without a GPU. int32 words: tile
     ``[n, 16·kb : 16·kb+16]``, slot ``s`` → K row ``128·kb + 16·s + w``, zero 8 when symmetric.
     int16 words: tile ``[n, 32·kb + 16·u : +16]``, nibble ``t`` → row ``128·kb + 64·u + 16·t + w``,
-    value ``(magic | c) − zero`` with the zero stored as magic + z (magic + 8 when symmetric)."""
+    value ``(magic | c) − zero`` with the zero stored as magic + z (magic + 8 when symmetric).
+    ``zfold``: per K-block, ``acc += s ⊙ (Σ (magic | c)·x − (magic + z) ⊗ Σx)``."""
     from pallas_kernels.wgmma_w4a16 import magic, magic_value
 
     rng = np.random.default_rng()
     bm = 16
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, exact=zfold)
     k = a.shape[1]
     out = np.zeros(ref.shape)
     for b, ex in enumerate(eids):
@@ -266,6 +274,11 @@ def test_wgmma_layout_indexing(zp, group, word_bits):
                         bits = ((wt >> (4 * t)) & 15) | magic(jnp.bfloat16)
                         steps.append((64 * u + 16 * t, np.asarray(jax.lax.bitcast_convert_type(
                             jnp.asarray(bits.astype(np.uint16)), jnp.bfloat16).astype(jnp.float32))))
+            if zfold:
+                xb = x[:, kb * 128:(kb + 1) * 128]
+                part = sum(xb[:, k0:k0 + 16] @ codes.astype(np.float64).T for k0, codes in steps)
+                out[b * bm:(b + 1) * bm] += (part - xb.sum(1)[:, None] * zc[None, :]) * sc[None, :]
+                continue
             for k0, codes in steps:
                 wv = jnp.asarray((codes.astype(np.float32) - zc[:, None]) * sc[:, None], jnp.float32).astype(jnp.bfloat16)
                 out[b * bm:(b + 1) * bm] += x[:, kb * 128 + k0: kb * 128 + k0 + 16] @ \
@@ -352,6 +365,14 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                   s((4, 4, 256), dt))
             fn = functools.partial(wgmma_grouped_gemm, block_m=16, shift32=True, **opts)
             assert "mosaic_gpu" in jax.jit(fn).trace(*sh).lower(lowering_platforms=("cuda",)).as_text()
+    for opts in (dict(block_n=128), dict(block_n=64, kpb=2, wide=True, shift32=True, split_k=2)):   # zfold
+        for gs, g in ((128, 4), (-1, 1)):
+            zf = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+                  s((4, g, 256), jnp.bfloat16), s((4, g, 256), jnp.bfloat16))
+            fn = functools.partial(wgmma_grouped_gemm, block_m=8, group_size=gs, zfold=True, **opts)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*zf).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="zfold"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, zfold=True)).trace(*args)
     with pytest.raises(ConfigError, match="shift32"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, shift32=True)).trace(*args)
     many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
@@ -372,14 +393,17 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, stages=4)), (False, -1, 16, 2, dict(kpb=2, wide=True)),
     (True, 128, 64, 1, dict(block_n=128, kpb=2, wide=True, stages=2)),
     (True, 128, 8, 1, dict(block_n=128, shift32=True)), (False, -1, 16, 2, dict(shift32=True)),
-    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True))]
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True)),
+    (True, 128, 8, 1, dict(block_n=128, zfold=True)), (False, -1, 16, 2, dict(zfold=True, stages=4)),
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True)),
+    (False, 128, 64, 1, dict(block_n=128, zfold=True, shift32=True))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("word_bits, zp, group, bm, split, opts", [
     (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES
-    if wb == 16 or not {"tile_n", "wide", "shift32"} & set(c[-1])])
+    if wb == 16 or not {"tile_n", "wide", "shift32", "zfold"} & set(c[-1])])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
     schedule option (column tile, K-blocks per pipeline step, stages, tile-major words)."""
@@ -388,11 +412,13 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     opts = dict(opts)
     tile_n = opts.pop("tile_n", None)
     rng = np.random.default_rng()
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n)
+    zfold = opts.get("zfold", False)            # exact (c − z)·s, float32 accumulation of magic + c
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n,
+                                                       exact=zfold)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
                              split_k=split, **opts)
     assert out.shape == (split,) + ref.shape
-    _close(np.asarray(out, np.float64).sum(0), ref)
+    _close(np.asarray(out, np.float64).sum(0), ref, 1e-4 if zfold else 2e-5)
 
 
 def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, kpb=1,
@@ -793,7 +819,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         ref = _fast_reference(w, x, tw, ids)
         for over in ({}, dict(schedule="pair"), dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2),
                      dict(block_m=64, block_n=64, stages=2), dict(block_m=128), dict(wide=True),
-                     dict(block_m=128, wide=True), dict(shift32=True), dict(wide=True, shift32=True)):
+                     dict(block_m=128, wide=True), dict(shift32=True), dict(wide=True, shift32=True),
+                     dict(zfold=True, shift32=True), dict(block_m=16, zfold=True, wide=True)):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
