@@ -47,3 +47,23 @@ def test_ptxas_report_summary(tmp_path):
     assert len(lines) == 3 and "168 registers" in lines[2] and all("kernel_3.ptx" in ln for ln in lines)
     assert "4 PTX instructions; shr.u16 2, bra 1, fma.rn.bf16x2 1" in lines[0]
     assert "dumped files: kernel_3.mlir" in summarize({tmp_path / "kernel_3.mlir"})[0]
+
+
+def test_stream_ceiling_probe_lowers():
+    """The copy-ring probe's kernels (every mode, narrow / wide / flat copies) lower to Mosaic GPU
+    on the CPU; registers cannot be loaded from the flat (unswizzled) buffer, which says so."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from benchmarks.stream_ceiling import stream
+
+    s = jax.ShapeDtypeStruct
+    plain, flat = s((2, 256, 64), jnp.int16), s((2, 2, 32, 256), jnp.int16)
+    cases = [(plain, m, w) for m in ("copy", "load", "dequant", "dequant32") for w in (False, True)]
+    for words, mode, wide in cases + [(flat, "copy", False)]:
+        text = jax.jit(lambda w, mode=mode, wide=wide: stream(w, mode, 4, wide)).trace(words).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, (mode, wide)
+    with pytest.raises(ValueError, match="copy mode only"):
+        jax.jit(lambda w: stream(w, "load", 4)).trace(flat)
