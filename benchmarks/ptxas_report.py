@@ -4,7 +4,8 @@
 
 Sets ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_TO`` (a temporary directory) before the
 first kernel compiles, runs each variant of ``benchmarks/gemm_kernels.py``'s ``WGMMA_VARIANTS``
-once (no timing), and prints only the ptxas summary lines and a SASS opcode histogram of the
+once (no timing), and prints only the ptxas summary lines and an opcode histogram of the PTX
+(and of the SASS where the CUDA toolkit has ``nvdisasm``; the device image does not) of the
 kernels each variant compiled — the dump itself is ~10 files per kernel, too many to bring back
 from the device.
 """
