@@ -127,6 +127,9 @@ def convert_tiles(weights) -> TileWeights:
         raise UnsupportedError(f"tile engine: {reason}")
     if isinstance(weights, TileWeights):
         return weights
+    to_tiles = getattr(weights, "to_tiles", None)      # the wgmma layout: a bit-exact re-lay
+    if to_tiles is not None:
+        return to_tiles()
     l13, l2 = weights.decode()
     b13, b2 = weights.decode_bias() or (None, None)
 

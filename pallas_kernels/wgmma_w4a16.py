@@ -462,6 +462,20 @@ def wgmma_unsupported_reason(weights) -> str | None:
     return None
 
 
+def wgmma_device_reason(device=None) -> str | None:
+    """Why the wgmma kernels cannot run on ``device`` (a :class:`wna16_jax.backends.Device`,
+    default: the first JAX device); None on an SM90 (Hopper) GPU. wgmma is an ``sm_90a``
+    instruction: neither older GPUs nor Blackwell (whose tensor cores take ``tcgen05``) have it."""
+    from wna16_jax.backends import Device
+
+    dev = device or Device.current()
+    if not dev.is_nvidia:
+        return f"the wgmma kernels need an NVIDIA Hopper (SM90) GPU, not {dev.describe()}"
+    if tuple(dev.compute_capability) != (9, 0):
+        return f"the wgmma kernels need an SM90 (Hopper) GPU; {dev.describe()} has no wgmma"
+    return None
+
+
 def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
     """Any experts pytree with a decode → :class:`WgmmaWeights` for ``dtype`` activations
     (through the engine's tile conversion, so act-order rows are sorted the same way). Scales
@@ -495,7 +509,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4,
-                    wide: bool = False, shift32: bool = False, zfold: bool = False):
+                    wide: bool | None = None, shift32: bool = True, zfold: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -503,10 +517,13 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
     experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
     and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
+    Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5):
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
-    ``shift32``: the kernel's 32-bit nibble extraction; ``zfold``: the kernel's folded scale and
-    zero point, for blocks of up to 32 rows (larger blocks keep the per-weight dequantization).
+    default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
+    ``shift32`` (default on): the kernel's 32-bit nibble extraction. ``zfold``: the kernel's folded
+    scale and zero point, only ever for blocks of up to 32 rows (larger blocks keep the per-weight
+    dequantization); default: on for those blocks.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -534,14 +551,14 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     def gemm(a, experts, bm, ops, n, kdim, split):
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
-        kpb = 2 if wide and n_kb % 2 == 0 else 1
+        kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
         steps = n_kb // kpb
         want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         st = min(stages, 2) if kpb == 2 and bm >= 128 else stages             # shared memory: 227 KB
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                   stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
-                                  zfold=zfold and bm <= 32).sum(0)
+                                  zfold=(zfold is None or zfold) and bm <= 32).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

@@ -531,7 +531,7 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     wg = wgm.convert_wgmma(w.to_jax())
     wide = schedule == "wide"                           # 256-deep steps: splits must divide K-blocks / 2
     got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
-                                    schedule=None if wide else schedule, wide=wide,
+                                    schedule=None if wide else schedule, wide=True if wide else None,
                                     apply_router_weight_on_input=on_input))(
         x, tw, ids, wg, expert_map=em)
     _layer_close(got, _reference(w, x, tw, ids, em, activation=activation, on_input=on_input))
@@ -759,6 +759,55 @@ def test_dispatch_on_cpu_uses_xla_with_reason():
     _layer_close(got, _reference(w, x, tw, ids, None))
 
 
+def test_table_prepares_wgmma_layout_for_hopper(monkeypatch):
+    """MARLIN on a Hopper GPU prepares the wgmma layout for the 4-bit layers the wgmma kernels
+    take, the tile layout otherwise (with the reason), ``WNA16_JAX_GPU_KERNELS`` overrides; a
+    wgmma-layout layer off Hopper falls back to XLA with a reason and stays exact."""
+    from pallas_kernels.fused_moe_tiles import TileWeights
+    from pallas_kernels.wgmma_w4a16 import WgmmaWeights
+    from wna16_jax import moe
+    from wna16_jax.backends import TABLE, Backend, Device
+
+    rng = np.random.default_rng()
+    h200, a100, b200 = Device("gpu", "H200", (9, 0)), Device("gpu", "A100", (8, 0)), Device("gpu", "B200", (10, 0))
+    marlin, batched = TABLE[Backend.MARLIN], TABLE[Backend.BATCHED_MARLIN]
+    w4, x, tw, ids, _ = _layer_case(rng, SCHEMES["awq_g128"], 4, 256, 128, 5, 2)
+    w8 = random_checkpoint_weights(rng, SCHEMES["gptq8_channel"], 4, 256, 128)
+    w64 = random_checkpoint_weights(rng, SCHEMES["gptq4_g64"], 4, 256, 128)
+    assert marlin.wgmma_reason(w4, h200) is None
+    assert "SM90" in marlin.wgmma_reason(w4, a100) and "SM90" in marlin.wgmma_reason(w4, b200)
+    assert "8-bit" in marlin.wgmma_reason(w8, h200) and "group size 64" in marlin.wgmma_reason(w64, h200)
+    assert "batched" in batched.wgmma_reason(w4, h200)
+    wg = marlin.prepare(w4.scheme, w4.to_jax(), device=h200)
+    assert isinstance(wg, WgmmaWeights) and wg.w13_scales.dtype == jnp.bfloat16
+    assert marlin.prepare(w4.scheme, w4.to_jax(), jnp.float16, device=h200).w13_scales.dtype == jnp.float16
+    for other, dev in ((w8, h200), (w64, h200), (w4, a100)):
+        assert isinstance(marlin.prepare(other.scheme, other.to_jax(), device=dev), TileWeights)
+    assert isinstance(batched.prepare(w4.scheme, w4.to_jax(), device=h200), TileWeights)
+    monkeypatch.setenv("WNA16_JAX_GPU_KERNELS", "triton")
+    assert isinstance(marlin.prepare(w4.scheme, w4.to_jax(), device=h200), TileWeights)
+    monkeypatch.setenv("WNA16_JAX_GPU_KERNELS", "wgmma")
+    with pytest.raises(UnsupportedError, match="8-bit"):
+        marlin.prepare(w8.scheme, w8.to_jax(), device=h200)
+    monkeypatch.setenv("WNA16_JAX_GPU_KERNELS", "fastest")
+    with pytest.raises(ConfigError, match="WNA16_JAX_GPU_KERNELS"):
+        marlin.wgmma_reason(w4, h200)
+    monkeypatch.delenv("WNA16_JAX_GPU_KERNELS")
+    # the wgmma layout is exactly the checkpoint, and its tile view is the tile conversion
+    np.testing.assert_array_equal(np.asarray(convert_tiles(wg).w13_qweight),
+                                  np.asarray(convert_tiles(w4.to_jax()).w13_qweight))
+    # off Hopper the layer goes to the XLA executor, with the reason
+    monkeypatch.setattr(Device, "current", classmethod(lambda cls, d=None: a100))
+    assert "SM90" in moe.engine_reason(wg, jnp.bfloat16, platform="gpu")
+    monkeypatch.setattr(Device, "current", classmethod(lambda cls, d=None: h200))
+    assert moe.engine_reason(wg, jnp.bfloat16, platform="gpu") is None
+    assert "float32" in moe.engine_reason(wg, jnp.float32, platform="gpu")
+    monkeypatch.undo()
+    if not ON_GPU:
+        assert moe.select_executor(wg, jnp.bfloat16)[0] == "xla"
+        _layer_close(jax.jit(moe.fused_moe)(x, tw, ids, wg), _reference(w4, x, tw, ids, None))
+
+
 # ----------------------------------------------------------------------------- GPU: model shapes
 
 
@@ -819,21 +868,25 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
     against the float64 reference; expert 0 never routed. (The kernel creates its outputs and
     writes every element in both branches — an id of -1 writes zeros — so there is no buffer to
     poison; NaN or a missed tile fails the finite/error checks.)"""
-    from pallas_kernels.wgmma_w4a16 import convert_wgmma, fused_moe_wgmma
+    from pallas_kernels.wgmma_w4a16 import WgmmaWeights, fused_moe_wgmma
+    from wna16_jax.backends import TABLE, Backend
+    from wna16_jax.moe import fused_moe, select_executor
 
     rng = np.random.default_rng()
     e, k, h, i = GPU_SHAPES[shape]
     w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = jax.jit(convert_wgmma)(w)
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)                    # what the table runs on the H200
+    assert isinstance(wg, WgmmaWeights) and select_executor(wg, jnp.bfloat16) == ("pallas", None)
     for t in GPU_TOKENS[shape] + (300,):
         x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
         logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
-        for over in ({}, dict(schedule="pair"), dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2),
-                     dict(block_m=64, block_n=64, stages=2), dict(block_m=128), dict(wide=True),
-                     dict(block_m=128, wide=True), dict(shift32=True), dict(wide=True, shift32=True),
-                     dict(zfold=True, shift32=True), dict(block_m=16, zfold=True, wide=True)):
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")
+        for over in ({}, dict(shift32=False, wide=False, zfold=False), dict(schedule="pair", wide=False),
+                     dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2, shift32=False),
+                     dict(block_m=64, block_n=64, stages=2), dict(block_m=128, wide=True, shift32=False),
+                     dict(block_m=32, wide=False, zfold=True)):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
@@ -869,3 +922,12 @@ def test_gpu_prefill_batched_and_backward_qwen3():
         x.astype(jnp.float32), tw, w)
     _layer_close(dx, np.asarray(rdx, np.float64), 3e-2)
     _layer_close(dtw, np.asarray(rdtw, np.float64), 3e-2)
+    # the layout the table prepares on the H200 (wgmma): forward on the wgmma kernels, backward on
+    # the Triton-lowered transposed kernels through its exact tile view
+    from wna16_jax.backends import TABLE, Backend
+
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    assert type(wg).__name__ == "WgmmaWeights"
+    dx2, dtw2 = jax.jit(jax.grad(functools.partial(loss, executor="pallas"), argnums=(0, 1)))(x, tw, wg)
+    _layer_close(dx2, np.asarray(rdx, np.float64), 3e-2)
+    _layer_close(dtw2, np.asarray(rdtw, np.float64), 3e-2)

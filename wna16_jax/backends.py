@@ -331,19 +331,51 @@ class BackendSpec:
 
         return engine_unsupported_reason(weights)
 
+    def wgmma_reason(self, weights: Any, device: Device | None = None) -> str | None:
+        """``None`` if :meth:`prepare` lays ``weights`` out for the wgmma kernels on ``device``
+        (MARLIN on a Hopper GPU, 4-bit, group 128 or channelwise), else why the engine's tile
+        layout (Triton-lowered kernels) is used instead. ``WNA16_JAX_GPU_KERNELS=triton`` (or
+        ``wgmma``) forces the choice; ``wgmma`` still needs a layer the wgmma kernels take."""
+        forced = os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower()
+        if forced not in GPU_KERNELS:
+            raise ConfigError(f"WNA16_JAX_GPU_KERNELS: expected one of {GPU_KERNELS}, got {forced!r}")
+        if self.engine_path is None:
+            return f"{self.backend} has no GPU engine in this project"
+        if forced == "triton":
+            return "WNA16_JAX_GPU_KERNELS=triton"
+        if self.backend is not Backend.MARLIN:
+            return f"{self.backend}: the batched-experts format runs on the Triton-lowered kernels"
+        from pallas_kernels.wgmma_w4a16 import wgmma_device_reason, wgmma_unsupported_reason
+
+        return wgmma_device_reason(device or Device.current()) or wgmma_unsupported_reason(weights)
+
     def prepare(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None,
                 device: Device | None = None) -> Any:
         """The layout this row's executor reads on ``device``, converted once ahead of time.
 
-        MARLIN / BATCHED_MARLIN on an NVIDIA GPU: the engine's kernel-native tile layout
+        MARLIN on a Hopper GPU, 4-bit with group 128 or channelwise scales: the wgmma kernels'
+        layout (:class:`pallas_kernels.wgmma_w4a16.WgmmaWeights`, faster than the Triton-lowered
+        kernels at most measured rows: ``benchmarks/RESULTS.md``); see :meth:`wgmma_reason`.
+        MARLIN / BATCHED_MARLIN on other NVIDIA GPUs and for the other configurations the engine
+        takes: the engine's kernel-native tile layout
         (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``benchmarks/NOTES.md`` measures it
         against re-laying the Marlin layout on every call). Everywhere else, and for
         configurations outside the engine: :meth:`convert` (the backend's own layout).
         """
-        if self.executor_reason(weights, device, input_dtype) is None:
-            module, _, fn = self.engine_path.partition(":")
+        dev = device or Device.current()
+        if self.executor_reason(weights, dev, input_dtype) is None:
             import jax
 
+            if self.wgmma_reason(weights, dev) is None:
+                from pallas_kernels.wgmma_w4a16 import convert_wgmma
+
+                import jax.numpy as jnp
+
+                dt = jnp.float16 if input_dtype is not None and jnp.dtype(input_dtype) == jnp.float16 else jnp.bfloat16
+                return jax.jit(convert_wgmma, static_argnums=1)(weights, dt)
+            if os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower() == "wgmma":
+                raise UnsupportedError(f"WNA16_JAX_GPU_KERNELS=wgmma: {self.wgmma_reason(weights, dev)}")
+            module, _, fn = self.engine_path.partition(":")
             return jax.jit(getattr(importlib.import_module(module), fn))(weights)
         return self.convert(scheme, weights, input_dtype)
 
@@ -366,6 +398,8 @@ def _hashable_dtype(input_dtype: Any) -> Any:
 
 
 _ENGINE_LAYOUT = "pallas_kernels.fused_moe_tiles:convert_tiles"
+#: ``WNA16_JAX_GPU_KERNELS``: which of the engine's kernels :meth:`BackendSpec.prepare` lays out for.
+GPU_KERNELS = ("auto", "wgmma", "triton")
 
 TABLE: dict[Backend, BackendSpec] = {
     Backend.CPU: BackendSpec(
@@ -376,7 +410,8 @@ TABLE: dict[Backend, BackendSpec] = {
         _supports_xpu, "wna16_jax.convert.xpu:convert_xpu"),
     Backend.MARLIN: BackendSpec(
         Backend.MARLIN, ("gpu",), "Marlin tile layout (spec §3)",
-        "Pallas engine on NVIDIA GPUs (kernel-native tile layout), XLA decode elsewhere",
+        "Pallas engine on NVIDIA GPUs (Hopper, 4-bit g128/channelwise: wgmma layout, Mosaic GPU kernels; "
+        "otherwise kernel-native tile layout, Triton-lowered kernels), XLA decode elsewhere",
         _supports_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
     Backend.BATCHED_MARLIN: BackendSpec(
         Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (spec §3, §2.8)",

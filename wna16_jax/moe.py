@@ -24,11 +24,15 @@ one runs is chosen statically from the sizes (see :func:`choose_formulation` and
   rows (``moe_align_block_size``), then per block dequantize its expert and run one small GEMM.
   Work ∝ T·k (+ padding); memory holds one expert at a time.
 
-On an NVIDIA GPU, layers in the MARLIN rows' layouts (the engine's kernel-native
-:class:`~pallas_kernels.fused_moe_tiles.TileWeights`, which the table prepares there, or vLLM's
-Marlin layout, re-laid per call) run on the Pallas engine instead (``executor="auto"``, see
-:func:`select_executor`); a configuration outside the engine falls back to this XLA executor
-with an :class:`EngineFallbackWarning` that states why.
+On an NVIDIA GPU, layers in the MARLIN rows' layouts run on the Pallas engine instead
+(``executor="auto"``, see :func:`select_executor`): the wgmma kernels' layout
+(:class:`~pallas_kernels.wgmma_w4a16.WgmmaWeights`, which the table prepares for 4-bit layers on
+Hopper) on the Mosaic GPU wgmma kernels; the engine's kernel-native
+:class:`~pallas_kernels.fused_moe_tiles.TileWeights` (prepared on other NVIDIA GPUs and for what
+the wgmma kernels do not take: 8-bit codes, group sizes other than 128 and channelwise, the
+batched-experts format) or vLLM's Marlin layout (re-laid per call) on the Triton-lowered
+kernels. A configuration outside the engine falls back to this XLA executor with an
+:class:`EngineFallbackWarning` that states why.
 
 ``jax.lax.ragged_dot`` is deliberately not the production path (on GPU stacks it lowers to a
 padded dense dot, spec ``jax_ecosystem.md`` §5); :func:`fused_moe_ragged_dot` keeps it as a
@@ -312,14 +316,22 @@ _WARNED: set[str] = set()
 
 
 def _engine_layout(weights) -> bool:
-    """Layouts the Pallas engine executes: its tile layout and the Marlin layout."""
+    """Layouts the Pallas engine executes: its tile layout, the wgmma kernels' layout (Hopper)
+    and the Marlin layout."""
     from .convert.marlin import MarlinWeights
 
     try:
         from pallas_kernels.fused_moe_tiles import TileWeights
+        from pallas_kernels.wgmma_w4a16 import WgmmaWeights
     except ImportError:  # pragma: no cover - the package ships both
         return False
-    return isinstance(weights, (TileWeights, MarlinWeights))
+    return isinstance(weights, (TileWeights, WgmmaWeights, MarlinWeights))
+
+
+def _is_wgmma(weights) -> bool:
+    from pallas_kernels.wgmma_w4a16 import WgmmaWeights
+
+    return isinstance(weights, WgmmaWeights)
 
 
 def engine_reason(weights, hidden_dtype, *, platform: str | None = None, formulation: str | None = None,
@@ -331,10 +343,16 @@ def engine_reason(weights, hidden_dtype, *, platform: str | None = None, formula
     if platform != "gpu" or not Device.current().is_nvidia:
         return f"the Pallas engine needs an NVIDIA GPU (default backend: {platform})"
     if not _engine_layout(weights):
-        return (f"{type(weights).__name__} is not a MARLIN-row layout (the engine reads its tile layout or "
-                f"the Marlin layout)")
+        return (f"{type(weights).__name__} is not a MARLIN-row layout (the engine reads its tile layout, "
+                f"the wgmma layout or the Marlin layout)")
     from pallas_kernels.fused_moe_tiles import engine_unsupported_reason
 
+    if _is_wgmma(weights):
+        from pallas_kernels.wgmma_w4a16 import wgmma_device_reason
+
+        reason = wgmma_device_reason(Device.current())
+        if reason:
+            return f"{reason} (these weights were prepared in the wgmma layout for a Hopper GPU)"
     if formulation is not None:
         return f"formulation={formulation!r} names an XLA formulation"
     if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.dtype(hidden_dtype):
@@ -417,6 +435,12 @@ def fused_moe(
     t, k = topk_ids.shape
     which, reason = select_executor(weights, hidden_states.dtype, executor=executor, formulation=formulation,
                                     compute_dtype=compute_dtype)
+    if which == "pallas" and _is_wgmma(weights):
+        from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+        return fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights, activation=activation,
+                               apply_router_weight_on_input=apply_router_weight_on_input,
+                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
     if which == "pallas":
         from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles
 
