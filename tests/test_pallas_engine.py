@@ -863,9 +863,11 @@ def test_fused_moe_gpu_shapes(shape, key):
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 def test_fused_moe_wgmma_gpu_shapes(shape, key):
-    """The layer on the v4 wgmma kernels at the three model shapes: decode, a few-token batch and
-    a prefill batch, auto and forced schedules (8- to 128-row blocks, split-K, 64-column tiles),
-    against the float64 reference; expert 0 never routed. (The kernel creates its outputs and
+    """The layer on the wgmma kernels at the three model shapes, on the weights the dispatch table
+    prepares on the H200 and through ``fused_moe``: decode, a few-token batch and a prefill batch,
+    the default options, all options off, and forced schedules / options per regime (8- to
+    128-row blocks, split-K, 64-column tiles, wide, shift32, zfold), against the float64
+    reference; expert 0 never routed. (The kernel creates its outputs and
     writes every element in both branches — an id of -1 writes zeros — so there is no buffer to
     poison; NaN or a missed tile fails the finite/error checks.)"""
     from pallas_kernels.wgmma_w4a16 import WgmmaWeights, fused_moe_wgmma
@@ -882,11 +884,11 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
-        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")
-        for over in ({}, dict(shift32=False, wide=False, zfold=False), dict(schedule="pair", wide=False),
-                     dict(schedule="blocked"), dict(block_m=16, split1=2, split2=2, shift32=False),
-                     dict(block_m=64, block_n=64, stages=2), dict(block_m=128, wide=True, shift32=False),
-                     dict(block_m=32, wide=False, zfold=True)):
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
+        decode = (dict(schedule="pair", wide=False), dict(schedule="blocked"),
+                  dict(block_m=16, split1=2, split2=2, shift32=False), dict(block_m=32, wide=False, zfold=True))
+        prefill = (dict(block_m=64, block_n=64, stages=2), dict(block_m=128, wide=True, shift32=False))
+        for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
 
