@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the wgmma kernel variants, from ptxas (GPU machine).
 
-    PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--gemm mixtral1] [--block-m 8 64]
+    PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--gemm mixtral1] [--block-m 8 64] [--only NAME ...]
 
 Sets ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_TO`` (a temporary directory) before the
 first kernel compiles, runs each variant of ``benchmarks/gemm_kernels.py``'s ``WGMMA_VARIANTS``
@@ -50,6 +50,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemm", default="mixtral1")
     ap.add_argument("--block-m", nargs="*", type=int, default=[8, 64])
+    ap.add_argument("--only", nargs="*", default=None, help="only variants whose name contains one of these")
     args = ap.parse_args(argv)
     dump = pathlib.Path(tempfile.mkdtemp(prefix="mosaic_dump_"))
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
@@ -72,6 +73,8 @@ def main(argv=None):
         a = jnp.zeros((e * bm, k), jnp.bfloat16)
         ids = jnp.arange(e, dtype=jnp.int32)
         for lay, name, opts in WGMMA_VARIANTS:
+            if args.only and not any(o in name for o in args.only):
+                continue
             before = set(dump.iterdir())
             ops = to_wgmma_layout(words, scales, zeros, **layouts[lay])
             try:

@@ -161,6 +161,11 @@ def main(argv=None):
                                                                             stages=st, kpb=2, wide=True, shift32=True))
             row("wide shift32 kernel (8-row blocks)", st, timed(fn32, a, ids, w16, s16, z16, reps=args.reps),
                 s16.size * 4)
+            for label, extra in (("zfold", dict(zfold=True)), ("overlap", dict(overlap=True))):
+                fnx = jax.jit(lambda a, ids, w, s, z, st=st, extra=extra: wgmma_grouped_gemm(
+                    a, ids, w, s, z, block_m=8, block_n=128, stages=st, kpb=2, wide=True, shift32=True, **extra))
+                row(f"wide shift32 {label} kernel (8-row blocks)", st,
+                    timed(fnx, a, ids, w16, s16, z16, reps=args.reps), s16.size * 4)
     return 0
 
 

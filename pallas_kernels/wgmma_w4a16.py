@@ -179,10 +179,10 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide", "shift32", "zfold"))
+                                             "wide", "shift32", "zfold", "overlap"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
-                       shift32: bool = False, zfold: bool = False):
+                       shift32: bool = False, zfold: bool = False, overlap: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -194,15 +194,18 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
     ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
-    nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
-    lowers on jax 0.10.2 and 0.11.2, not yet run on a GPU). ``zfold`` (16-bit words): the wgmma
+    nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`).
+    ``zfold`` (16-bit words): the wgmma
     takes the raw magic-number codes ``v = m + c`` and each K-block's partial ``P = Σ v·x`` (its own
     accumulator) is folded as ``acc += s ⊙ (P − (m + z) ⊗ Σx)``, with ``Σx`` per row and K-block
     computed by XLA — no per-weight subtract or multiply (float32-exact up to the accumulation
     order, not the reference's bit pattern; for decode-sized blocks, where the fold's
-    ``block_n × block_m`` work per K-block is small; not yet run on a GPU). (An option that kept the
-    accumulator across steps, overlapping one step's wgmmas with the next step's dequantization,
-    measured no gain and was removed: benchmarks/NOTES.md, v4.)
+    ``block_n × block_m`` work per K-block is small). ``overlap`` (not with ``zfold``): the
+    accumulator stays in its wgmma register ref across pipeline steps and each step waits only for
+    the previous step's wgmmas, so one step's wgmmas run while the next step dequantizes; the
+    activation buffers are released one step late (``delay_release=1``). Measured no gain in v4,
+    when the 32-byte-row copies capped the ring (benchmarks/NOTES.md); back for the ``wide`` +
+    ``shift32`` kernel, whose ring now outruns it (not yet run on a GPU).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -219,6 +222,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
         raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
+    if overlap and zfold:
+        raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold=True do not combine (zfold waits for every "
+                          "K-block's partial)")
     for flag, on in (("shift32", shift32), ("zfold", zfold)):
         if on and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
             raise ConfigError(f"wgmma_grouped_gemm: {flag}=True needs 16-bit words, got {words.dtype}")
@@ -307,7 +313,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                             transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
             plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
-            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
+            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb), delay_release=1 if overlap else 0,
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
             *[plgpu.BlockSpec((1 if channelwise else kpb, bn), lambda kb: (0 if channelwise else kb, 0))]
             * (2 if has_zp else 1),
@@ -323,6 +329,20 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
         def run_k(acc_ref, gmem_refs):
             """Stream this program's K range into ``acc_ref``."""
+            if overlap:
+                def step_ovl(_, w_smem, x_smem, s_smem, *rest):
+                    ops = dequantized(w_smem, s_smem, rest[0] if has_zp else None)
+                    xt = transposed(x_smem)
+                    for k0, w in ops:
+                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                    plgpu.wgmma_wait(len(ops))           # the previous step's wgmmas are done
+
+                acc_ref[...] = zero()
+                plgpu.emit_pipeline(step_ovl, grid=(chunk,), max_concurrent_steps=max(2, min(stages, chunk)),
+                                    in_specs=specs)(*gmem_refs)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
             def step(_, w_smem, x_smem, s_smem, *rest):
                 z_smem, xs_smem, acc = split_refs(rest)
                 ops = dequantized(w_smem, s_smem, z_smem)
@@ -509,7 +529,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4,
-                    wide: bool | None = None, shift32: bool = True, zfold: bool | None = None):
+                    wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
+                    overlap: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -523,7 +544,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
     ``shift32`` (default on): the kernel's 32-bit nibble extraction. ``zfold``: the kernel's folded
     scale and zero point, only ever for blocks of up to 32 rows (larger blocks keep the per-weight
-    dequantization); default: on for those blocks.
+    dequantization); default: on for those blocks. ``overlap``: the kernel's ``overlap=True`` for
+    every GEMM that does not fold (not yet measured in the layer; off by default).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -556,9 +578,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         st = min(stages, 2) if kpb == 2 and bm >= 128 else stages             # shared memory: 227 KB
+        fold = (zfold is None or bool(zfold)) and bm <= 32
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                   stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
-                                  zfold=(zfold is None or zfold) and bm <= 32).sum(0)
+                                  zfold=fold, overlap=overlap and not fold).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

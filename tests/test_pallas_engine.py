@@ -384,6 +384,13 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                   s((4, g, 256), jnp.bfloat16), s((4, g, 256), jnp.bfloat16))
             fn = functools.partial(wgmma_grouped_gemm, block_m=8, group_size=gs, zfold=True, **opts)
             assert "mosaic_gpu" in jax.jit(fn).trace(*zf).lower(lowering_platforms=("cuda",)).as_text()
+    for opts in (dict(block_n=128, kpb=2, wide=True, shift32=True), dict(split_k=4)):      # overlap
+        ov = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+              s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
+        fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, **opts)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*ov).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="overlap"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, zfold=True)).trace(*ov)
     with pytest.raises(ConfigError, match="zfold"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, zfold=True)).trace(*args)
     with pytest.raises(ConfigError, match="shift32"):
@@ -409,7 +416,9 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True)),
     (True, 128, 8, 1, dict(block_n=128, zfold=True)), (False, -1, 16, 2, dict(zfold=True, stages=4)),
     (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True)),
-    (False, 128, 64, 1, dict(block_n=128, zfold=True, shift32=True))]
+    (False, 128, 64, 1, dict(block_n=128, zfold=True, shift32=True)),
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, stages=4, overlap=True)),
+    (False, -1, 16, 4, dict(overlap=True)), (True, 128, 8, 1, dict(block_n=128, shift32=True, stages=2, overlap=True))]
 
 
 @pytest.mark.gpu
@@ -885,9 +894,9 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
-        decode = (dict(schedule="pair", wide=False), dict(schedule="blocked"),
+        decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
                   dict(block_m=16, split1=2, split2=2, shift32=False), dict(block_m=32, wide=False, zfold=True))
-        prefill = (dict(block_m=64, block_n=64, stages=2), dict(block_m=128, wide=True, shift32=False))
+        prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
