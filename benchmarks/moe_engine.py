@@ -8,7 +8,8 @@
 One fused MoE layer (W4A16 group 128, random weights, random routing, bf16 activations) per
 row; µs per layer, timed as one jitted program of R dependent calls (a fori_loop; ``--timing
 unrolled`` for straight-line calls), each on its own random routing (so the experts a call touches are not
-all still in L2 from the call before), median of 5 runs / R.
+all still in L2 from the call before), median of 5 runs / R; in the table the alternatives' runs are
+interleaved round-robin (one run of each, five times), so clock drift affects every column alike.
 Alternatives in the same run:
 
 * ``engine AWQ`` / ``engine GPTQ``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` on
@@ -70,7 +71,15 @@ TIMING = "loop"
 
 def timed(layer, x, tw_all, ids_all, operands, reps):
     """µs per call of ``layer(c, tw, ids, *operands)`` in one jitted program of ``reps`` dependent
-    calls, call ``r`` routed by ``tw_all[r], ids_all[r]``. Weights are arguments, never constants.
+    calls, call ``r`` routed by ``tw_all[r], ids_all[r]``, median of 5 runs. Weights are
+    arguments, never constants."""
+    once = runner(layer, x, tw_all, ids_all, operands, reps)
+    return statistics.median(once() for _ in range(5)) / reps * 1e6
+
+
+def runner(layer, x, tw_all, ids_all, operands, reps):
+    """Compile and warm the timed program of :func:`timed`; returns a function that runs it once
+    and returns its wall time in seconds (so several alternatives can be timed round-robin).
 
     ``TIMING = "loop"`` (default): a ``fori_loop``; ``"unrolled"``: the calls as straight-line
     code (no while loop around them). Both measured the same on the H200 (NOTES.md, v3); the loop
@@ -88,12 +97,12 @@ def timed(layer, x, tw_all, ids_all, operands, reps):
         return c
 
     run(x, tw_all, ids_all, operands).block_until_ready()
-    ts = []
-    for _ in range(5):
+
+    def once():
         t0 = time.perf_counter()
         run(x, tw_all, ids_all, operands).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / reps * 1e6
+        return time.perf_counter() - t0
+    return once
 
 
 def ragged_bf16(x, tw, ids, w13, w2):
@@ -267,19 +276,24 @@ def main(argv=None):
                 "dequant→ragged_dot": (lambda c, tw, ids, w: fused_moe_ragged_dot(
                     c, tw, ids, w, compute_dtype=jnp.bfloat16), (w,)),
             }
-            cells, errs = [], []
+            runs, errs = {}, []
             for a in alts:
                 if a in skip:
-                    cells.append(None)
                     continue
                 try:
                     fn, operands = layers[a]
                     if a.startswith(("engine", "wgmma")):
                         errs.append(check(fn, operands, gptq=a.endswith("GPTQ")))
-                    cells.append(timed(fn, x, tw_all, ids_all, operands, reps))
+                    runs[a] = runner(fn, x, tw_all, ids_all, operands, reps)
                 except Exception as ex:  # noqa: BLE001 - report and continue (e.g. out of memory)
                     print(f"  {a} at {name} T={t}: {type(ex).__name__}: {str(ex)[:300]}", file=sys.stderr, flush=True)
-                    cells.append(None)
+            # round-robin: every alternative's k-th run follows every alternative's (k-1)-th, so a
+            # drift of the GPU's clocks or of the host touches all columns alike
+            samples = {a: [] for a in runs}
+            for _ in range(5):
+                for a, once in runs.items():
+                    samples[a].append(once())
+            cells = [statistics.median(samples[a]) / reps * 1e6 if a in runs else None for a in alts]
             row = {"shape": name, "dims": [e, k, h, i], "tokens": t, "floor_us": fl, "cells": cells,
                    "err": max(errs) if errs else None, "config": dataclasses.asdict(choose_config(t, k, tiles))}
             lines.append(row)
@@ -303,7 +317,7 @@ def main(argv=None):
         append_markdown(args.append, "GPU engine", "moe_engine.py", argv or sys.argv[1:],
                         "W4A16 group 128 (AWQ with zero points unless the column says GPTQ), random weights, "
                         f"random routing per call, bf16 activations; µs per layer ({TIMING} jitted program of "
-                        "calls, median of 5). rel err: the engine's output vs a float32 XLA evaluation.", table)
+                        "calls, median of 5 runs, the alternatives' runs interleaved). rel err: the engine's output vs a float32 XLA evaluation.", table)
     return 0
 
 
