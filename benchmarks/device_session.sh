@@ -6,7 +6,8 @@
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, and
 #    the decode GEMMs with overlap and 4-stage wide rings.
-# 2: the prefill GEMMs (128-row blocks) with overlap and with 2 stages (two programs per SM),
+# 2: the prefill GEMMs (128-row blocks) with overlap and with 2 stages (two programs per SM), the
+#    same at the 4096-token layers (and 64-row blocks, also two programs per SM),
 #    the layer: zfold / wide / overlap at 16- to 64-row blocks (the open Qwen3 512-token
 #    question of NOTES v5), and ptxas's report on the overlap kernels (wgmma serialization).
 set -u
@@ -32,11 +33,16 @@ else
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
     echo "gemm rc $?" >> "$OUT/gemm128.log"
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm128.log" | sort -u
-    timeout 300 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64,512 --reps 10 \
+    timeout 100 python3 benchmarks/moe_engine.py --sweep --rows mixtral:4096 qwen3:4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;st2=kernel:wgmma,stages:2;bm64=kernel:wgmma,block_m:64;bm128 ovl=kernel:wgmma,overlap:1" \
+        > "$OUT/sweep_prefill.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_prefill.log"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log"
+    timeout 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64,512 --reps 10 \
         --variants "wgmma=kernel:wgmma;no zfold=kernel:wgmma,zfold:0;ovl=kernel:wgmma,zfold:0,overlap:1;no wide=kernel:wgmma,wide:0;bm16=kernel:wgmma,block_m:16;bm64 ovl=kernel:wgmma,block_m:64,overlap:1" \
         > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?" >> "$OUT/sweep.log"
-    timeout 110 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 128 --only "st4 kpb2 wide shift32" "bn128 st4 shift32" > "$OUT/ptxas.log" 2>&1
+    timeout 90 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 128 --only "st4 kpb2 wide shift32" "bn128 st4 shift32" > "$OUT/ptxas.log" 2>&1
     echo "ptxas rc $?" >> "$OUT/ptxas.log"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep.log"
     grep -E "^mixtral1|serializ|arning|registers|rc " "$OUT/ptxas.log" | head -40
