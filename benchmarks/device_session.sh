@@ -4,8 +4,9 @@
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
-#    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, and
-#    the decode GEMMs with overlap and 4-stage wide rings.
+#    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
+#    decode GEMMs with overlap and 4-stage wide rings, and where the Qwen3 1-token layer's
+#    time goes (per kernel, JAX profiler).
 # 2: the prefill GEMMs (128-row blocks) with overlap and with 2 stages (two programs per SM), the
 #    same at the 4096-token layers (and 64-row blocks, also two programs per SM),
 #    the layer: zfold / wide / overlap at 16- to 64-row blocks (the open Qwen3 512-token
@@ -17,17 +18,21 @@ OUT=${OUT:-/tmp/wna16_out}
 mkdir -p "$OUT"
 part=${1:-1}
 if [ "$part" = 1 ]; then
-    timeout 330 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+    timeout 300 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
         -k "wgmma or gpu_prefill" > "$OUT/tests.log" 2>&1
     echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 80 python3 benchmarks/stream_ceiling.py --gemms mixtral1 --stages 4 > "$OUT/stream.log" 2>&1
+    timeout 70 python3 benchmarks/stream_ceiling.py --gemms mixtral1 --stages 4 > "$OUT/stream.log" 2>&1
     echo "stream rc $?" >> "$OUT/stream.log"
-    timeout 150 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 qwen3_2 --block-m 8 16 --reps 10 \
+    timeout 130 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 qwen3_2 --block-m 8 16 --reps 10 \
         --only "st4 kpb2 wide shift32" "triton mma" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
     echo "gemm rc $?" >> "$OUT/gemm.log"
+    timeout 70 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;engine=" > "$OUT/profile.log" 2>&1
+    echo "profile rc $?" >> "$OUT/profile.log"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\||FAIL|rc " "$OUT/stream.log"
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
+    tail -40 "$OUT/profile.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
