@@ -58,6 +58,10 @@ WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                    dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, zfold=True)),
                   (16, "bn128 st4 kpb2 wide shift32 ovl",
                    dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, overlap=True)),
+                  (16, "bn128 st3 kpb2 wide shift32 zfold",
+                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, zfold=True)),
+                  (16, "bn128 st6 kpb2 wide shift32 zfold",
+                   dict(block_n=128, stages=6, kpb=2, wide=True, shift32=True, zfold=True)),
                   (16, "bn128 st4 shift32 ovl", dict(block_n=128, stages=4, shift32=True, overlap=True)),
                   (16, "bn128 st2 shift32", dict(block_n=128, stages=2, shift32=True))]
 
