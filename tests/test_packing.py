@@ -23,6 +23,11 @@ def test_awq_order_golden():
     assert packing.AWQ_REVERSE_ORDER_4BIT == tuple(packing.AWQ_ORDER_4BIT.index(j) for j in range(8))
 
 
+# One jitted twin, so each (shape, bits, axis, order) compiles once, not once per example.
+_pack_jit = jax.jit(packing.pack, static_argnums=(1, 2, 3))
+_unpack_jit = jax.jit(packing.unpack, static_argnums=(1, 2, 3))
+
+
 # Few distinct shapes (each jit compiles once per shape); the data is fresh for every example.
 @given(bits=st.sampled_from([4, 8]), awq=st.booleans(), axis=st.integers(0, 2),
        words=st.sampled_from([1, 3]), other=st.sampled_from([(1, 3), (2, 1)]),
@@ -46,9 +51,9 @@ def test_round_trip(bits, awq, axis, words, other, seed):
     ordr = order or tuple(range(pf))
     assert word == sum(int(group[ordr[s]]) << (bits * s) for s in range(pf))
     # jnp twin under jit equals numpy
-    pj = jax.jit(lambda x: packing.pack(x, bits, axis, order))(jnp.asarray(v, jnp.int32))
+    pj = _pack_jit(jnp.asarray(v, jnp.int32), bits, axis, order)
     np.testing.assert_array_equal(np.asarray(pj), p)
-    uj = jax.jit(lambda x: packing.unpack(x, bits, axis, order))(pj)
+    uj = _unpack_jit(pj, bits, axis, order)
     np.testing.assert_array_equal(np.asarray(uj), v)
 
 

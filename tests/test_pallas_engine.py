@@ -160,8 +160,8 @@ def test_grouped_gemm_t(bits, group, zp, mode):
     _close(out, ref)
 
 
-@settings(max_examples=20)          # each distinct shape recompiles the alignment
-@given(st.integers(1, 64), st.sampled_from([1, 2, 6, 8]), st.sampled_from([8, 16, 64]), st.sampled_from([16, 64]),
+@settings(max_examples=10)          # each distinct shape recompiles the alignment (~3.5 s on 2 cores)
+@given(st.sampled_from([1, 3, 17, 64]), st.sampled_from([1, 2, 6, 8]), st.sampled_from([8, 16, 64]), st.sampled_from([16, 64]),
        st.integers(0, 2**31 - 1))
 def test_max_blocks_bounds_the_filled_prefix(t, k, e, bm, seed):
     rng = np.random.default_rng(seed)
@@ -522,10 +522,15 @@ def test_wgmma_rejects_bad_input():
         fused_moe_wgmma(x, tw, ids2, wg, schedule="stream")
 
 
-@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
-@pytest.mark.parametrize("t, bias, map_, on_input, activation", [
-    (3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")])
-@pytest.mark.parametrize("split, schedule", [(None, None), (3, "pair"), (3, "blocked"), (None, "wide")])
+_GLUE_CASES = [(3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")]
+_GLUE_SCHEDULES = [(None, None), (3, "pair"), (3, "blocked"), (None, "wide")]
+
+
+# every scheme × every schedule, the three epilogue cases in turn (each case meets every scheme
+# and every schedule at least once): 12 layers instead of the full 36-way product
+@pytest.mark.parametrize("key, t, bias, map_, on_input, activation, split, schedule", [
+    (key,) + _GLUE_CASES[(i + j) % 3] + _GLUE_SCHEDULES[j]
+    for i, key in enumerate(sorted(WGMMA_SCHEMES)) for j in range(4)])
 def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, activation, split, schedule):
     """The wgmma layer's schedules (pair: no alignment; blocked: sorted rows), bias, router
     weights (on input too), expert map, activation and top-k sum against the float64 reference
