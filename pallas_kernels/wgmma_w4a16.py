@@ -329,13 +329,16 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
         def run_k(acc_ref, gmem_refs):
             """Stream this program's K range into ``acc_ref``."""
+            def issue(ops, xt):
+                """One step's wgmmas into ``acc_ref``; returns how many were issued."""
+                for k0, w in ops:
+                    plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                return len(ops)
+
             if overlap:
                 def step_ovl(_, w_smem, x_smem, s_smem, *rest):
                     ops = dequantized(w_smem, s_smem, rest[0] if has_zp else None)
-                    xt = transposed(x_smem)
-                    for k0, w in ops:
-                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
-                    plgpu.wgmma_wait(len(ops))           # the previous step's wgmmas are done
+                    plgpu.wgmma_wait(issue(ops, transposed(x_smem)))    # the previous step's are done
 
                 acc_ref[...] = zero()
                 plgpu.emit_pipeline(step_ovl, grid=(chunk,), max_concurrent_steps=max(2, min(stages, chunk)),
@@ -349,8 +352,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 xt = transposed(x_smem)
                 if not zfold:
                     acc_ref[...] = acc
-                    for k0, w in ops:
-                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                    issue(ops, xt)
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
                 for q in range(kpb):             # one K-block (one scale group) per partial

@@ -336,9 +336,7 @@ class BackendSpec:
         (MARLIN on a Hopper GPU, 4-bit, group 128 or channelwise), else why the engine's tile
         layout (Triton-lowered kernels) is used instead. ``WNA16_JAX_GPU_KERNELS=triton`` (or
         ``wgmma``) forces the choice; ``wgmma`` still needs a layer the wgmma kernels take."""
-        forced = os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower()
-        if forced not in GPU_KERNELS:
-            raise ConfigError(f"WNA16_JAX_GPU_KERNELS: expected one of {GPU_KERNELS}, got {forced!r}")
+        forced = forced_gpu_kernels()
         if self.engine_path is None:
             return f"{self.backend} has no GPU engine in this project"
         if forced == "triton":
@@ -373,7 +371,7 @@ class BackendSpec:
 
                 dt = jnp.float16 if input_dtype is not None and jnp.dtype(input_dtype) == jnp.float16 else jnp.bfloat16
                 return jax.jit(convert_wgmma, static_argnums=1)(weights, dt)
-            if os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower() == "wgmma":
+            if forced_gpu_kernels() == "wgmma":
                 raise UnsupportedError(f"WNA16_JAX_GPU_KERNELS=wgmma: {self.wgmma_reason(weights, dev)}")
             module, _, fn = self.engine_path.partition(":")
             return jax.jit(getattr(importlib.import_module(module), fn))(weights)
@@ -400,6 +398,14 @@ def _hashable_dtype(input_dtype: Any) -> Any:
 _ENGINE_LAYOUT = "pallas_kernels.fused_moe_tiles:convert_tiles"
 #: ``WNA16_JAX_GPU_KERNELS``: which of the engine's kernels :meth:`BackendSpec.prepare` lays out for.
 GPU_KERNELS = ("auto", "wgmma", "triton")
+
+
+def forced_gpu_kernels() -> str:
+    """``WNA16_JAX_GPU_KERNELS`` (default ``"auto"``), checked against :data:`GPU_KERNELS`."""
+    forced = os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower()
+    if forced not in GPU_KERNELS:
+        raise ConfigError(f"WNA16_JAX_GPU_KERNELS: expected one of {GPU_KERNELS}, got {forced!r}")
+    return forced
 
 TABLE: dict[Backend, BackendSpec] = {
     Backend.CPU: BackendSpec(
