@@ -33,6 +33,30 @@ if [ "$part" = 1 ]; then
     grep -E "^\||FAIL|rc " "$OUT/stream.log"
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     tail -40 "$OUT/profile.log"
+elif [ "$part" = 3 ]; then     # v6: the race-free overlap (halves), stages, zfold ≤ 16 rows
+    timeout 220 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "wgmma_grouped_gemm_gpu or (gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 64 --reps 10 \
+        --only "wide shift32 ovl" "st2 kpb2 wide shift32 zfold" "st4 kpb2 wide shift32 s" \
+        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
+    echo "gemm rc $?" >> "$OUT/gemm.log"
+    timeout 70 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 128 --reps 5 \
+        --only "bn128 st4 shift32 s" "bn128 st2 shift32 s" "bn128 st4 shift32 ovl" "bn128 st2 shift32 ovl" \
+        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
+    echo "gemm rc $?" >> "$OUT/gemm128.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" "$OUT/gemm128.log" | sort -u
+elif [ "$part" = 4 ]; then     # v6: the layer with overlap / 2 stages / zfold up to 32 rows
+    timeout 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;ovl=kernel:wgmma,overlap:1;st2 ovl=kernel:wgmma,stages:2,overlap:1" \
+        > "$OUT/sweep_prefill.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_prefill.log"
+    timeout 260 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,64,512 --reps 10 \
+        --variants "wgmma=kernel:wgmma;zf32=kernel:wgmma,zfold:1;ovl=kernel:wgmma,overlap:1;st2=kernel:wgmma,stages:2;st2 ovl=kernel:wgmma,stages:2,overlap:1" \
+        > "$OUT/sweep.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep.log"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log" "$OUT/sweep.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1

@@ -37,9 +37,9 @@ BW, FLOPS = 4.3e12, 640e12
 # (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
 # tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
 # "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
-# into each K-block's partial sum instead of applied per weight; "ovl": overlap (one step's
-# wgmmas run while the next step dequantizes; no gain in v4 under the 32-byte-row copy ceiling,
-# re-measured on the wide + shift32 kernel). (kpb 2 without wide measured no gain: RESULTS.md.)
+# into each K-block's partial sum instead of applied per weight; "ovl": overlap (each half of a
+# step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
+# against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st4", dict(block_n=128, stages=4)),
                   ("t128", "bn128 st4", dict(block_n=128, stages=4)),
@@ -63,7 +63,12 @@ WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st6 kpb2 wide shift32 zfold",
                    dict(block_n=128, stages=6, kpb=2, wide=True, shift32=True, zfold=True)),
                   (16, "bn128 st4 shift32 ovl", dict(block_n=128, stages=4, shift32=True, overlap=True)),
-                  (16, "bn128 st2 shift32", dict(block_n=128, stages=2, shift32=True))]
+                  (16, "bn128 st2 shift32", dict(block_n=128, stages=2, shift32=True)),
+                  (16, "bn128 st2 shift32 ovl", dict(block_n=128, stages=2, shift32=True, overlap=True)),
+                  (16, "bn128 st2 kpb2 wide shift32 ovl",
+                   dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, overlap=True)),
+                  (16, "bn128 st3 kpb2 wide shift32 ovl",
+                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True))]
 
 
 def timed(fn, args, reps):

@@ -201,11 +201,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     computed by XLA — no per-weight subtract or multiply (float32-exact up to the accumulation
     order, not the reference's bit pattern; for decode-sized blocks, where the fold's
     ``block_n × block_m`` work per K-block is small). ``overlap`` (not with ``zfold``): the
-    accumulator stays in its wgmma register ref across pipeline steps and each step waits only for
-    the previous step's wgmmas, so one step's wgmmas run while the next step dequantizes; the
-    activation buffers are released one step late (``delay_release=1``). Measured no gain in v4,
-    when the 32-byte-row copies capped the ring (benchmarks/NOTES.md); back for the ``wide`` +
-    ``shift32`` kernel, whose ring now outruns it (not yet run on a GPU).
+    accumulator stays in its wgmma register ref across pipeline steps and each half of a step is
+    dequantized while the other half's wgmmas run (a half's registers are rewritten only after a
+    wait has retired the wgmmas that read them: the v5 version, which let a whole step's wgmmas
+    run into the next step's dequantization, computed wrong results at 128-row blocks on the
+    H200); the activation buffers are released one step late (``delay_release=1``).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -255,27 +255,32 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         xs = a.astype(jnp.float32).reshape(nb, bm, n_kb, BLOCK_K).sum(-1).transpose(2, 0, 1)
         xsum = jnp.pad(xs, ((0, 0), (0, 0), (0, xw - bm)))
 
-    def dequantized(w_smem, s_smem, z_smem):
-        """The step's weights as ``(K offset, [bn, 16] register operand)`` pairs, in K order
-        (with ``zfold``: the raw codes ``magic + c``, scale and zero point left to the fold)."""
-        out = []
-        for q in range(kpb):
+    def dequant_units(w_smem, s_smem, z_smem):
+        """The step's weights as a list of units in K order, each a function that emits (when
+        called) the dequantization of 64 K rows and returns its ``(K offset, [bn, 16] register
+        operand)`` pairs (with ``zfold``: the raw codes ``magic + c``, scale and zero point left to
+        the fold). Calling the units at different points lets ``overlap`` dequantize one half of
+        a step while the other half's wgmmas run."""
+        whole = []                                # wide: the [bn, 64] words of both K-blocks, loaded once
+
+        def unit(q, u):
             g = 0 if channelwise else q
 
             def rows(ref, dt):
                 return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(dt), (bn, 16), (0,))
 
-            if w16:
-                # bf16/fp16 arithmetic on magic-number codes: bits(m | c) = m + c exactly,
-                # (m + c) − (m + z) exact, one rounding in the scale multiply — the reference's value
-                if not zfold:
-                    sc = rows(s_smem, dtype)
-                    zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
-                if wide and q == 0:
-                    whole = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA)     # [bn, 64]: both K-blocks
-                for u in range(2):
+            def emit():
+                out = []
+                if w16:
+                    # bf16/fp16 arithmetic on magic-number codes: bits(m | c) = m + c exactly,
+                    # (m + c) − (m + z) exact, one rounding in the scale multiply — the reference's value
+                    if not zfold:
+                        sc = rows(s_smem, dtype)
+                        zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
                     if wide:
-                        tile = whole[:, wcols * q + 16 * u: wcols * q + 16 * u + 16]
+                        if not whole:
+                            whole.append(plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA))
+                        tile = whole[0][:, wcols * q + 16 * u: wcols * q + 16 * u + 16]
                     else:
                         src = (w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)] if tile_n else
                                w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)])
@@ -288,14 +293,21 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                             | jnp.int16(magic(dtype)), dtype) for t in range(4)]
                     for t, v in enumerate(vs):
                         out.append((BLOCK_K * q + 64 * u + 16 * t, v if zfold else (v - zc) * sc))
-            else:
-                sc = rows(s_smem, jnp.float32)
-                zc = rows(z_smem, jnp.float32) if has_zp else 8.0
-                tile = plgpu.load(w_smem.at[:, pl.ds(wcols * q, 16)], (), layout=plgpu.Layout.WGMMA)
-                for t in range(8):
-                    codes = jax.lax.shift_right_logical(tile, jnp.int32(4 * t)) & 15
-                    out.append((BLOCK_K * q + 16 * t, ((codes.astype(jnp.float32) - zc) * sc).astype(dtype)))
-        return out
+                else:                             # int32 words: 8 codes per word, slots 4u … 4u+3
+                    sc = rows(s_smem, jnp.float32)
+                    zc = rows(z_smem, jnp.float32) if has_zp else 8.0
+                    tile = plgpu.load(w_smem.at[:, pl.ds(wcols * q, 16)], (), layout=plgpu.Layout.WGMMA)
+                    for t in range(4 * u, 4 * u + 4):
+                        codes = jax.lax.shift_right_logical(tile, jnp.int32(4 * t)) & 15
+                        out.append((BLOCK_K * q + 16 * t, ((codes.astype(jnp.float32) - zc) * sc).astype(dtype)))
+                return out
+            return emit
+
+        return [unit(q, u) for q in range(kpb) for u in range(2)]
+
+    def dequantized(w_smem, s_smem, z_smem):
+        """All of the step's ``(K offset, register operand)`` pairs, in K order."""
+        return [op for emit in dequant_units(w_smem, s_smem, z_smem) for op in emit()]
 
     def transposed(x_smem):
         return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
@@ -336,9 +348,18 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 return len(ops)
 
             if overlap:
+                # Two halves per step, each dequantized while the other half's wgmmas run. A wgmma's
+                # register operand must not be rewritten before a wait covers that wgmma (PTX: undefined
+                # otherwise) — and in the pipeline loop every step writes the same registers. So each
+                # half is dequantized only after the wait that retires the same half of the step
+                # before: [dequant A | B(i−1) runs] issue A, wait → B(i−1) done; [dequant B | A runs]
+                # issue B, wait → A done; B(i) stays in flight into step i+1.
                 def step_ovl(_, w_smem, x_smem, s_smem, *rest):
-                    ops = dequantized(w_smem, s_smem, rest[0] if has_zp else None)
-                    plgpu.wgmma_wait(issue(ops, transposed(x_smem)))    # the previous step's are done
+                    units = dequant_units(w_smem, s_smem, rest[0] if has_zp else None)
+                    xt = transposed(x_smem)
+                    half = len(units) // 2
+                    for part in (units[:half], units[half:]):
+                        plgpu.wgmma_wait(issue([op for emit in part for op in emit()], xt))
 
                 acc_ref[...] = zero()
                 plgpu.emit_pipeline(step_ovl, grid=(chunk,), max_concurrent_steps=max(2, min(stages, chunk)),
@@ -530,7 +551,7 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
-                    split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int = 4,
+                    split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     overlap: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
@@ -544,10 +565,13 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
-    ``shift32`` (default on): the kernel's 32-bit nibble extraction. ``zfold``: the kernel's folded
+    ``stages``: pipeline depth; default: 2 for blocks of up to 32 rows whose programs stream 8 or more
+    steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4 (2 at 128-row wide
+    blocks, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble extraction. ``zfold``: the kernel's folded
     scale and zero point, only ever for blocks of up to 32 rows (larger blocks keep the per-weight
-    dequantization); default: on for those blocks. ``overlap``: the kernel's ``overlap=True`` for
-    every GEMM that does not fold (not yet measured in the layer; off by default).
+    dequantization); default: on for blocks of up to 16 rows (at 32 rows the per-K-block fold cost
+    more than it saved: Qwen3 512 tokens 661 vs 576 µs, NOTES.md v6). ``overlap``: the kernel's
+    ``overlap=True`` for every GEMM that does not fold.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -579,8 +603,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         steps = n_kb // kpb
         want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
-        st = min(stages, 2) if kpb == 2 and bm >= 128 else stages             # shared memory: 227 KB
-        fold = (zfold is None or bool(zfold)) and bm <= 32
+        if stages is not None:
+            st = min(stages, 2) if kpb == 2 and bm >= 128 else stages         # shared memory: 227 KB
+        else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
+            st = 2 if bm <= 32 and steps // s >= 8 else 4
+            st = 2 if kpb == 2 and bm >= 128 else st
+        fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                   stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                   zfold=fold, overlap=overlap and not fold).sum(0)

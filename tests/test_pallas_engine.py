@@ -389,6 +389,10 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
               s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
         fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, **opts)
         assert "mosaic_gpu" in jax.jit(fn).trace(*ov).lower(lowering_platforms=("cuda",)).as_text()
+    ov32 = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 64), jnp.int32),
+            s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))           # overlap on 32-bit words
+    fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, block_n=128)
+    assert "mosaic_gpu" in jax.jit(fn).trace(*ov32).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ConfigError, match="overlap"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, zfold=True)).trace(*ov)
     with pytest.raises(ConfigError, match="zfold"):
@@ -418,7 +422,12 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True)),
     (False, 128, 64, 1, dict(block_n=128, zfold=True, shift32=True)),
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, stages=4, overlap=True)),
-    (False, -1, 16, 4, dict(overlap=True)), (True, 128, 8, 1, dict(block_n=128, shift32=True, stages=2, overlap=True))]
+    (False, -1, 16, 4, dict(overlap=True)), (True, 128, 8, 1, dict(block_n=128, shift32=True, stages=2, overlap=True)),
+    # overlap where the v5 version raced (a step's wgmmas against the next step's dequantization):
+    # 128-row blocks, 16 K-blocks per program
+    (True, 128, 128, 1, dict(block_n=128, shift32=True, stages=4, overlap=True, k=2048)),
+    (False, 128, 64, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, stages=3, overlap=True, k=2048)),
+    (True, -1, 128, 2, dict(block_n=64, stages=3, overlap=True, k=2048))]
 
 
 @pytest.mark.gpu
@@ -433,9 +442,10 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
 
     opts = dict(opts)
     tile_n = opts.pop("tile_n", None)
+    k = opts.pop("k", 512)
     rng = np.random.default_rng()
     zfold = opts.get("zfold", False)            # exact (c − z)·s, float32 accumulation of magic + c
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, tile_n=tile_n,
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, word_bits=word_bits, tile_n=tile_n,
                                                        exact=zfold)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
                              split_k=split, **opts)
@@ -901,7 +911,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
         decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
                   dict(block_m=16, split1=2, split2=2, shift32=False), dict(block_m=32, wide=False, zfold=True))
-        prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False))
+        prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
+                   dict(block_m=128, overlap=True))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
