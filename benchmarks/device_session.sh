@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The next session's device work in two calls (each fits the 10-minute limit), every log under
+# A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
-#     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2
+#     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
+# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5 and 6 are prepared for the next.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -57,6 +58,27 @@ elif [ "$part" = 4 ]; then     # v6: the layer with overlap / 2 stages / zfold u
         > "$OUT/sweep.log" 2>&1
     echo "sweep rc $?" >> "$OUT/sweep.log"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log" "$OUT/sweep.log"
+elif [ "$part" = 5 ]; then     # next: the layer table for DeepSeek-V2-Lite on the v6 defaults, and what
+    # the decode and prefill kernels wait on (Nsight Compute: speed of light, occupancy, warp stalls)
+    timeout 200 python3 benchmarks/moe_engine.py --rows dsv2lite --reps 10 --skip "engine GPTQ,engine←Marlin" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" > "$OUT/table_dsv2.log" 2>&1
+    echo "table rc $?" >> "$OUT/table_dsv2.log"
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+    for spec in "8|st2 kpb2 wide shift32 zfold s1" "8|st4 kpb2 wide shift32 zfold s1" "128|bn128 st4 shift32 s1"; do
+        bm=${spec%%|*}; v=${spec#*|}
+        timeout 110 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
+            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m "$bm" --reps 1 --only "$v" \
+            > "$OUT/ncu_bm${bm}_${v// /_}.log" 2>&1
+        echo "ncu rc $?" >> "$OUT/ncu_bm${bm}_${v// /_}.log"
+    done
+    grep -E "^\|.*DeepSeek|rc " "$OUT/table_dsv2.log"
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|rc " "$OUT"/ncu_*.log
+elif [ "$part" = 6 ]; then     # next: the layer table for Mixtral and Qwen3 on the v6 defaults
+    timeout 560 python3 benchmarks/moe_engine.py --rows mixtral qwen3 --reps 10 --skip "engine GPTQ,engine←Marlin" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" > "$OUT/table.log" 2>&1
+    echo "table rc $?" >> "$OUT/table.log"
+    grep -E "^\| (Mix|Qwen)|rc " "$OUT/table.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1

@@ -561,6 +561,48 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     _layer_close(got, _reference(w, x, tw, ids, em, activation=activation, on_input=on_input))
 
 
+def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
+    """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
+    2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; zfold only up to 16 rows
+    unless forced (then up to 32); wide below 128-row blocks, and then 2 stages; overlap never
+    with zfold; explicit options win."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append((args[0].shape[1], kw))
+        return _emulated_wgmma_gemm(*args, **kw)
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 2, 2048, 128, 8, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+
+    def picks(**over):
+        calls.clear()
+        over = {"split1": 1, "split2": 1, **over}
+        jax.jit(functools.partial(wgm.fused_moe_wgmma, **over)).trace(x, tw, ids, wg)
+        return {k: dict(kw) for k, kw in calls}       # K → options (GEMM1: K = 2048, GEMM2: K = 128)
+
+    def opts(o, *names):
+        return tuple(o[n] for n in names)
+
+    names = ("block_m", "stages", "kpb", "wide", "zfold", "overlap")
+    p = picks(block_m=8)
+    assert opts(p[2048], *names) == (8, 2, 2, True, True, False)      # 16 K-blocks, 2 per step: 8 steps
+    assert opts(p[128], *names) == (8, 4, 1, False, True, False)      # one K-block
+    assert opts(picks(block_m=32)[2048], *names) == (32, 2, 2, True, False, False)
+    assert opts(picks(block_m=32, zfold=True)[2048], *names) == (32, 2, 2, True, True, False)
+    assert opts(picks(block_m=64, overlap=True)[2048], *names) == (64, 4, 2, True, False, True)
+    assert opts(picks(block_m=128)[2048], *names) == (128, 4, 1, False, False, False)
+    assert opts(picks(block_m=128, wide=True)[2048], *names) == (128, 2, 2, True, False, False)
+    assert opts(picks(block_m=8, stages=3, overlap=True)[2048], *names) == (8, 3, 2, True, True, False)
+    # 128-deep steps: 16 per program (DeepSeek-V2-Lite's odd K-block count takes this path)
+    assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False)
+    assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False)   # 2 steps
+
+
 # ----------------------------------------------------------------------------- layer level
 
 
