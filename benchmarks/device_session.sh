@@ -2,7 +2,7 @@
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5 and 6 are prepared for the next.
+# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5, 6 and 7 are prepared for the next.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -79,6 +79,18 @@ elif [ "$part" = 6 ]; then     # next: the layer table for Mixtral and Qwen3 on 
         --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" > "$OUT/table.log" 2>&1
     echo "table rc $?" >> "$OUT/table.log"
     grep -E "^\| (Mix|Qwen)|rc " "$OUT/table.log"
+elif [ "$part" = 7 ]; then     # next: where Qwen3's 512/4096-token layers spend their time (8× and 4.4×
+    # the floor), and whether Mixtral 64 tokens (16-row blocks: an expert with more than 16 rows
+    # is read twice) is faster with 32-row blocks
+    timeout 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
+        --variants "wgmma=kernel:wgmma;engine=" > "$OUT/profile_qwen3.log" 2>&1
+    echo "profile rc $?" >> "$OUT/profile_qwen3.log"
+    timeout 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 qwen3:64 --reps 10 \
+        --variants "wgmma=kernel:wgmma;bm32=kernel:wgmma,block_m:32;bm32 zfold=kernel:wgmma,block_m:32,zfold:1;wgmma 2=kernel:wgmma;bm32 2=kernel:wgmma,block_m:32" \
+        > "$OUT/sweep_bm.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_bm.log"
+    tail -60 "$OUT/profile_qwen3.log"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
