@@ -2,7 +2,7 @@
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5, 6 and 7 are prepared for the next.
+# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5–8 are prepared for the next.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -91,6 +91,20 @@ elif [ "$part" = 7 ]; then     # next: where Qwen3's 512/4096-token layers spend
     echo "sweep rc $?" >> "$OUT/sweep_bm.log"
     tail -60 "$OUT/profile_qwen3.log"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
+elif [ "$part" = 8 ]; then     # next: sfold (scale-only fold: c − z into the wgmma, no Σx reduction in XLA)
+    timeout 220 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "wgmma_grouped_gemm_gpu or (gpu_shapes and (awq or channel))" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    timeout 90 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_2 --block-m 8 16 --reps 10 \
+        --only "st2 kpb2 wide shift32 zfold s1" "st4 kpb2 wide shift32 zfold s1" "wide shift32 sfold s1" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
+    echo "gemm rc $?" >> "$OUT/gemm.log"
+    timeout 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16 qwen3:1,16 dsv2lite:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1" \
+        > "$OUT/sweep_sfold.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_sfold.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_sfold.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1

@@ -37,7 +37,8 @@ BW, FLOPS = 4.3e12, 640e12
 # (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
 # tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
 # "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
-# into each K-block's partial sum instead of applied per weight; "ovl": overlap (each half of a
+# into each K-block's partial sum instead of applied per weight; "sfold": c − z into the wgmma,
+# only the scale per K-block partial (no Σx input); "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
 # against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
@@ -68,7 +69,11 @@ WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st2 kpb2 wide shift32 ovl",
                    dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, overlap=True)),
                   (16, "bn128 st3 kpb2 wide shift32 ovl",
-                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True))]
+                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True)),
+                  (16, "bn128 st2 kpb2 wide shift32 sfold",
+                   dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
+                  (16, "bn128 st4 kpb2 wide shift32 sfold",
+                   dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True))]
 
 
 def timed(fn, args, reps):

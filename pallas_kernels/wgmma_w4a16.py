@@ -179,10 +179,10 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide", "shift32", "zfold", "overlap"))
+                                             "wide", "shift32", "zfold", "sfold", "overlap"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
-                       shift32: bool = False, zfold: bool = False, overlap: bool = False):
+                       shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -200,7 +200,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     accumulator) is folded as ``acc += s ⊙ (P − (m + z) ⊗ Σx)``, with ``Σx`` per row and K-block
     computed by XLA — no per-weight subtract or multiply (float32-exact up to the accumulation
     order, not the reference's bit pattern; for decode-sized blocks, where the fold's
-    ``block_n × block_m`` work per K-block is small). ``overlap`` (not with ``zfold``): the
+    ``block_n × block_m`` work per K-block is small). ``sfold`` (16-bit words): the same per-K-block
+    partials, but the wgmma takes ``c − z`` (one exact bf16/fp16 subtract per pair of codes, no
+    multiply) and the fold is ``acc += s ⊙ P`` — no ``Σx`` input (one XLA reduction and its copies
+    fewer per GEMM), exact ``(c − z)·x`` products. ``overlap`` (not with ``zfold``/``sfold``): the
     accumulator stays in its wgmma register ref across pipeline steps and each half of a step is
     dequantized while the other half's wgmmas run (a half's registers are rewritten only after a
     wait has retired the wgmmas that read them: the v5 version, which let a whole step's wgmmas
@@ -222,10 +225,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
         raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
-    if overlap and zfold:
-        raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold=True do not combine (zfold waits for every "
+    if zfold and sfold:
+        raise ConfigError("wgmma_grouped_gemm: zfold=True and sfold=True are two ways to fold; pick one")
+    if overlap and (zfold or sfold):
+        raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold/sfold=True do not combine (a fold waits for every "
                           "K-block's partial)")
-    for flag, on in (("shift32", shift32), ("zfold", zfold)):
+    for flag, on in (("shift32", shift32), ("zfold", zfold), ("sfold", sfold)):
         if on and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
             raise ConfigError(f"wgmma_grouped_gemm: {flag}=True needs 16-bit words, got {words.dtype}")
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
@@ -258,7 +263,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     def dequant_units(w_smem, s_smem, z_smem):
         """The step's weights as a list of units in K order, each a function that emits (when
         called) the dequantization of 64 K rows and returns its ``(K offset, [bn, 16] register
-        operand)`` pairs (with ``zfold``: the raw codes ``magic + c``, scale and zero point left to
+        operand)`` pairs (with ``zfold``: the raw codes ``magic + c``, with ``sfold``: ``c − z``; the
+        scale (and with zfold the zero point) left to
         the fold). Calling the units at different points lets ``overlap`` dequantize one half of
         a step while the other half's wgmmas run."""
         whole = []                                # wide: the [bn, 64] words of both K-blocks, loaded once
@@ -274,8 +280,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 if w16:
                     # bf16/fp16 arithmetic on magic-number codes: bits(m | c) = m + c exactly,
                     # (m + c) − (m + z) exact, one rounding in the scale multiply — the reference's value
-                    if not zfold:
+                    if not (zfold or sfold):
                         sc = rows(s_smem, dtype)
+                    if not zfold:
                         zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
                     if wide:
                         if not whole:
@@ -292,7 +299,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                             ((jax.lax.shift_right_logical(tile, jnp.int16(4 * t)) if t else tile) & jnp.int16(15))
                             | jnp.int16(magic(dtype)), dtype) for t in range(4)]
                     for t, v in enumerate(vs):
-                        out.append((BLOCK_K * q + 64 * u + 16 * t, v if zfold else (v - zc) * sc))
+                        out.append((BLOCK_K * q + 64 * u + 16 * t,
+                                    v if zfold else v - zc if sfold else (v - zc) * sc))
                 else:                             # int32 words: 8 codes per word, slots 4u … 4u+3
                     sc = rows(s_smem, jnp.float32)
                     zc = rows(z_smem, jnp.float32) if has_zp else 8.0
@@ -371,7 +379,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 z_smem, xs_smem, acc = split_refs(rest)
                 ops = dequantized(w_smem, s_smem, z_smem)
                 xt = transposed(x_smem)
-                if not zfold:
+                if not (zfold or sfold):
                     acc_ref[...] = acc
                     issue(ops, xt)
                     plgpu.wgmma_wait(0)
@@ -386,6 +394,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                     for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
                         plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
                     plgpu.wgmma_wait(0)
+                    if sfold:                    # the partial is Σ (c − z)·x: scale it
+                        acc = acc + cols(s_smem) * acc_ref[...]
+                        continue
                     zb = cols(z_smem) if has_zp else jnp.float32(magic_value(dtype) + 8.0)
                     xrow = jax.lax.broadcast_in_dim(
                         plgpu.load(xs_smem.at[q, 0, pl.ds(0, bm)], (), layout=col), (bn, bm), (1,))
@@ -553,7 +564,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
-                    overlap: bool = False):
+                    sfold: bool = False, overlap: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -570,7 +581,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     blocks, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble extraction. ``zfold``: the kernel's folded
     scale and zero point, only ever for blocks of up to 32 rows (larger blocks keep the per-weight
     dequantization); default: on for blocks of up to 16 rows (at 32 rows the per-K-block fold cost
-    more than it saved: Qwen3 512 tokens 661 vs 576 µs, NOTES.md v6). ``overlap``: the kernel's
+    more than it saved: Qwen3 512 tokens 661 vs 576 µs, NOTES.md v6). ``sfold``: the GEMMs that
+    fold use the kernel's ``sfold`` (scale-only fold, no ``Σx`` reduction in XLA) instead of
+    ``zfold`` (not yet measured; off by default). ``overlap``: the kernel's
     ``overlap=True`` for every GEMM that does not fold.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
@@ -611,7 +624,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                   stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
-                                  zfold=fold, overlap=overlap and not fold).sum(0)
+                                  zfold=fold and not sfold, sfold=fold and sfold,
+                                  overlap=overlap and not fold).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

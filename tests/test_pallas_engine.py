@@ -250,20 +250,21 @@ def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, exa
     return a, eids, lay, ref
 
 
-@pytest.mark.parametrize("word_bits, zfold", [(16, False), (32, False), (16, True)])
+@pytest.mark.parametrize("word_bits, fold", [(16, None), (32, None), (16, "z"), (16, "s")])
 @pytest.mark.parametrize("zp, group", [(True, 128), (False, -1)])
-def test_wgmma_layout_indexing(zp, group, word_bits, zfold):
+def test_wgmma_layout_indexing(zp, group, word_bits, fold):
     """The v4 kernel's arithmetic, replayed in numpy with exactly its indexing, against the
     float64 reference — the layout half of the kernel, checked without a GPU. int32 words: tile
     ``[n, 16·kb : 16·kb+16]``, slot ``s`` → K row ``128·kb + 16·s + w``, zero 8 when symmetric.
     int16 words: tile ``[n, 32·kb + 16·u : +16]``, nibble ``t`` → row ``128·kb + 64·u + 16·t + w``,
     value ``(magic | c) − zero`` with the zero stored as magic + z (magic + 8 when symmetric).
-    ``zfold``: per K-block, ``acc += s ⊙ (Σ (magic | c)·x − (magic + z) ⊗ Σx)``."""
+    ``zfold``: per K-block, ``acc += s ⊙ (Σ (magic | c)·x − (magic + z) ⊗ Σx)``; ``sfold``: per
+    K-block, ``acc += s ⊙ Σ ((magic | c) − (magic + z))·x``."""
     from pallas_kernels.wgmma_w4a16 import magic, magic_value
 
     rng = np.random.default_rng()
     bm = 16
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, exact=zfold)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, word_bits=word_bits, exact=bool(fold))
     k = a.shape[1]
     out = np.zeros(ref.shape)
     for b, ex in enumerate(eids):
@@ -287,7 +288,12 @@ def test_wgmma_layout_indexing(zp, group, word_bits, zfold):
                         bits = ((wt >> (4 * t)) & 15) | magic(jnp.bfloat16)
                         steps.append((64 * u + 16 * t, np.asarray(jax.lax.bitcast_convert_type(
                             jnp.asarray(bits.astype(np.uint16)), jnp.bfloat16).astype(jnp.float32))))
-            if zfold:
+            if fold == "s":              # c − z exact in bf16 (both magic-biased): one scale per K-block
+                xb = x[:, kb * 128:(kb + 1) * 128]
+                part = sum(xb[:, k0:k0 + 16] @ (codes.astype(np.float64) - zc[:, None]).T for k0, codes in steps)
+                out[b * bm:(b + 1) * bm] += part * sc[None, :]
+                continue
+            if fold == "z":
                 xb = x[:, kb * 128:(kb + 1) * 128]
                 part = sum(xb[:, k0:k0 + 16] @ codes.astype(np.float64).T for k0, codes in steps)
                 out[b * bm:(b + 1) * bm] += (part - xb.sum(1)[:, None] * zc[None, :]) * sc[None, :]
@@ -384,6 +390,17 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                   s((4, g, 256), jnp.bfloat16), s((4, g, 256), jnp.bfloat16))
             fn = functools.partial(wgmma_grouped_gemm, block_m=8, group_size=gs, zfold=True, **opts)
             assert "mosaic_gpu" in jax.jit(fn).trace(*zf).lower(lowering_platforms=("cuda",)).as_text()
+    for opts in (dict(block_n=128), dict(block_n=64, kpb=2, wide=True, shift32=True, split_k=2)):   # sfold
+        for gs, g in ((128, 4), (-1, 1)):
+            for dt in (jnp.bfloat16, jnp.float16):
+                sf = (s((24, 512), dt), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+                      s((4, g, 256), dt), s((4, g, 256), dt) if gs == 128 else None)
+                fn = functools.partial(wgmma_grouped_gemm, block_m=8, group_size=gs, sfold=True, **opts)
+                assert "mosaic_gpu" in jax.jit(fn).trace(*sf).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="pick one"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, zfold=True, sfold=True)).trace(*sf)
+    with pytest.raises(ConfigError, match="overlap"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, sfold=True)).trace(*sf)
     for opts in (dict(block_n=128, kpb=2, wide=True, shift32=True), dict(split_k=4)):      # overlap
         ov = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
               s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
@@ -399,6 +416,8 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, zfold=True)).trace(*args)
     with pytest.raises(ConfigError, match="shift32"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, shift32=True)).trace(*args)
+    with pytest.raises(ConfigError, match="sfold"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, group_size=-1, sfold=True)).trace(*args)
     many = (s((16 * 300, 256), jnp.bfloat16), s((300,), jnp.int32), s((4, 128, 64), jnp.int16),
             s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
     assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
@@ -427,14 +446,17 @@ _WGMMA_GPU_CASES = [
     # 128-row blocks, 16 K-blocks per program
     (True, 128, 128, 1, dict(block_n=128, shift32=True, stages=4, overlap=True, k=2048)),
     (False, 128, 64, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, stages=3, overlap=True, k=2048)),
-    (True, -1, 128, 2, dict(block_n=64, stages=3, overlap=True, k=2048))]
+    (True, -1, 128, 2, dict(block_n=64, stages=3, overlap=True, k=2048)),
+    # sfold: the scale-only fold (c − z into the wgmma, s per K-block partial)
+    (True, 128, 8, 1, dict(block_n=128, sfold=True)), (False, -1, 16, 2, dict(sfold=True, stages=4)),
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("word_bits, zp, group, bm, split, opts", [
     (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES
-    if wb == 16 or not {"tile_n", "wide", "shift32", "zfold"} & set(c[-1])])
+    if wb == 16 or not {"tile_n", "wide", "shift32", "zfold", "sfold"} & set(c[-1])])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
     schedule option (column tile, K-blocks per pipeline step, stages, tile-major words)."""
@@ -444,7 +466,7 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     tile_n = opts.pop("tile_n", None)
     k = opts.pop("k", 512)
     rng = np.random.default_rng()
-    zfold = opts.get("zfold", False)            # exact (c − z)·s, float32 accumulation of magic + c
+    zfold = opts.get("zfold", False) or opts.get("sfold", False)   # exact (c − z)·s, float32 accumulation
     a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, word_bits=word_bits, tile_n=tile_n,
                                                        exact=zfold)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
@@ -589,6 +611,8 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
         return tuple(o[n] for n in names)
 
     names = ("block_m", "stages", "kpb", "wide", "zfold", "overlap")
+    assert (opts(picks(block_m=8, sfold=True)[2048], "zfold", "sfold", "overlap")
+            == opts(picks(block_m=8, sfold=True)[128], "zfold", "sfold", "overlap") == (False, True, False))
     p = picks(block_m=8)
     assert opts(p[2048], *names) == (8, 2, 2, True, True, False)      # 16 K-blocks, 2 per step: 8 steps
     assert opts(p[128], *names) == (8, 4, 1, False, True, False)      # one K-block
@@ -952,7 +976,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         ref = _fast_reference(w, x, tw, ids)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
         decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
-                  dict(block_m=16, split1=2, split2=2, shift32=False), dict(block_m=32, wide=False, zfold=True))
+                  dict(block_m=16, split1=2, split2=2, shift32=False, sfold=True),
+                  dict(block_m=32, wide=False, zfold=True))
         prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
                    dict(block_m=128, overlap=True))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
