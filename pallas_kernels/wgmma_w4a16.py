@@ -228,8 +228,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if zfold and sfold:
         raise ConfigError("wgmma_grouped_gemm: zfold=True and sfold=True are two ways to fold; pick one")
     if overlap and (zfold or sfold):
-        raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold/sfold=True do not combine (a fold waits for every "
-                          "K-block's partial)")
+        raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold/sfold=True do not combine (a fold waits "
+                          "for every K-block's partial)")
     for flag, on in (("shift32", shift32), ("zfold", zfold), ("sfold", sfold)):
         if on and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
             raise ConfigError(f"wgmma_grouped_gemm: {flag}=True needs 16-bit words, got {words.dtype}")
@@ -263,10 +263,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     def dequant_units(w_smem, s_smem, z_smem):
         """The step's weights as a list of units in K order, each a function that emits (when
         called) the dequantization of 64 K rows and returns its ``(K offset, [bn, 16] register
-        operand)`` pairs (with ``zfold``: the raw codes ``magic + c``, with ``sfold``: ``c − z``; the
-        scale (and with zfold the zero point) left to
-        the fold). Calling the units at different points lets ``overlap`` dequantize one half of
-        a step while the other half's wgmmas run."""
+        operand)`` pairs (with ``zfold``: the raw codes ``magic + c``; with ``sfold``: ``c − z``;
+        the scale, and with ``zfold`` the zero point, left to the fold). Calling the units at
+        different points lets ``overlap`` dequantize one half of a step while the other half's
+        wgmmas run."""
         whole = []                                # wide: the [bn, 64] words of both K-blocks, loaded once
 
         def unit(q, u):
@@ -572,19 +572,20 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
     experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
     and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
-    Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5):
+    Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5, v6):
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
-    ``stages``: pipeline depth; default: 2 for blocks of up to 32 rows whose programs stream 8 or more
-    steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4 (2 at 128-row wide
-    blocks, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble extraction. ``zfold``: the kernel's folded
-    scale and zero point, only ever for blocks of up to 32 rows (larger blocks keep the per-weight
-    dequantization); default: on for blocks of up to 16 rows (at 32 rows the per-K-block fold cost
-    more than it saved: Qwen3 512 tokens 661 vs 576 µs, NOTES.md v6). ``sfold``: the GEMMs that
-    fold use the kernel's ``sfold`` (scale-only fold, no ``Σx`` reduction in XLA) instead of
-    ``zfold`` (not yet measured; off by default). ``overlap``: the kernel's
-    ``overlap=True`` for every GEMM that does not fold.
+    ``stages``: pipeline depth; default: 2 for blocks of up to 32 rows whose programs stream 8 or
+    more steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4 (2 at 128-row
+    wide blocks, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble
+    extraction. ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
+    to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
+    to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
+    576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
+    fold, no ``Σx`` reduction in XLA) instead of ``zfold`` (not yet measured; off by default).
+    ``overlap``: the kernel's ``overlap=True`` for every GEMM that does not fold (race-free since
+    v6, measured no faster; off by default).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
