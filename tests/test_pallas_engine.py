@@ -397,10 +397,10 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                       s((4, g, 256), dt), s((4, g, 256), dt) if gs == 128 else None)
                 fn = functools.partial(wgmma_grouped_gemm, block_m=8, group_size=gs, sfold=True, **opts)
                 assert "mosaic_gpu" in jax.jit(fn).trace(*sf).lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ConfigError, match="pick one"):
-        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, zfold=True, sfold=True)).trace(*sf)
+    with pytest.raises(ConfigError, match="pick one"):        # (sf: the last case, channelwise)
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, group_size=-1, zfold=True, sfold=True)).trace(*sf)
     with pytest.raises(ConfigError, match="overlap"):
-        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, sfold=True)).trace(*sf)
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, group_size=-1, overlap=True, sfold=True)).trace(*sf)
     for opts in (dict(block_n=128, kpb=2, wide=True, shift32=True), dict(split_k=4)):      # overlap
         ov = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
               s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
