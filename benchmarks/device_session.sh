@@ -2,7 +2,7 @@
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5–8 are prepared for the next.
+# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5–9 are prepared for the next.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -105,6 +105,23 @@ elif [ "$part" = 8 ]; then     # next: sfold (scale-only fold: c − z into the 
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_sfold.log"
+elif [ "$part" = 9 ]; then     # next: ws (two compute warpgroups + a copy warpgroup; never run on a GPU)
+    timeout 220 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "wgmma_grouped_gemm_gpu or (gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_1 --block-m 128 --reps 5 \
+        --only "bn128 st4 shift32 s1" "bn128 st4 shift32 ws s1" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
+    echo "gemm rc $?" >> "$OUT/gemm128.log"
+    timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 32 --reps 10 \
+        --only "st2 kpb2 wide shift32 zfold s1" "st2 kpb2 wide shift32 s1" "wide shift32 ws s1" \
+        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
+    echo "gemm rc $?" >> "$OUT/gemm.log"
+    timeout 170 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;ws=kernel:wgmma,ws:1;ws nofold=kernel:wgmma,ws:1,zfold:0" > "$OUT/sweep_ws.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_ws.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm128.log" "$OUT/gemm.log" | sort -u
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_ws.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1

@@ -38,7 +38,8 @@ BW, FLOPS = 4.3e12, 640e12
 # tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
 # "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
 # into each K-block's partial sum instead of applied per weight; "sfold": c − z into the wgmma,
-# only the scale per K-block partial (no Σx input); "ovl": overlap (each half of a
+# only the scale per K-block partial (no Σx input); "ws": warp-specialized (two compute
+# warpgroups of block_n columns each, one copy warpgroup); "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
 # against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain: RESULTS.md.)
 WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
@@ -73,7 +74,11 @@ WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
                   (16, "bn128 st2 kpb2 wide shift32 sfold",
                    dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
                   (16, "bn128 st4 kpb2 wide shift32 sfold",
-                   dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True))]
+                   dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),
+                  (16, "bn128 st4 shift32 ws", dict(block_n=128, stages=4, shift32=True, ws=True)),
+                  (16, "bn64 st4 kpb2 wide shift32 ws", dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
+                  (16, "bn128 st3 kpb2 wide shift32 ws",
+                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True))]
 
 
 def timed(fn, args, reps):
@@ -106,7 +111,8 @@ def variants(bm, n_kb, e, n, interpret):
 
     for bits, vname, opts in WGMMA_VARIANTS:
         for sk in sorted({1, split}):
-            if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % opts.get("block_n", 64) == 0:
+            cols = opts.get("block_n", 64) * (2 if opts.get("ws") else 1)       # ws: two warpgroups' columns
+            if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % cols == 0:
                 label = bits if isinstance(bits, str) else f"i{bits}"
                 v[f"wgmma {label} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, label=label, opts=opts: \
                     wgmma_grouped_gemm(a, ids, *g[label], block_m=bm, split_k=sk, **opts).sum(0)

@@ -179,10 +179,11 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide", "shift32", "zfold", "sfold", "overlap"))
+                                             "wide", "shift32", "zfold", "sfold", "overlap", "ws"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
-                       shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False):
+                       shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
+                       ws: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -208,7 +209,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     dequantized while the other half's wgmmas run (a half's registers are rewritten only after a
     wait has retired the wgmmas that read them: the v5 version, which let a whole step's wgmmas
     run into the next step's dequantization, computed wrong results at 128-row blocks on the
-    H200); the activation buffers are released one step late (``delay_release=1``).
+    H200); the activation buffers are released one step late (``delay_release=1``). ``ws``
+    (warp specialization; group 128, no fold or overlap): each program covers ``2·block_n``
+    columns with two compute warpgroups (``block_n`` each: one dequantizes while the other's
+    wgmmas run) and a third that only issues the TMA copies
+    (``plgpu.emit_pipeline_warp_specialized``) — the structure of tokamax's sm90 quantized kernel.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -236,6 +241,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
         raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
                           f"words {words.dtype}{words.shape}")
+    if ws and (zfold or sfold or overlap or tile_n is not None or group_size == -1 or n % (2 * bn)):
+        raise ConfigError(f"wgmma_grouped_gemm: ws=True takes group-128 scales, plain words (no tile_n), no "
+                          f"zfold/sfold/overlap, and N={n} a multiple of 2·block_n={2 * bn}")
     chunk = n_kb // split_k // kpb            # pipeline steps per program
     dtype = a.dtype
     bm = block_m
@@ -436,6 +444,79 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
+    def kernel_ws(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
+        """``ws``: warpgroups 0 and 1 compute ``block_n`` columns each, warpgroup 2 copies."""
+        z_gmem = rest[0] if has_zp else None
+        o_gmem = rest[-1]
+        i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        wg = jax.lax.axis_index("wg")
+        kb0 = sp * chunk * kpb
+        nk = chunk * kpb
+        cols2 = pl.ds(j * 2 * bn, 2 * bn)
+        specs = [
+            plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
+            plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
+            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+            *[plgpu.BlockSpec((kpb, 2 * bn), lambda kb: (kb, 0))] * (2 if has_zp else 1)]
+
+        def gmem_refs(ex):
+            return (w_gmem.at[ex, cols2, pl.ds(kb0 * wcols, nk * wcols)],
+                    a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
+                    s_gmem.at[ex, pl.ds(kb0, nk), cols2], *([z_gmem.at[ex, pl.ds(kb0, nk), cols2]] if has_zp else []))
+
+        def pipeline(step, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(chunk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=min(stages, chunk), compute_context=context)
+
+        def ignore(*_, **__):
+            return None
+
+        def body(ids_smem, ids_bar, allocs):
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
+            dst = o_gmem.at[sp, pl.ds(j * 2 * bn + wg * bn, bn), pl.ds(i * bm, bm)]     # compute warpgroups only
+            acc_box = []
+
+            def step(_, w_smem, x_smem, s_smem, *rest):
+                mine = pl.ds(wg * bn, bn)
+                z_smem = rest[0].at[:, mine] if has_zp else None
+                ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
+                acc_ref = acc_box[0]
+                acc_ref[...] = rest[-1]
+                for k0, w in ops:
+                    plgpu.wgmma(acc_ref, w, transposed(x_smem).at[pl.ds(k0, 16)])
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            def context(run):
+                def with_acc(acc_ref):
+                    acc_box.append(acc_ref)
+                    dst[...] = run(plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA))
+                pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
+
+            @pl.when(ex >= 0)
+            def _():
+                pipeline(step, context)(*gmem_refs(ex), allocations=allocs)
+
+            @pl.when((ex < 0) & (wg < 2))
+            def _():
+                dst[...] = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+
+        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
+                      pipeline(ignore, ignore).get_allocations(*gmem_refs(0)), collective_axes="wg")
+
+    if ws:
+        out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
+                             grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
+                             thread_name="wg")(ids, a, words, scales, *([zeros] if has_zp else []))
+        return jnp.swapaxes(out_t, 1, 2)
     out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
                          grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
         ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []))
@@ -564,7 +645,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
-                    sfold: bool = False, overlap: bool = False):
+                    sfold: bool = False, overlap: bool = False, ws: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -585,7 +666,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
     fold, no ``Σx`` reduction in XLA) instead of ``zfold`` (not yet measured; off by default).
     ``overlap``: the kernel's ``overlap=True`` for every GEMM that does not fold (race-free since
-    v6, measured no faster; off by default).
+    v6, measured no faster; off by default). ``ws``: the kernel's warp-specialized form (two
+    compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
+    columns split into ``2·block_n`` (group-128 scales only; not yet run on a GPU, off by default).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -623,10 +706,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             st = 2 if bm <= 32 and steps // s >= 8 else 4
             st = 2 if kpb == 2 and bm >= 128 else st
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
+        wsp = ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
         return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                   stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                   zfold=fold and not sfold, sfold=fold and sfold,
-                                  overlap=overlap and not fold).sum(0)
+                                  overlap=overlap and not fold, ws=wsp).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

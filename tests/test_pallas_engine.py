@@ -406,6 +406,16 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
               s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
         fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, **opts)
         assert "mosaic_gpu" in jax.jit(fn).trace(*ov).lower(lowering_platforms=("cuda",)).as_text()
+    for opts in (dict(block_n=128, stages=4), dict(block_n=64, kpb=2, wide=True, shift32=True, stages=3),
+                 dict(block_n=128, shift32=True, split_k=2)):                                        # ws
+        for zp in (True, False):
+            wa = (s((3 * 64, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+                  s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16) if zp else None)
+            fn = functools.partial(wgmma_grouped_gemm, block_m=64, ws=True, **opts)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*wa).lower(lowering_platforms=("cuda",)).as_text()
+    for bad in (dict(zfold=True), dict(sfold=True), dict(overlap=True), dict(block_n=256), dict(group_size=-1)):
+        with pytest.raises((ConfigError, ShapeError), match="ws=True|block_n|scales"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, ws=True, **bad)).trace(*wa)
     ov32 = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 64), jnp.int32),
             s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))           # overlap on 32-bit words
     fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, block_n=128)
@@ -449,7 +459,12 @@ _WGMMA_GPU_CASES = [
     (True, -1, 128, 2, dict(block_n=64, stages=3, overlap=True, k=2048)),
     # sfold: the scale-only fold (c − z into the wgmma, s per K-block partial)
     (True, 128, 8, 1, dict(block_n=128, sfold=True)), (False, -1, 16, 2, dict(sfold=True, stages=4)),
-    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048))]
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048)),
+    # ws: two compute warpgroups (block_n columns each) and a copy warpgroup
+    (True, 128, 64, 1, dict(block_n=64, ws=True)),
+    (False, 128, 128, 2, dict(block_n=128, shift32=True, ws=True, k=2048)),
+    (True, 128, 8, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=4, k=2048)),
+    (True, 128, 128, 1, dict(block_n=128, stages=4, ws=True, k=2048))]
 
 
 @pytest.mark.gpu
@@ -611,6 +626,8 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
         return tuple(o[n] for n in names)
 
     names = ("block_m", "stages", "kpb", "wide", "zfold", "overlap")
+    assert picks(block_m=128, ws=True)[2048]["ws"] and not picks(block_m=8, ws=True)[2048]["ws"]   # folds: no ws
+    assert not picks(block_m=64, ws=True, overlap=True)[2048]["ws"]
     assert (opts(picks(block_m=8, sfold=True)[2048], "zfold", "sfold", "overlap")
             == opts(picks(block_m=8, sfold=True)[128], "zfold", "sfold", "overlap") == (False, True, False))
     p = picks(block_m=8)
@@ -979,7 +996,7 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
                   dict(block_m=16, split1=2, split2=2, shift32=False, sfold=True),
                   dict(block_m=32, wide=False, zfold=True))
         prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
-                   dict(block_m=128, overlap=True))
+                   dict(block_m=128, overlap=True), dict(block_m=128, ws=True), dict(block_m=32, block_n=64, ws=True))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
