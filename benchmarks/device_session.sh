@@ -35,7 +35,7 @@ if [ "$part" = 1 ]; then
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     tail -40 "$OUT/profile.log"
 elif [ "$part" = 3 ]; then     # v6: the race-free overlap (halves), stages, zfold ≤ 16 rows
-    timeout 220 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
         -k "wgmma_grouped_gemm_gpu or (gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
     echo "tests rc $?" >> "$OUT/tests.log"
     timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 64 --reps 10 \
@@ -92,7 +92,7 @@ elif [ "$part" = 7 ]; then     # next: where Qwen3's 512/4096-token layers spend
     tail -60 "$OUT/profile_qwen3.log"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
 elif [ "$part" = 8 ]; then     # next: sfold (scale-only fold: c − z into the wgmma, no Σx reduction in XLA)
-    timeout 220 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
         -k "wgmma_grouped_gemm_gpu or (gpu_shapes and (awq or channel))" > "$OUT/tests.log" 2>&1
     echo "tests rc $?" >> "$OUT/tests.log"
     timeout 90 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_2 --block-m 8 16 --reps 10 \
@@ -106,7 +106,7 @@ elif [ "$part" = 8 ]; then     # next: sfold (scale-only fold: c − z into the 
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_sfold.log"
 elif [ "$part" = 9 ]; then     # next: ws (two compute warpgroups + a copy warpgroup; never run on a GPU)
-    timeout 220 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
         -k "wgmma_grouped_gemm_gpu or (gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
     echo "tests rc $?" >> "$OUT/tests.log"
     timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_1 --block-m 128 --reps 5 \
