@@ -116,7 +116,7 @@ elif [ "$part" = 9 ]; then     # next: ws (two compute warpgroups + a copy warpg
         --only "st2 kpb2 wide shift32 zfold s1" "st2 kpb2 wide shift32 s1" "wide shift32 ws s1" \
         --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
     echo "gemm rc $?" >> "$OUT/gemm.log"
-    timeout 170 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
+    timeout 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
         --variants "wgmma=kernel:wgmma;ws=kernel:wgmma,ws:1;ws nofold=kernel:wgmma,ws:1,zfold:0" > "$OUT/sweep_ws.log" 2>&1
     echo "sweep rc $?" >> "$OUT/sweep_ws.log"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
