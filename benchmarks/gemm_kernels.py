@@ -34,51 +34,58 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
          "qwen3_1": (128, 1536, 2048), "qwen3_2": (128, 2048, 768),
          "tiny": (4, 256, 512)}
 BW, FLOPS = 4.3e12, 640e12
-# (layout, name, wgmma_grouped_gemm options); layout: 32 / 16 = word bits, "t128" = 16-bit
+
+
+# WGMMA_VARIANTS: (layout, name, wgmma_grouped_gemm options), the name derived from the options;
+# layout: 32 / 16 = word bits, "t128" = 16-bit
 # tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
 # "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
 # into each K-block's partial sum instead of applied per weight; "sfold": c − z into the wgmma,
 # only the scale per K-block partial (no Σx input); "ws": warp-specialized (two compute
 # warpgroups of block_n columns each, one copy warpgroup); "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
-# against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain: RESULTS.md.)
-WGMMA_VARIANTS = [(32, "st4", dict(stages=4)), (16, "st4", dict(stages=4)),
-                  (16, "bn128 st4", dict(block_n=128, stages=4)),
-                  ("t128", "bn128 st4", dict(block_n=128, stages=4)),
-                  ("t128", "bn128 st3", dict(block_n=128, stages=3)),
-                  ("t128", "bn128 st6", dict(block_n=128, stages=6)),
-                  (16, "bn128 st4 kpb2 wide", dict(block_n=128, stages=4, kpb=2, wide=True)),
-                  (16, "bn128 st2 kpb2 wide", dict(block_n=128, stages=2, kpb=2, wide=True)),
-                  (16, "st4 kpb2 wide", dict(stages=4, kpb=2, wide=True)),
-                  (16, "bn128 st4 shift32", dict(block_n=128, stages=4, shift32=True)),
-                  (16, "bn128 st2 kpb2 wide shift32", dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True)),
-                  (16, "bn128 st4 zfold", dict(block_n=128, stages=4, zfold=True)),
-                  (16, "bn128 st2 kpb2 wide shift32 zfold",
-                   dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True)),
-                  (16, "bn128 st4 kpb2 wide shift32", dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)),
-                  (16, "bn128 st4 kpb2 wide shift32 zfold",
-                   dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, zfold=True)),
-                  (16, "bn128 st4 kpb2 wide shift32 ovl",
-                   dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, overlap=True)),
-                  (16, "bn128 st3 kpb2 wide shift32 zfold",
-                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, zfold=True)),
-                  (16, "bn128 st6 kpb2 wide shift32 zfold",
-                   dict(block_n=128, stages=6, kpb=2, wide=True, shift32=True, zfold=True)),
-                  (16, "bn128 st4 shift32 ovl", dict(block_n=128, stages=4, shift32=True, overlap=True)),
-                  (16, "bn128 st2 shift32", dict(block_n=128, stages=2, shift32=True)),
-                  (16, "bn128 st2 shift32 ovl", dict(block_n=128, stages=2, shift32=True, overlap=True)),
-                  (16, "bn128 st2 kpb2 wide shift32 ovl",
-                   dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, overlap=True)),
-                  (16, "bn128 st3 kpb2 wide shift32 ovl",
-                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True)),
-                  (16, "bn128 st2 kpb2 wide shift32 sfold",
-                   dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
-                  (16, "bn128 st4 kpb2 wide shift32 sfold",
-                   dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),
-                  (16, "bn128 st4 shift32 ws", dict(block_n=128, stages=4, shift32=True, ws=True)),
-                  (16, "bn64 st4 kpb2 wide shift32 ws", dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
-                  (16, "bn128 st3 kpb2 wide shift32 ws",
-                   dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True))]
+# against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
+# RESULTS.md.)
+def _variant_name(opts):
+    """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
+    (the names ``--only`` filters on)."""
+    flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("overlap", "ovl"),
+             ("ws", "ws"))
+    parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
+    parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
+    return " ".join(parts + [label for key, label in flags if opts.get(key)])
+
+
+WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
+    (32, dict(stages=4)),
+    (16, dict(stages=4)),
+    (16, dict(block_n=128, stages=4)),
+    ("t128", dict(block_n=128, stages=4)),
+    ("t128", dict(block_n=128, stages=3)),
+    ("t128", dict(block_n=128, stages=6)),
+    (16, dict(block_n=128, stages=4, kpb=2, wide=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True)),
+    (16, dict(stages=4, kpb=2, wide=True)),
+    (16, dict(block_n=128, stages=4, shift32=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True)),
+    (16, dict(block_n=128, stages=4, zfold=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True)),
+    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)),
+    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, zfold=True)),
+    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, overlap=True)),
+    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, zfold=True)),
+    (16, dict(block_n=128, stages=6, kpb=2, wide=True, shift32=True, zfold=True)),
+    (16, dict(block_n=128, stages=4, shift32=True, overlap=True)),
+    (16, dict(block_n=128, stages=2, shift32=True)),
+    (16, dict(block_n=128, stages=2, shift32=True, overlap=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, overlap=True)),
+    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
+    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),
+    (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
+    (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
+    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),
+]]
 
 
 def timed(fn, args, reps):
