@@ -268,6 +268,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         xs = a.astype(jnp.float32).reshape(nb, bm, n_kb, BLOCK_K).sum(-1).transpose(2, 0, 1)
         xsum = jnp.pad(xs, ((0, 0), (0, 0), (0, xw - bm)))
 
+    def zero():                               # a [bn, bm] float32 accumulator of zeros, wgmma layout
+        return plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+
     def dequant_units(w_smem, s_smem, z_smem):
         """The step's weights as a list of units in K order, each a function that emits (when
         called) the dequantization of 64 K rows and returns its ``(K offset, [bn, 16] register
@@ -352,8 +355,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             xs_smem, rest = (rest[0], rest[1:]) if zfold else (None, rest)
             return z_smem, xs_smem, rest[0]
 
-        def zero():
-            return plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
 
         def run_k(acc_ref, gmem_refs):
             """Stream this program's K range into ``acc_ref``."""
@@ -412,9 +413,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 return acc
 
             return plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
-                                       in_specs=specs,
-                                       init_carry=plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32),
-                                                                    plgpu.Layout.WGMMA))(*gmem_refs)
+                                       in_specs=specs, init_carry=zero())(*gmem_refs)
 
         def body(ids_smem, ids_bar):
             plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
@@ -440,7 +439,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when(ex < 0)
             def _():
-                dst[...] = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+                dst[...] = zero()
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
@@ -498,7 +497,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             def context(run):
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
-                    dst[...] = run(plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA))
+                    dst[...] = run(zero())
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex >= 0)
@@ -507,7 +506,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when((ex < 0) & (wg < 2))
             def _():
-                dst[...] = plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+                dst[...] = zero()
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       pipeline(ignore, ignore).get_allocations(*gmem_refs(0)), collective_axes="wg")
