@@ -119,6 +119,50 @@ elif [ "$part" = 9 ]; then     # next: the GPU tests of ws and sfold (neither ha
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm128.log" "$OUT/gemm.log" | sort -u
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_ws.log"
+elif [ "$part" = 10 ]; then    # v7: the layer tests on the ws default, whether CUDA graphs (XLA command
+    # buffers holding the Mosaic GPU calls) close the launch gaps of the 1-token layers, and where
+    # Qwen3's 512/4096-token layers spend their time
+    timeout 200 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "wgmma_gpu_shapes" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+    for mode in "default|loop|" "cmdbuf|loop|$CB" "cmdbuf|unrolled|$CB"; do
+        IFS='|' read -r name timing flags <<< "$mode"
+        XLA_FLAGS="$flags" timeout 60 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 --reps 20 \
+            --timing "$timing" --variants "wgmma=kernel:wgmma" > "$OUT/cmdbuf_${name}_${timing}.log" 2>&1
+        echo "cmdbuf rc $?" >> "$OUT/cmdbuf_${name}_${timing}.log"
+    done
+    timeout 150 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
+        --variants "wgmma=kernel:wgmma" > "$OUT/profile_qwen3.log" 2>&1
+    echo "profile rc $?" >> "$OUT/profile_qwen3.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|rror|rc " "$OUT"/cmdbuf_*.log
+    tail -45 "$OUT/profile_qwen3.log"
+elif [ "$part" = 11 ]; then    # v7: 16-bit GEMM outputs (out16) and [M, N] outputs through a transposed
+    # shared-memory store (tout): the GPU tests, the GEMMs, the layer at 64 to 4096 tokens
+    timeout 240 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "(wgmma_grouped_gemm_gpu and (out16 or tout or ws1)) or (wgmma_gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    timeout 100 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 32 128 --reps 5 \
+        --only "bn128 st4 shift32 ws s1" "ws o16 s1" "ws o16 tout s1" "st2 kpb2 wide shift32 zfold s1" "zfold o16 tout s1" \
+        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
+    echo "gemm rc $?" >> "$OUT/gemm.log"
+    timeout 180 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
+        --variants "f32=kernel:wgmma,out16:0;o16=kernel:wgmma;tout=kernel:wgmma,tout:1" > "$OUT/sweep_out.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_out.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_out.log"
+elif [ "$part" = 12 ]; then    # v7: the layer tests and the layer on the v7 defaults (ws from 32 rows,
+    # 16-bit outputs, tout for 16- to 64-row blocks, 3 stages for 128-row tout)
+    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "wgmma_gpu_shapes and (awq or actorder)" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    timeout 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,4096 qwen3:512,4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;f32=kernel:wgmma,out16:0" > "$OUT/sweep_v7.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_v7.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_v7.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1

@@ -42,7 +42,8 @@ BW, FLOPS = 4.3e12, 640e12
 # "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
 # into each K-block's partial sum instead of applied per weight; "sfold": c − z into the wgmma,
 # only the scale per K-block partial (no Σx input); "ws": warp-specialized (two compute
-# warpgroups of block_n columns each, one copy warpgroup); "ovl": overlap (each half of a
+# warpgroups of block_n columns each, one copy warpgroup); "o16": bf16 output (no K split);
+# "tout": the output written [M, N] through a transposed shared-memory store; "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
 # against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
 # RESULTS.md.)
@@ -50,7 +51,7 @@ def _variant_name(opts):
     """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
     (the names ``--only`` filters on)."""
     flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("overlap", "ovl"),
-             ("ws", "ws"))
+             ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
     parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
     parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
     return " ".join(parts + [label for key, label in flags if opts.get(key)])
@@ -85,6 +86,10 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),
+    (16, dict(block_n=128, stages=4, shift32=True, ws=True, out_dtype=jnp.bfloat16)),
+    (16, dict(block_n=128, stages=4, shift32=True, ws=True, out_dtype=jnp.bfloat16, tout=True)),
+    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True, out_dtype=jnp.bfloat16, tout=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True, out_dtype=jnp.bfloat16, tout=True)),
 ]]
 
 
@@ -119,7 +124,7 @@ def variants(bm, n_kb, e, n, interpret):
     for bits, vname, opts in WGMMA_VARIANTS:
         for sk in sorted({1, split}):
             cols = opts.get("block_n", 64) * (2 if opts.get("ws") else 1)       # ws: two warpgroups' columns
-            if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % cols == 0:
+            if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % cols == 0 and (sk == 1 or "out_dtype" not in opts):
                 label = bits if isinstance(bits, str) else f"i{bits}"
                 v[f"wgmma {label} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, label=label, opts=opts: \
                     wgmma_grouped_gemm(a, ids, *g[label], block_m=bm, split_k=sk, **opts).sum(0)

@@ -44,6 +44,10 @@ from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
 from .wna16_grouped_gemm import pack_tiles, unpack_tiles
 
+# ``tout``'s store of the wgmma accumulator into a transposed shared-memory view lowers from jax
+# 0.11 on (0.10's Mosaic GPU rejects it: "Tiled strides must be a multiple of the vector length")
+TRANSPOSED_STORE = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
 BLOCK_N = 64          # wgmma M side: output columns per program
 BLOCK_K = 128         # one K-block: 16 words × 8 slots
 IDS_PAD = 32          # TMA copies whole multiples of 128 bytes: the block → expert ids are padded
@@ -179,15 +183,20 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide", "shift32", "zfold", "sfold", "overlap", "ws"))
+                                             "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
-                       ws: bool = False):
+                       ws: bool = False, out_dtype=jnp.float32, tout: bool = False):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
-    rows), weights from :func:`to_wgmma_layout`. Returns float32 partials ``[split_k, M, N]``.
+    rows), weights from :func:`to_wgmma_layout`. Returns partials ``[split_k, M, N]`` in
+    ``out_dtype``: float32, or (``split_k=1`` only) the activations' dtype, rounded once from the
+    float32 accumulator (half the output bytes to write and to read back). ``tout``: each
+    program's ``[block_n, block_m]`` accumulator is written through shared memory as a
+    ``[block_m, block_n]`` tile (a transposed store, then one TMA copy), so the kernel itself
+    produces ``[split_k, M, N]`` and XLA need not transpose the output.
     4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: pipeline steps in
     flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
     K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
@@ -241,9 +250,19 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
         raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
                           f"words {words.dtype}{words.shape}")
+    if tout and not TRANSPOSED_STORE:
+        raise ConfigError(f"wgmma_grouped_gemm: tout=True needs jax >= 0.11 (Mosaic GPU's transposed "
+                          f"shared-memory store), this is jax {jax.__version__}")
+    if tout and jnp.dtype(out_dtype).itemsize != 2:
+        raise ConfigError(f"wgmma_grouped_gemm: tout=True needs a 16-bit out_dtype (the transposed shared-memory "
+                          f"store), got {jnp.dtype(out_dtype).name}")
     if ws and (zfold or sfold or overlap or tile_n is not None or group_size == -1 or n % (2 * bn)):
         raise ConfigError(f"wgmma_grouped_gemm: ws=True takes group-128 scales, plain words (no tile_n), no "
                           f"zfold/sfold/overlap, and N={n} a multiple of 2·block_n={2 * bn}")
+    odt = jnp.dtype(out_dtype)
+    if odt != jnp.dtype(jnp.float32) and (odt != jnp.dtype(a.dtype) or split_k != 1):
+        raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
+                          f"activations' dtype) with split_k=1; got {odt.name} with split_k={split_k}")
     chunk = n_kb // split_k // kpb            # pipeline steps per program
     dtype = a.dtype
     bm = block_m
@@ -330,6 +349,24 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
     def transposed(x_smem):
         return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
+
+    def store(val, dst, o_smem=None):
+        """The program's ``[bn, bm]`` accumulator into ``dst``: directly (``[bn, bm]`` window of the
+        ``[split_k, N, M]`` output), or with ``tout`` through ``o_smem [bm, bn]`` (a transposed
+        store, then a TMA copy into the ``[bm, bn]`` window of ``[split_k, M, N]``)."""
+        if not tout:
+            dst[...] = val.astype(odt)
+            return
+
+        def through(o_smem):
+            transposed(o_smem)[...] = val.astype(odt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, dst)
+            plgpu.wait_smem_to_gmem(0)
+        if o_smem is None:
+            pl.run_scoped(through, plgpu.SMEM((bm, bn), odt))
+        else:
+            through(o_smem)
 
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
@@ -423,7 +460,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             kb0 = sp * chunk * kpb
             nk = chunk * kpb
             groups = pl.ds(0, 1) if channelwise else pl.ds(kb0, nk)
-            dst = o_gmem.at[sp, cols, pl.ds(i * bm, bm)]
+            dst = o_gmem.at[sp, pl.ds(i * bm, bm), cols] if tout else o_gmem.at[sp, cols, pl.ds(i * bm, bm)]
 
             @pl.when(ex >= 0)
             def _():
@@ -434,12 +471,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                         *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
                 def with_acc(acc_ref):
-                    dst[...] = run_k(acc_ref, refs)
+                    store(run_k(acc_ref, refs), dst)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex < 0)
             def _():
-                dst[...] = zero()
+                store(zero(), dst)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
@@ -474,13 +511,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         def ignore(*_, **__):
             return None
 
-        def body(ids_smem, ids_bar, allocs):
+        def body(ids_smem, ids_bar, allocs, *o_smem):
             @pl.when(wg == 0)
             def _():
                 plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
             ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
-            dst = o_gmem.at[sp, pl.ds(j * 2 * bn + wg * bn, bn), pl.ds(i * bm, bm)]     # compute warpgroups only
+            mycols = pl.ds(j * 2 * bn + wg * bn, bn)                        # compute warpgroups only
+            dst = o_gmem.at[sp, pl.ds(i * bm, bm), mycols] if tout else o_gmem.at[sp, mycols, pl.ds(i * bm, bm)]
+            my_smem = o_smem[0].at[wg] if tout else None
             acc_box = []
 
             def step(_, w_smem, x_smem, s_smem, *rest):
@@ -497,7 +536,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             def context(run):
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
-                    dst[...] = run(zero())
+                    store(run(zero()), dst, my_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex >= 0)
@@ -506,20 +545,21 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when((ex < 0) & (wg < 2))
             def _():
-                dst[...] = zero()
+                store(zero(), dst, my_smem)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
-                      pipeline(ignore, ignore).get_allocations(*gmem_refs(0)), collective_axes="wg")
+                      pipeline(ignore, ignore).get_allocations(*gmem_refs(0)),
+                      *([plgpu.SMEM((2, bm, bn), odt)] if tout else []), collective_axes="wg")
 
     if ws:
-        out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
+        out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, m, n) if tout else (split_k, n, m), odt),
                              grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
                              thread_name="wg")(ids, a, words, scales, *([zeros] if has_zp else []))
-        return jnp.swapaxes(out_t, 1, 2)
-    out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
+        return out_t if tout else jnp.swapaxes(out_t, 1, 2)
+    out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, m, n) if tout else (split_k, n, m), odt),
                          grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
         ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []))
-    return jnp.swapaxes(out_t, 1, 2)
+    return out_t if tout else jnp.swapaxes(out_t, 1, 2)
 
 
 # ----------------------------------------------------------------------------- the layer on wgmma
@@ -644,7 +684,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
-                    sfold: bool = False, overlap: bool = False, ws: bool = False):
+                    sfold: bool = False, overlap: bool = False, ws: bool | None = None,
+                    out16: bool | None = None, tout: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -658,7 +699,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
     ``stages``: pipeline depth; default: 2 for blocks of up to 32 rows whose programs stream 8 or
     more steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4 (2 at 128-row
-    wide blocks, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble
+    wide blocks, 3 at 128-row blocks with ``tout``, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble
     extraction. ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
@@ -667,7 +708,16 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``overlap``: the kernel's ``overlap=True`` for every GEMM that does not fold (race-free since
     v6, measured no faster; off by default). ``ws``: the kernel's warp-specialized form (two
     compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
-    columns split into ``2·block_n`` (group-128 scales only; not yet run on a GPU, off by default).
+    columns split into ``2·block_n`` (group-128 scales only); default: on for blocks of 32 rows or
+    more (Mixtral 4096 tokens 6238 vs 8607 µs, 512 tokens 1393 vs 1775; the GEMM at 8 rows was
+    slower, 224 vs 202 µs; NOTES.md v7). ``out16``: GEMMs without a K split write their output in
+    the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
+    their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
+    6359 µs, 64 tokens 453 vs 526; Qwen3 4096 tokens 1687 vs 1869; NOTES.md v7). ``tout``: those
+    GEMMs also write ``[M, N]`` through shared memory (a transposed store in the kernel) instead of
+    ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on for blocks of 16 to 64 rows
+    (Qwen3 512 tokens 534 vs 573 µs, Mixtral 64 tokens 439 vs 453; at 8 rows the GEMM was
+    slower, 325 vs 291 µs, and 128-row blocks have to give up a pipeline stage for it).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -699,17 +749,24 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         steps = n_kb // kpb
         want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
+        o16 = s == 1 and (True if out16 is None else bool(out16))
+        tr = o16 and TRANSPOSED_STORE and (16 <= bm <= 64 if tout is None else bool(tout))
         if stages is not None:
             st = min(stages, 2) if kpb == 2 and bm >= 128 else stages         # shared memory: 227 KB
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
             st = 2 if bm <= 32 and steps // s >= 8 else 4
             st = 2 if kpb == 2 and bm >= 128 else st
+        if tr and bm >= 128:          # the [bm, bn] output tiles need the room of one stage
+            st = min(st, 3)
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
-        wsp = ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
-        return wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
-                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
-                                  zfold=fold and not sfold, sfold=fold and sfold,
-                                  overlap=overlap and not fold, ws=wsp).sum(0)
+        want_ws = bm >= 32 if ws is None else ws
+        wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+        out = wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
+                                 stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
+                                 zfold=fold and not sfold, sfold=fold and sfold,
+                                 overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
+                                 tout=tr)
+        return out.astype(jnp.float32).sum(0)
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)

@@ -347,7 +347,7 @@ def test_wgmma_tile_major_layout(tile_n):
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
 def test_wgmma_kernel_lowers_to_mosaic_gpu():
-    from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
 
     s = jax.ShapeDtypeStruct
     for dt in (jnp.bfloat16, jnp.float16):
@@ -432,6 +432,27 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
             s((4, 2, 128), jnp.bfloat16))              # 300 blocks: the ids copy stays within TMA's 256
     assert "mosaic_gpu" in jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*many).lower(
         lowering_platforms=("cuda",)).as_text()
+    o16 = (s((64, 1024), jnp.bfloat16), s((4,), jnp.int32), s((4, 512, 256), jnp.int16), s((4, 8, 512), jnp.bfloat16),
+           s((4, 8, 512), jnp.bfloat16))
+    for opts in (dict(block_n=128, shift32=True), dict(kpb=2, wide=True, shift32=True, stages=2, zfold=True),
+                 dict(block_n=128, shift32=True, ws=True, stages=4), dict(block_n=64, kpb=2, wide=True, ws=True)):
+        for tout in (False, True):                      # 16-bit output, [N, M] or (tout) [M, N] tiles
+            fn = functools.partial(wgmma_grouped_gemm, block_m=16, out_dtype=jnp.bfloat16, tout=tout, **opts)
+            if tout and not TRANSPOSED_STORE:           # jax 0.10: a clear error, not Mosaic's
+                with pytest.raises(ConfigError, match="tout=True needs jax >= 0.11"):
+                    jax.jit(fn).trace(*o16)
+                continue
+            assert jax.eval_shape(fn, *o16) == s((1, 64, 512), jnp.bfloat16)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*o16).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="out_dtype"):            # 16-bit partials of a K split
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, split_k=2, out_dtype=jnp.bfloat16)).trace(*o16)
+    with pytest.raises(ConfigError, match="out_dtype"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, out_dtype=jnp.float16)).trace(*o16)
+    with pytest.raises(ConfigError, match="tout"):                 # no transposed float32 store
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, tout=True)).trace(*o16)
+    if TRANSPOSED_STORE:
+        with pytest.raises(ConfigError, match="16-bit out_dtype"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, tout=True)).trace(*o16)
     with pytest.raises(ValueError, match="group_size"):
         wgmma_grouped_gemm(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((1,), jnp.int32),
                            jnp.zeros((1, 64, 64), jnp.int32), jnp.zeros((1, 8, 64), jnp.bfloat16),
@@ -464,13 +485,25 @@ _WGMMA_GPU_CASES = [
     (True, 128, 64, 1, dict(block_n=64, ws=True)),
     (False, 128, 128, 2, dict(block_n=128, shift32=True, ws=True, k=2048)),
     (True, 128, 8, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=4, k=2048)),
-    (True, 128, 128, 1, dict(block_n=128, stages=4, ws=True, k=2048))]
+    (True, 128, 128, 1, dict(block_n=128, stages=4, ws=True, k=2048)),
+    # out16: the output in the activations' dtype; tout: written [M, N] through a transposed
+    # shared-memory store (plain, fold, channelwise and ws epilogues)
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, out16=True)),
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, out16=True, tout=True)),
+    (False, -1, 64, 1, dict(out16=True, tout=True, stages=4)),
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True, out16=True, tout=True)),
+    (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True)),
+    (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048)),
+    (False, 128, 32, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=2, out16=True, tout=True,
+                             k=2048))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("word_bits, zp, group, bm, split, opts", [
-    (wb,) + c for wb in (16, 32) for c in _WGMMA_GPU_CASES
+    pytest.param(wb, *c, id=f"w{wb}-zp{int(c[0])}-g{c[1]}-bm{c[2]}-s{c[3]}-"
+                 + "-".join(f"{key}{int(v) if isinstance(v, bool) else v}" for key, v in c[4].items()))
+    for wb in (16, 32) for c in _WGMMA_GPU_CASES
     if wb == 16 or not {"tile_n", "wide", "shift32", "zfold", "sfold"} & set(c[-1])])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
@@ -481,17 +514,19 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     tile_n = opts.pop("tile_n", None)
     k = opts.pop("k", 512)
     rng = np.random.default_rng()
+    out16 = opts.pop("out16", False)
     zfold = opts.get("zfold", False) or opts.get("sfold", False)   # exact (c − z)·s, float32 accumulation
     a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, word_bits=word_bits, tile_n=tile_n,
                                                        exact=zfold)
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
-                             split_k=split, **opts)
-    assert out.shape == (split,) + ref.shape
-    _close(np.asarray(out, np.float64).sum(0), ref, 1e-4 if zfold else 2e-5)
+                             split_k=split, out_dtype=a.dtype if out16 else jnp.float32, **opts)
+    assert out.shape == (split,) + ref.shape and out.dtype == (a.dtype if out16 else jnp.float32)
+    # out16: one bf16 rounding of each output (relative 2^-9 at most)
+    _close(np.asarray(out, np.float64).sum(0), ref, 4e-3 if out16 else 1e-4 if zfold else 2e-5)
 
 
 def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, kpb=1,
-                         wide=False, **_):
+                         wide=False, out_dtype=jnp.float32, tout=False, **_):
     """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, zero rows
     for id -1), for testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
@@ -504,7 +539,9 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, g
     out = jnp.einsum("bmk,bkn->bmn", blocks, w[jnp.maximum(expert_ids, 0)].astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     out = jnp.where((expert_ids >= 0)[:, None, None], out, 0.0).reshape(a.shape[0], -1)
-    return jnp.concatenate([out[None], jnp.zeros((split_k - 1,) + out.shape)], 0)
+    assert out_dtype == jnp.float32 or (out_dtype == a.dtype and split_k == 1), (out_dtype, split_k)
+    assert not tout or out_dtype != jnp.float32
+    return jnp.concatenate([out[None], jnp.zeros((split_k - 1,) + out.shape)], 0).astype(out_dtype)
 
 
 WGMMA_SCHEMES = {"awq_g128": SCHEMES["awq_g128"], "gptq4_g128_actorder": SCHEMES["gptq4_g128_actorder"],
@@ -602,7 +639,8 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
     2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; zfold only up to 16 rows
     unless forced (then up to 32); wide below 128-row blocks, and then 2 stages; overlap never
-    with zfold; explicit options win."""
+    with zfold; ws (NOTES.md v7) from 32 rows where the columns split into 2·block_n, never with a
+    fold or overlap; explicit options win."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     calls = []
@@ -625,23 +663,36 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     def opts(o, *names):
         return tuple(o[n] for n in names)
 
-    names = ("block_m", "stages", "kpb", "wide", "zfold", "overlap")
+    names = ("block_m", "stages", "kpb", "wide", "zfold", "overlap", "ws")
     assert picks(block_m=128, ws=True)[2048]["ws"] and not picks(block_m=8, ws=True)[2048]["ws"]   # folds: no ws
     assert not picks(block_m=64, ws=True, overlap=True)[2048]["ws"]
+    assert not picks(block_m=128, ws=False)[2048]["ws"] and not picks(block_m=16, zfold=False)[2048]["ws"]
+    tr = wgm.TRANSPOSED_STORE                                      # tout: jax >= 0.11 only
+    o = picks(block_m=32)[2048]                                    # no K split: bf16 out, [M, N] tiles
+    assert o["out_dtype"] == jnp.bfloat16 and o["tout"] == tr and not picks(block_m=32, tout=False)[2048]["tout"]
+    o = picks(block_m=128)[2048]                                   # 128 rows: no tout unless asked,
+    assert o["out_dtype"] == jnp.bfloat16 and not o["tout"] and o["stages"] == 4
+    o = picks(block_m=128, tout=True)[2048]                        # and then one stage fewer
+    assert o["tout"] == tr and o["stages"] == (3 if tr else 4)
+    assert picks(block_m=8, split1=1)[2048]["out_dtype"] == jnp.bfloat16 and not picks(block_m=8, split1=1)[2048]["tout"]
+    o = picks(block_m=8, split1=4)[2048]                           # split partials stay float32
+    assert o["split_k"] == 4 and o["out_dtype"] == jnp.float32 and not picks(block_m=8, split1=4, tout=True)[2048]["tout"]
+    assert picks(block_m=32, out16=False)[2048]["out_dtype"] == jnp.float32 and not picks(block_m=32, out16=False)[2048]["tout"]
     assert (opts(picks(block_m=8, sfold=True)[2048], "zfold", "sfold", "overlap")
             == opts(picks(block_m=8, sfold=True)[128], "zfold", "sfold", "overlap") == (False, True, False))
     p = picks(block_m=8)
-    assert opts(p[2048], *names) == (8, 2, 2, True, True, False)      # 16 K-blocks, 2 per step: 8 steps
-    assert opts(p[128], *names) == (8, 4, 1, False, True, False)      # one K-block
-    assert opts(picks(block_m=32)[2048], *names) == (32, 2, 2, True, False, False)
-    assert opts(picks(block_m=32, zfold=True)[2048], *names) == (32, 2, 2, True, True, False)
-    assert opts(picks(block_m=64, overlap=True)[2048], *names) == (64, 4, 2, True, False, True)
-    assert opts(picks(block_m=128)[2048], *names) == (128, 4, 1, False, False, False)
-    assert opts(picks(block_m=128, wide=True)[2048], *names) == (128, 2, 2, True, False, False)
-    assert opts(picks(block_m=8, stages=3, overlap=True)[2048], *names) == (8, 3, 2, True, True, False)
+    assert opts(p[2048], *names) == (8, 2, 2, True, True, False, False)      # 16 K-blocks, 2 per step: 8 steps
+    assert opts(p[128], *names) == (8, 4, 1, False, True, False, False)      # one K-block
+    assert opts(picks(block_m=32)[2048], *names) == (32, 2, 2, True, False, False, True)    # ws from 32 rows
+    assert opts(picks(block_m=32)[128], *names) == (32, 4, 1, False, False, False, True)    # GEMM2: N = 2048
+    assert opts(picks(block_m=32, zfold=True)[2048], *names) == (32, 2, 2, True, True, False, False)
+    assert opts(picks(block_m=64, overlap=True)[2048], *names) == (64, 4, 2, True, False, True, False)
+    assert opts(picks(block_m=128)[2048], *names) == (128, 4, 1, False, False, False, True)
+    assert opts(picks(block_m=128, wide=True)[2048], *names) == (128, 2, 2, True, False, False, True)
+    assert opts(picks(block_m=8, stages=3, overlap=True)[2048], *names) == (8, 3, 2, True, True, False, False)
     # 128-deep steps: 16 per program (DeepSeek-V2-Lite's odd K-block count takes this path)
-    assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False)
-    assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False)   # 2 steps
+    assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False, False)
+    assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False, False)   # 2 steps
 
 
 # ----------------------------------------------------------------------------- layer level
@@ -994,9 +1045,10 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
         decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
                   dict(block_m=16, split1=2, split2=2, shift32=False, sfold=True),
-                  dict(block_m=32, wide=False, zfold=True))
+                  dict(block_m=32, wide=False, zfold=True), dict(block_m=16, split1=1, split2=1, tout=True))
         prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
-                   dict(block_m=128, overlap=True), dict(block_m=128, ws=True), dict(block_m=32, block_n=64, ws=True))
+                   dict(block_m=128, overlap=True), dict(block_m=128, ws=True, out16=False),
+                   dict(block_m=32, block_n=64, ws=True), dict(block_m=128, tout=True), dict(block_m=32, tout=True))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
