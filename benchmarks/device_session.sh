@@ -2,7 +2,9 @@
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6); 5–9 are prepared for the next.
+# Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7); 5–8 are still
+# prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral / Qwen3 table, 7: its
+# profile half ran as part 10, 8: sfold timings).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
