@@ -4,7 +4,7 @@
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7); 5–8 are still
 # prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral / Qwen3 table, 7: its
-# profile half ran as part 10, 8: sfold timings).
+# profile half ran as part 10, 8: sfold timings); 13 is the next session's first part.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -165,6 +165,21 @@ elif [ "$part" = 12 ]; then    # v7: the layer tests and the layer on the v7 def
     echo "sweep rc $?" >> "$OUT/sweep_v7.log"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_v7.log"
+elif [ "$part" = 13 ]; then    # next: the top-k sum as a gather (combine=gather), tout at 128-row blocks
+    # (3 stages), and the sfold timings of part 8, after the layer tests that cover them
+    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
+        -k "wgmma_gpu_shapes and (awq or channel)" > "$OUT/tests.log" 2>&1
+    echo "tests rc $?" >> "$OUT/tests.log"
+    timeout 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;gather=kernel:wgmma,combine:gather;tout128=kernel:wgmma,tout:1;wgmma 2=kernel:wgmma" \
+        > "$OUT/sweep_glue.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_glue.log"
+    timeout 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16 qwen3:1,16 --reps 10 \
+        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1" \
+        > "$OUT/sweep_sfold.log" 2>&1
+    echo "sweep rc $?" >> "$OUT/sweep_sfold.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_glue.log" "$OUT/sweep_sfold.log"
 else
     timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1

@@ -685,7 +685,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     sfold: bool = False, overlap: bool = False, ws: bool | None = None,
-                    out16: bool | None = None, tout: bool | None = None):
+                    out16: bool | None = None, tout: bool | None = None, combine: str = "scatter"):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -718,12 +718,17 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on for blocks of 16 to 64 rows
     (Qwen3 512 tokens 534 vs 573 µs, Mixtral 64 tokens 439 vs 453; at 8 rows the GEMM was
     slower, 325 vs 291 µs, and 128-row blocks have to give up a pipeline stage for it).
+    ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"scatter"`` (a
+    ``segment_sum`` over the sorted rows; default) or ``"gather"`` (each token gathers its k rows
+    through the inverse of the row order: no scatter-add of ``[rows, H]``; not yet measured).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
     from .wna16_grouped_gemm import choose_split, num_sms
 
     act = check_activation(activation)
+    if combine not in ("scatter", "gather"):
+        raise ConfigError(f"combine: expected 'scatter' or 'gather', got {combine!r}")
     t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
                                                     global_num_experts)
     if t == 0:
@@ -811,6 +816,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     y = y * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]
     if schedule == "pair":
         out = y.reshape(t, k, h_dim).sum(1)
+    elif combine == "gather":                 # row of each routed pair (r: none — a zero row)
+        r = y.shape[0]
+        pos = jnp.full((t * k + 1,), r, jnp.int32).at[jnp.where(live, flat, t * k)].set(
+            jnp.arange(r, dtype=jnp.int32))[:t * k]
+        out = jnp.where((pos < r)[:, None], y[jnp.minimum(pos, r - 1)], 0.0).reshape(t, k, h_dim).sum(1)
     else:
         out = jax.ops.segment_sum(y, jnp.where(live, tok, t), num_segments=t + 1)[:t]
     out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)

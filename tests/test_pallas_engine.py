@@ -604,6 +604,8 @@ def test_wgmma_rejects_bad_input():
         fused_moe_wgmma(x.astype(jnp.float32), tw, ids2, wg)
     with pytest.raises(ConfigError, match="schedule"):
         fused_moe_wgmma(x, tw, ids2, wg, schedule="stream")
+    with pytest.raises(ConfigError, match="combine"):
+        fused_moe_wgmma(x, tw, ids2, wg, combine="atomic")
 
 
 _GLUE_CASES = [(3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")]
@@ -628,11 +630,14 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 256, t, 2, bias=bias, map_=map_)
     wg = wgm.convert_wgmma(w.to_jax())
     wide = schedule == "wide"                           # 256-deep steps: splits must divide K-blocks / 2
-    got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
-                                    schedule=None if wide else schedule, wide=True if wide else None,
-                                    apply_router_weight_on_input=on_input))(
-        x, tw, ids, wg, expert_map=em)
-    _layer_close(got, _reference(w, x, tw, ids, em, activation=activation, on_input=on_input))
+    ref = _reference(w, x, tw, ids, em, activation=activation, on_input=on_input)
+    # the top-k sum of sorted rows: segment_sum (default) and, blocked only, the inverse-order gather
+    for combine in ("scatter",) + (() if schedule == "pair" else ("gather",)):
+        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
+                                        schedule=None if wide else schedule, wide=True if wide else None,
+                                        apply_router_weight_on_input=on_input, combine=combine))(
+            x, tw, ids, wg, expert_map=em)
+        _layer_close(got, ref, what=f"combine={combine}")
 
 
 def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
@@ -1045,10 +1050,12 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
         decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
                   dict(block_m=16, split1=2, split2=2, shift32=False, sfold=True),
-                  dict(block_m=32, wide=False, zfold=True), dict(block_m=16, split1=1, split2=1, tout=True))
+                  dict(block_m=32, wide=False, zfold=True), dict(block_m=16, split1=1, split2=1, tout=True),
+                  dict(schedule="blocked", combine="gather"))
         prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
                    dict(block_m=128, overlap=True), dict(block_m=128, ws=True, out16=False),
-                   dict(block_m=32, block_n=64, ws=True), dict(block_m=128, tout=True), dict(block_m=32, tout=True))
+                   dict(block_m=32, block_n=64, ws=True), dict(block_m=128, tout=True), dict(block_m=32, tout=True),
+                   dict(combine="gather"))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
