@@ -20,182 +20,143 @@ export HYPOTHESIS_PROFILE=dev
 OUT=${OUT:-/tmp/wna16_out}
 mkdir -p "$OUT"
 part=${1:-1}
+
+logged() {      # logged NAME SECONDS COMMAND...: COMMAND under a time limit into $OUT/NAME.log,
+    local log="$OUT/$1.log" name=$1 secs=$2     # then "NAME rc <exit code>" (124: the limit hit)
+    shift 2
+    timeout "$secs" "$@" > "$log" 2>&1
+    echo "$name rc $?" >> "$log"
+}
+
+gpu_tests() {   # gpu_tests SECONDS K-EXPRESSION: the Pallas engine's GPU tests into $OUT/tests.log
+    logged tests "$1" python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider \
+        --tb=short -rfE -k "$2"
+}
 if [ "$part" = 1 ]; then
-    timeout 300 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "wgmma or gpu_prefill" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 70 python3 benchmarks/stream_ceiling.py --gemms mixtral1 --stages 4 > "$OUT/stream.log" 2>&1
-    echo "stream rc $?" >> "$OUT/stream.log"
-    timeout 130 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_2 --block-m 8 16 --reps 10 \
-        --only "st4 kpb2 wide shift32" "kpb2 wide shift32 zfold" "triton mma" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm.log"
-    timeout 70 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 --reps 10 \
-        --variants "wgmma=kernel:wgmma;engine=" > "$OUT/profile.log" 2>&1
-    echo "profile rc $?" >> "$OUT/profile.log"
+    gpu_tests 300 "wgmma or gpu_prefill"
+    logged "stream" 70 python3 benchmarks/stream_ceiling.py --gemms mixtral1 --stages 4
+    logged "gemm" 130 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_2 --block-m 8 16 --reps 10 \
+        --only "st4 kpb2 wide shift32" "kpb2 wide shift32 zfold" "triton mma" --append "$OUT/RESULTS_gemm.md"
+    logged "profile" 70 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;engine="
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\||FAIL|rc " "$OUT/stream.log"
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     tail -40 "$OUT/profile.log"
 elif [ "$part" = 3 ]; then     # v6: the race-free overlap (halves), stages, zfold ≤ 16 rows
-    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "wgmma_grouped_gemm_gpu or (gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 64 --reps 10 \
+    gpu_tests 260 "wgmma_grouped_gemm_gpu or (gpu_shapes and awq)"
+    logged "gemm" 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 64 --reps 10 \
         --only "wide shift32 ovl" "st2 kpb2 wide shift32 zfold" "st4 kpb2 wide shift32 s" \
-        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm.log"
-    timeout 70 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 128 --reps 5 \
+        --append "$OUT/RESULTS_gemm.md"
+    logged "gemm128" 70 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32 s" "bn128 st2 shift32 s" "bn128 st4 shift32 ovl" "bn128 st2 shift32 ovl" \
-        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm128.log"
+        --append "$OUT/RESULTS_gemm.md"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" "$OUT/gemm128.log" | sort -u
 elif [ "$part" = 4 ]; then     # v6: the layer with overlap / 2 stages / zfold up to 32 rows
-    timeout 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:4096 --reps 3 \
-        --variants "wgmma=kernel:wgmma;ovl=kernel:wgmma,overlap:1;st2 ovl=kernel:wgmma,stages:2,overlap:1" \
-        > "$OUT/sweep_prefill.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_prefill.log"
-    timeout 260 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,64,512 --reps 10 \
-        --variants "wgmma=kernel:wgmma;zf32=kernel:wgmma,zfold:1;ovl=kernel:wgmma,overlap:1;st2=kernel:wgmma,stages:2;st2 ovl=kernel:wgmma,stages:2,overlap:1" \
-        > "$OUT/sweep.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep.log"
+    logged "sweep_prefill" 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;ovl=kernel:wgmma,overlap:1;st2 ovl=kernel:wgmma,stages:2,overlap:1"
+    logged "sweep" 260 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,64,512 --reps 10 \
+        --variants "wgmma=kernel:wgmma;zf32=kernel:wgmma,zfold:1;ovl=kernel:wgmma,overlap:1;st2=kernel:wgmma,stages:2;st2 ovl=kernel:wgmma,stages:2,overlap:1"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log" "$OUT/sweep.log"
 elif [ "$part" = 5 ]; then     # next: the layer table for DeepSeek-V2-Lite on the v6 defaults, and what
     # the decode and prefill kernels wait on (Nsight Compute: speed of light, occupancy, warp stalls)
-    timeout 200 python3 benchmarks/moe_engine.py --rows dsv2lite --reps 10 --skip "engine GPTQ,engine←Marlin" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" > "$OUT/table_dsv2.log" 2>&1
-    echo "table rc $?" >> "$OUT/table_dsv2.log"
+    logged "table_dsv2" 200 python3 benchmarks/moe_engine.py --rows dsv2lite --reps 10 --skip "engine GPTQ,engine←Marlin" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
     for spec in "8|st2 kpb2 wide shift32 zfold s1" "8|st4 kpb2 wide shift32 zfold s1" "128|bn128 st4 shift32 s1"; do
         bm=${spec%%|*}; v=${spec#*|}
-        timeout 110 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
-            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m "$bm" --reps 1 --only "$v" \
-            > "$OUT/ncu_bm${bm}_${v// /_}.log" 2>&1
-        echo "ncu rc $?" >> "$OUT/ncu_bm${bm}_${v// /_}.log"
+        logged "ncu_bm${bm}_${v// /_}" 110 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
+            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m "$bm" --reps 1 --only "$v"
     done
     grep -E "^\|.*DeepSeek|rc " "$OUT/table_dsv2.log"
     grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|rc " "$OUT"/ncu_*.log
 elif [ "$part" = 6 ]; then     # next: the layer table for Mixtral and Qwen3 on the v6 defaults
-    timeout 560 python3 benchmarks/moe_engine.py --rows mixtral qwen3 --reps 10 --skip "engine GPTQ,engine←Marlin" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" > "$OUT/table.log" 2>&1
-    echo "table rc $?" >> "$OUT/table.log"
+    logged "table" 560 python3 benchmarks/moe_engine.py --rows mixtral qwen3 --reps 10 --skip "engine GPTQ,engine←Marlin" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
     grep -E "^\| (Mix|Qwen)|rc " "$OUT/table.log"
 elif [ "$part" = 7 ]; then     # next: where Qwen3's 512/4096-token layers spend their time (8× and 4.4×
     # the floor), and whether Mixtral 64 tokens (16-row blocks: an expert with more than 16 rows
     # is read twice) is faster with 32-row blocks
-    timeout 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
-        --variants "wgmma=kernel:wgmma;engine=" > "$OUT/profile_qwen3.log" 2>&1
-    echo "profile rc $?" >> "$OUT/profile_qwen3.log"
-    timeout 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 qwen3:64 --reps 10 \
-        --variants "wgmma=kernel:wgmma;bm32=kernel:wgmma,block_m:32;bm32 zfold=kernel:wgmma,block_m:32,zfold:1;wgmma 2=kernel:wgmma;bm32 2=kernel:wgmma,block_m:32" \
-        > "$OUT/sweep_bm.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_bm.log"
+    logged "profile_qwen3" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
+        --variants "wgmma=kernel:wgmma;engine="
+    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 qwen3:64 --reps 10 \
+        --variants "wgmma=kernel:wgmma;bm32=kernel:wgmma,block_m:32;bm32 zfold=kernel:wgmma,block_m:32,zfold:1;wgmma 2=kernel:wgmma;bm32 2=kernel:wgmma,block_m:32"
     tail -60 "$OUT/profile_qwen3.log"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
 elif [ "$part" = 8 ]; then     # next: sfold (scale-only fold: c − z into the wgmma, no Σx reduction in XLA);
     # its GPU tests run in part 9 (run that first)
-    timeout 90 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_2 --block-m 8 16 --reps 10 \
-        --only "st2 kpb2 wide shift32 zfold s1" "st4 kpb2 wide shift32 zfold s1" "wide shift32 sfold s1" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm.log"
-    timeout 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16 qwen3:1,16 dsv2lite:1 --reps 10 \
-        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1" \
-        > "$OUT/sweep_sfold.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_sfold.log"
+    logged "gemm" 90 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_2 --block-m 8 16 --reps 10 \
+        --only "st2 kpb2 wide shift32 zfold s1" "st4 kpb2 wide shift32 zfold s1" "wide shift32 sfold s1" --append "$OUT/RESULTS_gemm.md"
+    logged "sweep_sfold" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16 qwen3:1,16 dsv2lite:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1"
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_sfold.log"
 elif [ "$part" = 9 ]; then     # next: the GPU tests of ws and sfold (neither has run on a GPU), then ws timings
-    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "wgmma_grouped_gemm_gpu or (gpu_shapes and (awq or channel))" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_1 --block-m 128 --reps 5 \
-        --only "bn128 st4 shift32 s1" "bn128 st4 shift32 ws s1" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm128.log"
-    timeout 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 32 --reps 10 \
+    gpu_tests 260 "wgmma_grouped_gemm_gpu or (gpu_shapes and (awq or channel))"
+    logged "gemm128" 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 qwen3_1 --block-m 128 --reps 5 \
+        --only "bn128 st4 shift32 s1" "bn128 st4 shift32 ws s1" --append "$OUT/RESULTS_gemm.md"
+    logged "gemm" 80 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 32 --reps 10 \
         --only "st2 kpb2 wide shift32 zfold s1" "st2 kpb2 wide shift32 s1" "wide shift32 ws s1" \
-        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm.log"
-    timeout 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
-        --variants "wgmma=kernel:wgmma;ws=kernel:wgmma,ws:1;ws nofold=kernel:wgmma,ws:1,zfold:0" > "$OUT/sweep_ws.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_ws.log"
+        --append "$OUT/RESULTS_gemm.md"
+    logged "sweep_ws" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;ws=kernel:wgmma,ws:1;ws nofold=kernel:wgmma,ws:1,zfold:0"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm128.log" "$OUT/gemm.log" | sort -u
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_ws.log"
 elif [ "$part" = 10 ]; then    # v7: the layer tests on the ws default, whether CUDA graphs (XLA command
     # buffers holding the Mosaic GPU calls) close the launch gaps of the 1-token layers, and where
     # Qwen3's 512/4096-token layers spend their time
-    timeout 200 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "wgmma_gpu_shapes" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
+    gpu_tests 200 "wgmma_gpu_shapes"
     CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
     for mode in "default|loop|" "cmdbuf|loop|$CB" "cmdbuf|unrolled|$CB"; do
         IFS='|' read -r name timing flags <<< "$mode"
-        XLA_FLAGS="$flags" timeout 60 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 --reps 20 \
-            --timing "$timing" --variants "wgmma=kernel:wgmma" > "$OUT/cmdbuf_${name}_${timing}.log" 2>&1
-        echo "cmdbuf rc $?" >> "$OUT/cmdbuf_${name}_${timing}.log"
+        logged "cmdbuf_${name}_${timing}" 60 env XLA_FLAGS="$flags" python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 --reps 20 \
+            --timing "$timing" --variants "wgmma=kernel:wgmma"
     done
-    timeout 150 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
-        --variants "wgmma=kernel:wgmma" > "$OUT/profile_qwen3.log" 2>&1
-    echo "profile rc $?" >> "$OUT/profile_qwen3.log"
+    logged "profile_qwen3" 150 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
+        --variants "wgmma=kernel:wgmma"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|rror|rc " "$OUT"/cmdbuf_*.log
     tail -45 "$OUT/profile_qwen3.log"
 elif [ "$part" = 11 ]; then    # v7: 16-bit GEMM outputs (out16) and [M, N] outputs through a transposed
     # shared-memory store (tout): the GPU tests, the GEMMs, the layer at 64 to 4096 tokens
-    timeout 240 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "(wgmma_grouped_gemm_gpu and (out16 or tout or ws1)) or (wgmma_gpu_shapes and awq)" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 100 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 32 128 --reps 5 \
+    gpu_tests 240 "(wgmma_grouped_gemm_gpu and (out16 or tout or ws1)) or (wgmma_gpu_shapes and awq)"
+    logged "gemm" 100 python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 32 128 --reps 5 \
         --only "bn128 st4 shift32 ws s1" "ws o16 s1" "ws o16 tout s1" "st2 kpb2 wide shift32 zfold s1" "zfold o16 tout s1" \
-        --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm.log"
-    timeout 180 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
-        --variants "f32=kernel:wgmma,out16:0;o16=kernel:wgmma;tout=kernel:wgmma,tout:1" > "$OUT/sweep_out.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_out.log"
+        --append "$OUT/RESULTS_gemm.md"
+    logged "sweep_out" 180 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,512,4096 qwen3:512,4096 --reps 3 \
+        --variants "f32=kernel:wgmma,out16:0;o16=kernel:wgmma;tout=kernel:wgmma,tout:1"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm.log" | sort -u
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_out.log"
 elif [ "$part" = 12 ]; then    # v7: the layer tests and the layer on the v7 defaults (ws from 32 rows,
     # 16-bit outputs, tout for 16- to 64-row blocks, 3 stages for 128-row tout)
-    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "wgmma_gpu_shapes and (awq or actorder)" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,4096 qwen3:512,4096 --reps 3 \
-        --variants "wgmma=kernel:wgmma;f32=kernel:wgmma,out16:0" > "$OUT/sweep_v7.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_v7.log"
+    gpu_tests 260 "wgmma_gpu_shapes and (awq or actorder)"
+    logged "sweep_v7" 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,4096 qwen3:512,4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;f32=kernel:wgmma,out16:0"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_v7.log"
 elif [ "$part" = 13 ]; then    # next: the top-k sum as a gather (combine=gather), tout at 128-row blocks
     # (3 stages), and the sfold timings of part 8, after the layer tests that cover them
-    timeout 260 python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider --tb=short -rfE \
-        -k "wgmma_gpu_shapes and (awq or channel)" > "$OUT/tests.log" 2>&1
-    echo "tests rc $?" >> "$OUT/tests.log"
-    timeout 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 --reps 3 \
-        --variants "wgmma=kernel:wgmma;gather=kernel:wgmma,combine:gather;tout128=kernel:wgmma,tout:1;wgmma 2=kernel:wgmma" \
-        > "$OUT/sweep_glue.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_glue.log"
-    timeout 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16 qwen3:1,16 --reps 10 \
-        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1" \
-        > "$OUT/sweep_sfold.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_sfold.log"
+    gpu_tests 260 "wgmma_gpu_shapes and (awq or channel)"
+    logged "sweep_glue" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;gather=kernel:wgmma,combine:gather;tout128=kernel:wgmma,tout:1;wgmma 2=kernel:wgmma"
+    logged "sweep_sfold" 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16 qwen3:1,16 --reps 10 \
+        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_glue.log" "$OUT/sweep_sfold.log"
 else
-    timeout 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
-        --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md" > "$OUT/gemm128.log" 2>&1
-    echo "gemm rc $?" >> "$OUT/gemm128.log"
+    logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
+        --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"
     grep -E "^\| [mq]|FAIL|WRONG|rc " "$OUT/gemm128.log" | sort -u
-    timeout 100 python3 benchmarks/moe_engine.py --sweep --rows mixtral:4096 qwen3:4096 --reps 3 \
-        --variants "wgmma=kernel:wgmma;st2=kernel:wgmma,stages:2;bm64=kernel:wgmma,block_m:64;bm128 ovl=kernel:wgmma,overlap:1" \
-        > "$OUT/sweep_prefill.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep_prefill.log"
+    logged "sweep_prefill" 100 python3 benchmarks/moe_engine.py --sweep --rows mixtral:4096 qwen3:4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;st2=kernel:wgmma,stages:2;bm64=kernel:wgmma,block_m:64;bm128 ovl=kernel:wgmma,overlap:1"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log"
-    timeout 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64,512 --reps 10 \
-        --variants "wgmma=kernel:wgmma;no zfold=kernel:wgmma,zfold:0;ovl=kernel:wgmma,zfold:0,overlap:1;no wide=kernel:wgmma,wide:0;bm16=kernel:wgmma,block_m:16;bm64 ovl=kernel:wgmma,block_m:64,overlap:1" \
-        > "$OUT/sweep.log" 2>&1
-    echo "sweep rc $?" >> "$OUT/sweep.log"
-    timeout 90 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 128 --only "st4 kpb2 wide shift32" "bn128 st4 shift32" > "$OUT/ptxas.log" 2>&1
-    echo "ptxas rc $?" >> "$OUT/ptxas.log"
+    logged "sweep" 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64,512 --reps 10 \
+        --variants "wgmma=kernel:wgmma;no zfold=kernel:wgmma,zfold:0;ovl=kernel:wgmma,zfold:0,overlap:1;no wide=kernel:wgmma,wide:0;bm16=kernel:wgmma,block_m:16;bm64 ovl=kernel:wgmma,block_m:64,overlap:1"
+    logged "ptxas" 90 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 128 --only "st4 kpb2 wide shift32" "bn128 st4 shift32"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep.log"
     grep -E "^mixtral1|serializ|arning|registers|rc " "$OUT/ptxas.log" | head -40
 fi
