@@ -2,9 +2,9 @@
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7); 5–8 are still
-# prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral / Qwen3 table, 7: its
-# profile half ran as part 10, 8: sfold timings); 13 is the next session's first part.
+# Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–14 in the ninth
+# (v8); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral /
+# Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -147,6 +147,16 @@ elif [ "$part" = 13 ]; then    # next: the top-k sum as a gather (combine=gather
         --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma 2=kernel:wgmma;sfold 2=kernel:wgmma,sfold:1"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_glue.log" "$OUT/sweep_sfold.log"
+elif [ "$part" = 14 ]; then    # v8: the gated epilogue (the activation in GEMM1's epilogue): its GPU
+    # tests, then the layer with it on and off, on the v8 defaults (tout also at 128-row blocks)
+    gpu_tests 230 "(wgmma_grouped_gemm_gpu and gated) or (wgmma_gpu_shapes and awq)"
+    V="wgmma=kernel:wgmma;unfused=kernel:wgmma,fuse_act:0;wgmma 2=kernel:wgmma;unfused 2=kernel:wgmma,fuse_act:0"
+    logged "sweep_gated_prefill" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 \
+        --reps 3 --variants "$V"
+    logged "sweep_gated_decode" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,16,64 \
+        --reps 10 --variants "$V"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated_prefill.log" "$OUT/sweep_gated_decode.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

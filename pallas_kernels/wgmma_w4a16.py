@@ -1,8 +1,8 @@
 """Engine v4: a Mosaic GPU (Hopper wgmma) grouped W4A16 GEMM with the weights dequantized into
 the register A operand, and the MoE layer on it (:func:`fused_moe_wgmma`). Runs on the H200
-(GPU tests: ``test_wgmma_grouped_gemm_gpu``, ``test_fused_moe_wgmma_gpu_shapes``); not the
-default executor — measured against the Triton-lowered engine in ``benchmarks/RESULTS.md``
-(faster GEMMs at 64–128-row blocks, about even at decode; ``benchmarks/NOTES.md``, v4).
+(GPU tests: ``test_wgmma_grouped_gemm_gpu``, ``test_fused_moe_wgmma_gpu_shapes``); the executor
+the dispatch table picks on Hopper since v5 (measured against the Triton-lowered engine in
+``benchmarks/RESULTS.md``; the kernel versions and their numbers in ``benchmarks/NOTES.md``).
 
 Operands are swapped as in Marlin's small-M schedule: per program, ``accᵀ[BN, BM] += Wᵀ · Aᵀ``
 where ``Wᵀ`` (64 or 128 output columns × 16 of K) is the wgmma's register operand and the
@@ -26,9 +26,12 @@ group 128 or channelwise. Per program (block ``i``, column tile ``j``, split ``s
 ``plgpu.emit_pipeline`` streams ``kpb`` K-blocks per step through a ring of ``stages`` TMA-fed
 shared-memory buffers; ``wide=True`` (with ``kpb=2``) copies ``[BN, 64]`` word tiles with a
 128-byte swizzle instead of ``(8, 16)``-tiled 32-byte rows (the narrow copies alone stop at
-2.4 TB/s, the wide ones reach 3.9 TB/s: ``benchmarks/stream_ceiling.py``). Not yet: fused
-epilogues (the layer does bias, router weight, activation and the top-k sum in XLA on float32
-partials), a persistent grid, 8-bit codes.
+2.4 TB/s, the wide ones reach 3.9 TB/s: ``benchmarks/stream_ceiling.py``). Epilogues: 16-bit
+outputs, ``[M, N]`` tiles through a transposed shared-memory store, and the gate/up activation
+(``gated``: GEMM1 writes ``act(gate)·up`` from its float32 accumulator, on weights whose columns
+:func:`convert_wgmma` stores in 64-column gate/up halves). Not yet: the router weight and the top-k
+sum in GEMM2's epilogue (the layer does them, the biases, and a K split's sum in XLA), a persistent
+grid, 8-bit codes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ import jax.numpy as jnp
 from wna16_jax.errors import ConfigError, DTypeError, ShapeError
 from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
+from .wna16_grouped_gemm import FUSED_ACTIVATIONS as GATED_ACTIVATIONS
+from .wna16_grouped_gemm import _act_pair as act_pair
 from .wna16_grouped_gemm import pack_tiles, unpack_tiles
 
 # ``tout``'s store of the wgmma accumulator into a transposed shared-memory view lowers from jax
@@ -137,6 +142,29 @@ def to_wgmma_layout(words, scales, zeros=None, dtype=jnp.bfloat16, word_bits=16,
     return packed, scales.astype(dtype), z
 
 
+GATE_HALF = 64        # gated epilogue: gate / up halves of each 128-column weight tile
+
+
+def interleave_gate_up(x, axis):
+    """``[…, 2I, …]`` (the ``I`` gate columns, then the ``I`` up columns, along ``axis``) → the
+    ``gated`` kernel's column order: 64 gate columns, the matching 64 up columns, the next 64 gate
+    columns, … (``I`` a multiple of 64). numpy or jax arrays."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % (2 * GATE_HALF):
+        raise ShapeError(f"interleave_gate_up: 2·I = {n} along axis {axis} is not a multiple of {2 * GATE_HALF}")
+    y = x.reshape(x.shape[:axis] + (2, n // (2 * GATE_HALF), GATE_HALF) + x.shape[axis + 1:])
+    return y.swapaxes(axis, axis + 1).reshape(x.shape)
+
+
+def deinterleave_gate_up(x, axis):
+    """Inverse of :func:`interleave_gate_up`."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    y = x.reshape(x.shape[:axis] + (n // (2 * GATE_HALF), 2, GATE_HALF) + x.shape[axis + 1:])
+    return y.swapaxes(axis, axis + 1).reshape(x.shape)
+
+
 def _words_dims(words, k):
     """``(E, N, words per row, tile_n or None)`` of a 3-D ``[E, N, K/w]`` or tile-major 4-D
     ``[E, N/tile_n, (K/128)·tile_n, 32]`` words array."""
@@ -183,11 +211,12 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
-                                             "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout"))
+                                             "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
+                                             "gated"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
-                       ws: bool = False, out_dtype=jnp.float32, tout: bool = False):
+                       ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -223,6 +252,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     columns with two compute warpgroups (``block_n`` each: one dequantizes while the other's
     wgmmas run) and a third that only issues the TMA copies
     (``plgpu.emit_pipeline_warp_specialized``) — the structure of tokamax's sm90 quantized kernel.
+    ``gated`` (``"silu"`` or ``"gelu_tanh"``; ``block_n=128``, ``split_k=1``): the gate/up
+    activation in the epilogue. The weights' columns come in 64-column halves — in each 128-column
+    tile, columns ``128·j … 128·j+63`` are gate column ``64·j + c`` and ``128·j+64 …`` the matching
+    up columns (:func:`interleave_gate_up`) — and the output is ``act(gate) · up`` ``[1, M, N/2]``,
+    computed in float32 from the accumulator and rounded once into ``out_dtype``.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -259,6 +293,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     if ws and (zfold or sfold or overlap or tile_n is not None or group_size == -1 or n % (2 * bn)):
         raise ConfigError(f"wgmma_grouped_gemm: ws=True takes group-128 scales, plain words (no tile_n), no "
                           f"zfold/sfold/overlap, and N={n} a multiple of 2·block_n={2 * bn}")
+    if gated is not None and (gated not in GATED_ACTIVATIONS or bn != 128 or split_k != 1):
+        raise ConfigError(f"wgmma_grouped_gemm: gated={gated!r} needs an activation in {GATED_ACTIVATIONS}, "
+                          f"block_n=128 and split_k=1, got block_n={bn}, split_k={split_k}")
     odt = jnp.dtype(out_dtype)
     if odt != jnp.dtype(jnp.float32) and (odt != jnp.dtype(a.dtype) or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
@@ -287,8 +324,16 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         xs = a.astype(jnp.float32).reshape(nb, bm, n_kb, BLOCK_K).sum(-1).transpose(2, 0, 1)
         xsum = jnp.pad(xs, ((0, 0), (0, 0), (0, xw - bm)))
 
-    def zero():                               # a [bn, bm] float32 accumulator of zeros, wgmma layout
-        return plgpu.layout_cast(jnp.zeros((bn, bm), jnp.float32), plgpu.Layout.WGMMA)
+    bno = bn // 2 if gated else bn            # output columns per (warpgroup's) column tile
+    n_out = n // 2 if gated else n
+
+    def zero(rows=bn):                        # a [rows, bm] float32 array of zeros, wgmma layout
+        return plgpu.layout_cast(jnp.zeros((rows, bm), jnp.float32), plgpu.Layout.WGMMA)
+
+    def finish(acc):
+        """The epilogue's value of a ``[bn, bm]`` accumulator: itself, or ``act(gate) · up`` of its
+        64-row halves (gate rows first) with ``gated``."""
+        return act_pair(gated, acc[:bno], acc[bno:]) if gated else acc
 
     def dequant_units(w_smem, s_smem, z_smem):
         """The step's weights as a list of units in K order, each a function that emits (when
@@ -351,9 +396,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
 
     def store(val, dst, o_smem=None):
-        """The program's ``[bn, bm]`` accumulator into ``dst``: directly (``[bn, bm]`` window of the
-        ``[split_k, N, M]`` output), or with ``tout`` through ``o_smem [bm, bn]`` (a transposed
-        store, then a TMA copy into the ``[bm, bn]`` window of ``[split_k, M, N]``)."""
+        """The program's ``[bn, bm]`` accumulator (``[bn/2, bm]`` with ``gated``: :func:`finish`)
+        into ``dst``: directly (its window of the ``[split_k, N, M]`` output), or with ``tout``
+        through ``o_smem [bm, ·]`` (a transposed store, then a TMA copy into the window of
+        ``[split_k, M, N]``)."""
         if not tout:
             dst[...] = val.astype(odt)
             return
@@ -364,7 +410,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             plgpu.copy_smem_to_gmem(o_smem, dst)
             plgpu.wait_smem_to_gmem(0)
         if o_smem is None:
-            pl.run_scoped(through, plgpu.SMEM((bm, bn), odt))
+            pl.run_scoped(through, plgpu.SMEM((bm, bno), odt))
         else:
             through(o_smem)
 
@@ -460,7 +506,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             kb0 = sp * chunk * kpb
             nk = chunk * kpb
             groups = pl.ds(0, 1) if channelwise else pl.ds(kb0, nk)
-            dst = o_gmem.at[sp, pl.ds(i * bm, bm), cols] if tout else o_gmem.at[sp, cols, pl.ds(i * bm, bm)]
+            ocols = pl.ds(j * bno, bno)
+            dst = o_gmem.at[sp, pl.ds(i * bm, bm), ocols] if tout else o_gmem.at[sp, ocols, pl.ds(i * bm, bm)]
 
             @pl.when(ex >= 0)
             def _():
@@ -471,12 +518,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                         *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
                 def with_acc(acc_ref):
-                    store(run_k(acc_ref, refs), dst)
+                    store(finish(run_k(acc_ref, refs)), dst)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex < 0)
             def _():
-                store(zero(), dst)
+                store(zero(bno), dst)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1))
 
@@ -517,7 +564,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                 plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
             ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
-            mycols = pl.ds(j * 2 * bn + wg * bn, bn)                        # compute warpgroups only
+            mycols = pl.ds(j * 2 * bno + wg * bno, bno)                     # compute warpgroups only
             dst = o_gmem.at[sp, pl.ds(i * bm, bm), mycols] if tout else o_gmem.at[sp, mycols, pl.ds(i * bm, bm)]
             my_smem = o_smem[0].at[wg] if tout else None
             acc_box = []
@@ -536,7 +583,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             def context(run):
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
-                    store(run(zero()), dst, my_smem)
+                    store(finish(run(zero())), dst, my_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex >= 0)
@@ -545,18 +592,20 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
             @pl.when((ex < 0) & (wg < 2))
             def _():
-                store(zero(), dst, my_smem)
+                store(zero(bno), dst, my_smem)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       pipeline(ignore, ignore).get_allocations(*gmem_refs(0)),
-                      *([plgpu.SMEM((2, bm, bn), odt)] if tout else []), collective_axes="wg")
+                      *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
 
     if ws:
-        out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, m, n) if tout else (split_k, n, m), odt),
+        out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else
+                                                                      (split_k, n_out, m), odt),
                              grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
                              thread_name="wg")(ids, a, words, scales, *([zeros] if has_zp else []))
         return out_t if tout else jnp.swapaxes(out_t, 1, 2)
-    out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, m, n) if tout else (split_k, n, m), odt),
+    out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else (split_k, n_out, m),
+                                                               odt),
                          grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
         ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []))
     return out_t if tout else jnp.swapaxes(out_t, 1, 2)
@@ -575,13 +624,14 @@ def from_wgmma_layout(words16):
     return pack_tiles(codes.reshape(e, n, 4 * k4), 4)
 
 
-@pytree_dataclass(meta=("hidden_size", "intermediate_size"))
+@pytree_dataclass(meta=("hidden_size", "intermediate_size", "w13_interleaved"))
 class WgmmaWeights(ExpertsMixin):
     """One layer in the v4 kernel's layout (:func:`convert_wgmma`): 16-bit words
     ``w13_words [E, 2I, H/4]``, ``w2_words [E, H, I/4]``; scales ``[E, G, N]`` and zero points
     (stored biased by the magic number, or None) in ``dtype``; biases and act-order row
     orders as in :class:`pallas_kernels.fused_moe_tiles.TileWeights`. 4-bit, group 128 or
-    channelwise."""
+    channelwise. ``w13_interleaved``: ``w13``'s words, scales and zero points (not its bias) are in
+    the gated epilogue's column order (:func:`interleave_gate_up`)."""
 
     w13_words: Any
     w2_words: Any
@@ -595,6 +645,7 @@ class WgmmaWeights(ExpertsMixin):
     w2_perm: Any = None
     hidden_size: int = 0
     intermediate_size: int = 0
+    w13_interleaved: bool = False
 
     def to_tiles(self):
         from .fused_moe_tiles import TileWeights
@@ -602,9 +653,13 @@ class WgmmaWeights(ExpertsMixin):
         def zeros(z, s):
             return None if z is None else (z.astype(jnp.float32) - magic_value(s.dtype)).astype(jnp.uint8)
 
+        def w13(x, axis):
+            return deinterleave_gate_up(x, axis) if self.w13_interleaved and x is not None else x
+
         g = self.w13_scales.shape[1]
-        return TileWeights(from_wgmma_layout(self.w13_words), from_wgmma_layout(self.w2_words),
-                           self.w13_scales, self.w2_scales, zeros(self.w13_zeros, self.w13_scales),
+        w13_scales = w13(self.w13_scales, 2)
+        return TileWeights(from_wgmma_layout(w13(self.w13_words, 1)), from_wgmma_layout(self.w2_words),
+                           w13_scales, self.w2_scales, zeros(w13(self.w13_zeros, 2), w13_scales),
                            zeros(self.w2_zeros, self.w2_scales), self.w13_bias, self.w2_bias, self.w13_perm,
                            self.w2_perm, bits=4, group_size=-1 if g == 1 else BLOCK_K,
                            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
@@ -655,7 +710,8 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
     (through the engine's tile conversion, so act-order rows are sorted the same way). Scales
     are stored in ``dtype`` (a float16 checkpoint scale run with bfloat16 activations is rounded
     to bfloat16 once, here); :func:`fused_moe_wgmma` re-casts them if called with the other
-    16-bit dtype."""
+    16-bit dtype. ``w13`` is stored in the gated epilogue's column order (:func:`interleave_gate_up`)
+    where the intermediate size is a multiple of 64."""
     from wna16_jax.errors import UnsupportedError
     from .fused_moe_tiles import convert_tiles
 
@@ -669,8 +725,13 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
         raise UnsupportedError(f"wgmma engine: {tw.w13_scales.shape[1]} scale groups over K={tw.hidden_size}")
     w13 = to_wgmma_layout(tw.w13_qweight, tw.w13_scales, tw.w13_zeros, dtype)
     w2 = to_wgmma_layout(tw.w2_qweight, tw.w2_scales, tw.w2_zeros, dtype)
+    inter = tw.intermediate_size % GATE_HALF == 0       # the gated epilogue's column order
+    if inter:
+        w13 = (interleave_gate_up(w13[0], 1), interleave_gate_up(w13[1], 2),
+               None if w13[2] is None else interleave_gate_up(w13[2], 2))
     return WgmmaWeights(w13[0], w2[0], w13[1], w2[1], w13[2], w2[2], tw.w13_bias, tw.w2_bias, tw.w13_perm,
-                        tw.w2_perm, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size)
+                        tw.w2_perm, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size,
+                        w13_interleaved=inter)
 
 
 def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
@@ -685,7 +746,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     sfold: bool = False, overlap: bool = False, ws: bool | None = None,
-                    out16: bool | None = None, tout: bool | None = None, combine: str = "scatter"):
+                    out16: bool | None = None, tout: bool | None = None, combine: str = "scatter",
+                    fuse_act: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
@@ -715,12 +777,18 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
     6359 µs, 64 tokens 453 vs 526; Qwen3 4096 tokens 1687 vs 1869; NOTES.md v7). ``tout``: those
     GEMMs also write ``[M, N]`` through shared memory (a transposed store in the kernel) instead of
-    ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on for blocks of 16 to 64 rows
-    (Qwen3 512 tokens 534 vs 573 µs, Mixtral 64 tokens 439 vs 453; at 8 rows the GEMM was
-    slower, 325 vs 291 µs, and 128-row blocks have to give up a pipeline stage for it).
+    ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on for blocks of 16 rows or more
+    (Qwen3 512 tokens 534 vs 573 µs, Mixtral 64 tokens 439 vs 453; at 128-row blocks, with one
+    pipeline stage fewer for the output tile, Qwen3 4096 tokens 1198 vs 1692–1822 µs and Mixtral
+    4096 tokens 5527 vs 6003–6026; NOTES.md v8; at 8 rows the GEMM was slower, 325 vs 291 µs).
     ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"scatter"`` (a
     ``segment_sum`` over the sorted rows; default) or ``"gather"`` (each token gathers its k rows
     through the inverse of the row order: no scatter-add of ``[rows, H]``; not yet measured).
+    ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
+    ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
+    without a K split; default: on where it applies — weights converted in the gated column order
+    (``w13_interleaved``: ``I`` a multiple of 64), no ``w13`` bias, the router weight not on the
+    input, ``block_n=128``. Elsewhere XLA applies the activation to GEMM1's output.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -747,15 +815,20 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             scales = scales.astype(cdt)
         return words, scales, zeros
 
-    def gemm(a, experts, bm, ops, n, kdim, split):
+    fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
+            and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
+
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None):
+        """``(output [rows, N] float32 — or [rows, N/2] act(gate)·up where gated —, gated)``."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
         steps = n_kb // kpb
         want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
+        gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
-        tr = o16 and TRANSPOSED_STORE and (16 <= bm <= 64 if tout is None else bool(tout))
+        tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
         if stages is not None:
             st = min(stages, 2) if kpb == 2 and bm >= 128 else stages         # shared memory: 227 KB
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
@@ -770,8 +843,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
-                                 tout=tr)
-        return out.astype(jnp.float32).sum(0)
+                                 tout=tr, gated=gated)
+        return out.astype(jnp.float32).sum(0), gated is not None
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
@@ -804,13 +877,18 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
-    h = first_rows(gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1))
-    if weights.w13_bias is not None:
-        h = h + weights.w13_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
-    if apply_router_weight_on_input:
-        h = h * tw_rows[:, None]
-    a2 = _permute_cols(spread(act(h).astype(cdt)), weights.w2_perm, row_expert)
-    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2))
+    h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None)
+    h = first_rows(h)
+    if not gated:
+        if weights.w13_interleaved:
+            h = deinterleave_gate_up(h, 1)
+        if weights.w13_bias is not None:
+            h = h + weights.w13_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+        if apply_router_weight_on_input:
+            h = h * tw_rows[:, None]
+        h = act(h)
+    a2 = _permute_cols(spread(h.astype(cdt)), weights.w2_perm, row_expert)
+    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2)[0])
     if weights.w2_bias is not None:
         y = y + weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
     y = y * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]

@@ -444,6 +444,18 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                 continue
             assert jax.eval_shape(fn, *o16) == s((1, 64, 512), jnp.bfloat16)
             assert "mosaic_gpu" in jax.jit(fn).trace(*o16).lower(lowering_platforms=("cuda",)).as_text()
+    for opts in (dict(shift32=True), dict(kpb=2, wide=True, shift32=True, stages=2, zfold=True),
+                 dict(kpb=2, wide=True, stages=2, sfold=True), dict(shift32=True, overlap=True),
+                 dict(shift32=True, ws=True, stages=4), dict(kpb=2, wide=True, ws=True, stages=2)):
+        for tout in (False, True) if TRANSPOSED_STORE else (False,):        # gated epilogue: [.., N/2]
+            for act in ("silu", "gelu_tanh"):
+                fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, out_dtype=jnp.bfloat16,
+                                       tout=tout, gated=act, **opts)
+                assert jax.eval_shape(fn, *o16) == s((1, 64, 256), jnp.bfloat16)
+                assert "mosaic_gpu" in jax.jit(fn).trace(*o16).lower(lowering_platforms=("cuda",)).as_text()
+    for bad in (dict(gated="gelu"), dict(gated="silu", block_n=64), dict(gated="silu", block_n=128, split_k=2)):
+        with pytest.raises(ConfigError, match="gated"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, **bad)).trace(*o16)
     with pytest.raises(ConfigError, match="out_dtype"):            # 16-bit partials of a K split
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, split_k=2, out_dtype=jnp.bfloat16)).trace(*o16)
     with pytest.raises(ConfigError, match="out_dtype"):
@@ -495,7 +507,27 @@ _WGMMA_GPU_CASES = [
     (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True)),
     (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048)),
     (False, 128, 32, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=2, out16=True, tout=True,
-                             k=2048))]
+                             k=2048)),
+    # gated: act(gate)·up of each 128-column tile's 64-column halves in the epilogue (plain, fold,
+    # overlap, channelwise, ws; [N, M] and [M, N] stores; float32 and 16-bit outputs)
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True, out16=True, gated="silu")),
+    (True, 128, 8, 1, dict(block_n=128, sfold=True, gated="gelu_tanh")),
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, out16=True, tout=True, gated="silu")),
+    (False, -1, 64, 1, dict(block_n=128, out16=True, tout=True, stages=4, gated="gelu_tanh")),
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, overlap=True, gated="silu")),
+    (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True, gated="silu")),
+    (False, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, stages=3, out16=True, tout=True, gated="silu",
+                              k=2048)),
+    (True, 128, 32, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, stages=2, gated="gelu_tanh"))]
+
+
+def _gated64_np(ref, act):
+    """float64 numpy twin of the ``gated`` epilogue: ``[M, N]`` → ``[M, N/2]``."""
+    q = ref.reshape(ref.shape[0], -1, 2, 64)
+    g, u = q[:, :, 0].reshape(ref.shape[0], -1), q[:, :, 1].reshape(ref.shape[0], -1)
+    if act == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * u
 
 
 @pytest.mark.gpu
@@ -507,7 +539,8 @@ _WGMMA_GPU_CASES = [
     if wb == 16 or not {"tile_n", "wide", "shift32", "zfold", "sfold"} & set(c[-1])])
 def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     """Engine v4 (Mosaic GPU wgmma, weights as the register operand) vs float64, every
-    schedule option (column tile, K-blocks per pipeline step, stages, tile-major words)."""
+    schedule option (column tile, K-blocks per pipeline step, stages, tile-major words) and
+    epilogue (16-bit, transposed, gated)."""
     from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
 
     opts = dict(opts)
@@ -518,6 +551,8 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     zfold = opts.get("zfold", False) or opts.get("sfold", False)   # exact (c − z)·s, float32 accumulation
     a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, word_bits=word_bits, tile_n=tile_n,
                                                        exact=zfold)
+    if opts.get("gated"):
+        ref = _gated64_np(ref, opts["gated"])
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
                              split_k=split, out_dtype=a.dtype if out16 else jnp.float32, **opts)
     assert out.shape == (split,) + ref.shape and out.dtype == (a.dtype if out16 else jnp.float32)
@@ -525,10 +560,21 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     _close(np.asarray(out, np.float64).sum(0), ref, 4e-3 if out16 else 1e-4 if zfold else 2e-5)
 
 
+def _gated64(out, act):
+    """The kernel's ``gated`` epilogue on ``out [..., N]`` (64-column gate / up halves per 128
+    columns) → ``[..., N/2]``, with the library's (unfused) activation."""
+    from wna16_jax.moe import ACTIVATIONS
+
+    q = out.reshape(out.shape[:-1] + (out.shape[-1] // 128, 2, 64))
+    g, u = q[..., 0, :].reshape(out.shape[:-1] + (-1,)), q[..., 1, :].reshape(out.shape[:-1] + (-1,))
+    return ACTIVATIONS[act](jnp.concatenate([g, u], -1))
+
+
 def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, kpb=1,
-                         wide=False, out_dtype=jnp.float32, tout=False, **_):
+                         wide=False, out_dtype=jnp.float32, tout=False, gated=None, block_n=64, **_):
     """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, zero rows
-    for id -1), for testing the layer's glue on the CPU."""
+    for id -1; with ``gated`` the activation of each 128-column tile's 64-column halves), for
+    testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
 
     _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)      # the kernel's own contract
@@ -541,6 +587,9 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, g
     out = jnp.where((expert_ids >= 0)[:, None, None], out, 0.0).reshape(a.shape[0], -1)
     assert out_dtype == jnp.float32 or (out_dtype == a.dtype and split_k == 1), (out_dtype, split_k)
     assert not tout or out_dtype != jnp.float32
+    if gated is not None:
+        assert split_k == 1 and block_n == 128 and gated in ("silu", "gelu_tanh"), (split_k, block_n, gated)
+        out = _gated64(out, gated)
     return jnp.concatenate([out[None], jnp.zeros((split_k - 1,) + out.shape)], 0).astype(out_dtype)
 
 
@@ -640,6 +689,35 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
         _layer_close(got, ref, what=f"combine={combine}")
 
 
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_fused_moe_wgmma_gated_cpu(monkeypatch, key):
+    """GEMM1's gated epilogue (the default without a K split) and the unfused path on the same
+    interleaved weights (XLA restores the column order), both activations, pair and blocked
+    schedules, against the float64 reference; a w13 bias turns the fusion off and stays correct."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw.get("gated"))
+        return _emulated_wgmma_gemm(*args, **kw)
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    rng = np.random.default_rng()
+    for t, act, bias, schedule in ((2, "silu", False, "pair"), (24, "gelu_tanh", False, "blocked"),
+                                   (24, "silu", True, "blocked")):
+        w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 384, t, 2, bias=bias)
+        wg = wgm.convert_wgmma(w.to_jax())
+        assert wg.w13_interleaved and wg.w13_words.shape[1] == 768
+        ref = _reference(w, x, tw, ids, None, activation=act, on_input=False)
+        for fuse in (None, False):
+            seen.clear()
+            got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=act, split1=1, split2=1,
+                                            schedule=schedule, fuse_act=fuse))(x, tw, ids, wg)
+            assert seen[0] == (act if fuse is None and not bias else None), (seen, fuse, bias)
+            _layer_close(got, ref, what=f"{act} fuse_act={fuse} bias={bias} {schedule}")
+
+
 def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
     2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; zfold only up to 16 rows
@@ -675,10 +753,10 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     tr = wgm.TRANSPOSED_STORE                                      # tout: jax >= 0.11 only
     o = picks(block_m=32)[2048]                                    # no K split: bf16 out, [M, N] tiles
     assert o["out_dtype"] == jnp.bfloat16 and o["tout"] == tr and not picks(block_m=32, tout=False)[2048]["tout"]
-    o = picks(block_m=128)[2048]                                   # 128 rows: no tout unless asked,
-    assert o["out_dtype"] == jnp.bfloat16 and not o["tout"] and o["stages"] == 4
-    o = picks(block_m=128, tout=True)[2048]                        # and then one stage fewer
-    assert o["tout"] == tr and o["stages"] == (3 if tr else 4)
+    o = picks(block_m=128)[2048]                                   # 128 rows: tout with one stage fewer
+    assert o["out_dtype"] == jnp.bfloat16 and o["tout"] == tr and o["stages"] == (3 if tr else 4)
+    o = picks(block_m=128, tout=False)[2048]
+    assert not o["tout"] and o["stages"] == 4
     assert picks(block_m=8, split1=1)[2048]["out_dtype"] == jnp.bfloat16 and not picks(block_m=8, split1=1)[2048]["tout"]
     o = picks(block_m=8, split1=4)[2048]                           # split partials stay float32
     assert o["split_k"] == 4 and o["out_dtype"] == jnp.float32 and not picks(block_m=8, split1=4, tout=True)[2048]["tout"]
@@ -692,12 +770,22 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     assert opts(picks(block_m=32)[128], *names) == (32, 4, 1, False, False, False, True)    # GEMM2: N = 2048
     assert opts(picks(block_m=32, zfold=True)[2048], *names) == (32, 2, 2, True, True, False, False)
     assert opts(picks(block_m=64, overlap=True)[2048], *names) == (64, 4, 2, True, False, True, False)
-    assert opts(picks(block_m=128)[2048], *names) == (128, 4, 1, False, False, False, True)
+    assert opts(picks(block_m=128, tout=False)[2048], *names) == (128, 4, 1, False, False, False, True)
     assert opts(picks(block_m=128, wide=True)[2048], *names) == (128, 2, 2, True, False, False, True)
     assert opts(picks(block_m=8, stages=3, overlap=True)[2048], *names) == (8, 3, 2, True, True, False, False)
     # 128-deep steps: 16 per program (DeepSeek-V2-Lite's odd K-block count takes this path)
     assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False, False)
     assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False, False)   # 2 steps
+    # the gated epilogue: GEMM1 without a K split, 128-column tiles, weights in the gated order, no
+    # w13 bias, the router weight not on the input, an activation the epilogue has
+    assert wg.w13_interleaved
+    for bm in (8, 32, 128):
+        p = picks(block_m=bm)
+        assert p[2048]["gated"] == "silu" and p[128]["gated"] is None
+    assert picks(block_m=32, activation="gelu_tanh")[2048]["gated"] == "gelu_tanh"
+    for over in (dict(split1=4), dict(fuse_act=False), dict(block_n=64), dict(apply_router_weight_on_input=True),
+                 dict(activation="swigluoai"), dict(activation="gelu")):
+        assert picks(block_m=32, **over)[2048]["gated"] is None, over
 
 
 # ----------------------------------------------------------------------------- layer level
@@ -1051,11 +1139,11 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
                   dict(block_m=16, split1=2, split2=2, shift32=False, sfold=True),
                   dict(block_m=32, wide=False, zfold=True), dict(block_m=16, split1=1, split2=1, tout=True),
-                  dict(schedule="blocked", combine="gather"))
+                  dict(schedule="blocked", combine="gather"), dict(block_m=16, split1=1, split2=1, fuse_act=False))
         prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
                    dict(block_m=128, overlap=True), dict(block_m=128, ws=True, out16=False),
                    dict(block_m=32, block_n=64, ws=True), dict(block_m=128, tout=True), dict(block_m=32, tout=True),
-                   dict(combine="gather"))
+                   dict(combine="gather"), dict(block_m=128, fuse_act=False), dict(block_m=32, fuse_act=False))
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
