@@ -2,7 +2,7 @@
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–14 in the ninth
+# Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
 # (v8); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral /
 # Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -157,6 +157,18 @@ elif [ "$part" = 14 ]; then    # v8: the gated epilogue (the activation in GEMM1
         --reps 10 --variants "$V"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated_prefill.log" "$OUT/sweep_gated_decode.log"
+elif [ "$part" = 15 ]; then    # v8: the layer tests on the final v8 defaults (part 14 failed on wide
+    # 128-row blocks with tout: fixed), the rows part 14's sweeps did not reach, and the wgmma
+    # AWQ and GPTQ columns of the layer table (the ±10% target)
+    gpu_tests 280 "wgmma_gpu_shapes"
+    logged "sweep_gated" 110 python3 benchmarks/moe_engine.py --sweep --rows qwen3:64,4096 --reps 5 \
+        --variants "wgmma=kernel:wgmma;unfused=kernel:wgmma,fuse_act:0"
+    logged "table_wgmma" 170 python3 benchmarks/moe_engine.py --rows qwen3 dsv2lite mixtral --reps 5 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated.log"
+    grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -780,7 +780,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on for blocks of 16 rows or more
     (Qwen3 512 tokens 534 vs 573 µs, Mixtral 64 tokens 439 vs 453; at 128-row blocks, with one
     pipeline stage fewer for the output tile, Qwen3 4096 tokens 1198 vs 1692–1822 µs and Mixtral
-    4096 tokens 5527 vs 6003–6026; NOTES.md v8; at 8 rows the GEMM was slower, 325 vs 291 µs).
+    4096 tokens 5527 vs 6003–6026; NOTES.md v8; at 8 rows the GEMM was slower, 325 vs 291 µs);
+    never at 128-row blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory
+    for the output tile.
     ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"scatter"`` (a
     ``segment_sum`` over the sorted rows; default) or ``"gather"`` (each token gathers its k rows
     through the inverse of the row order: no scatter-add of ``[rows, H]``; not yet measured).
@@ -828,7 +830,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
-        tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
+        # 128-row blocks with 256-deep steps already run 2 stages: no room for the output tile
+        # (234.5 KB > 227 KB on the H200, GPU layer test of part 14)
+        tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout)) and not (kpb == 2 and bm >= 128)
         if stages is not None:
             st = min(stages, 2) if kpb == 2 and bm >= 128 else stages         # shared memory: 227 KB
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)

@@ -757,6 +757,8 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     assert o["out_dtype"] == jnp.bfloat16 and o["tout"] == tr and o["stages"] == (3 if tr else 4)
     o = picks(block_m=128, tout=False)[2048]
     assert not o["tout"] and o["stages"] == 4
+    o = picks(block_m=128, wide=True, tout=True)[2048]             # 2 stages of 256-deep steps: no room
+    assert o["kpb"] == 2 and o["stages"] == 2 and not o["tout"]
     assert picks(block_m=8, split1=1)[2048]["out_dtype"] == jnp.bfloat16 and not picks(block_m=8, split1=1)[2048]["tout"]
     o = picks(block_m=8, split1=4)[2048]                           # split partials stay float32
     assert o["split_k"] == 4 and o["out_dtype"] == jnp.float32 and not picks(block_m=8, split1=4, tout=True)[2048]["tout"]
