@@ -4,7 +4,8 @@
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
 # (v8); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral /
-# Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13).
+# Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13); 16 is the
+# next session's first part.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -169,6 +170,15 @@ elif [ "$part" = 15 ]; then    # v8: the layer tests on the final v8 defaults (p
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated.log"
     grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
+elif [ "$part" = 16 ]; then    # next: block size against padding at prefill (Mixtral 512 tokens: ~128
+    # rows per expert, so 128-row blocks pad about half the rows; 64-row blocks about a quarter),
+    # and where the v8 layers spend their time (Mixtral decode, Qwen3 prefill; JAX profiler)
+    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:4096 --reps 3 \
+        --variants "wgmma=kernel:wgmma;bm64=kernel:wgmma,block_m:64;wgmma 2=kernel:wgmma;bm64 2=kernel:wgmma,block_m:64"
+    logged "profile" 300 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1,64 qwen3:1,512,4096 \
+        --reps 5 --variants "wgmma=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
+    tail -80 "$OUT/profile.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -766,7 +766,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
     576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
-    fold, no ``Σx`` reduction in XLA) instead of ``zfold`` (not yet measured; off by default).
+    fold, no ``Σx`` reduction in XLA) instead of ``zfold`` (off by default: no faster at 1 token,
+    slower at Qwen3 16 tokens, NOTES.md v8).
     ``overlap``: the kernel's ``overlap=True`` for every GEMM that does not fold (race-free since
     v6, measured no faster; off by default). ``ws``: the kernel's warp-specialized form (two
     compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
@@ -785,12 +786,14 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     for the output tile.
     ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"scatter"`` (a
     ``segment_sum`` over the sorted rows; default) or ``"gather"`` (each token gathers its k rows
-    through the inverse of the row order: no scatter-add of ``[rows, H]``; not yet measured).
+    through the inverse of the row order: no scatter-add of ``[rows, H]``; measured no faster,
+    NOTES.md v8).
     ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
     (``w13_interleaved``: ``I`` a multiple of 64), no ``w13`` bias, the router weight not on the
-    input, ``block_n=128``. Elsewhere XLA applies the activation to GEMM1's output.
+    input, ``block_n=128`` (Mixtral 512 tokens 1108–1122 vs 1188–1215 µs, Qwen3 4096 tokens 1198
+    vs 1277; NOTES.md v8). Elsewhere XLA applies the activation to GEMM1's output.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
