@@ -560,6 +560,24 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     _close(np.asarray(out, np.float64).sum(0), ref, 4e-3 if out16 else 1e-4 if zfold else 2e-5)
 
 
+def test_gate_up_interleave_order():
+    """The gated epilogue's column order: tile j holds gate columns 64j… then up columns I+64j…,
+    along any axis, numpy or jax; the inverse restores the order; 2·I not a multiple of 128 is a
+    ShapeError naming the size."""
+    from pallas_kernels.wgmma_w4a16 import deinterleave_gate_up, interleave_gate_up
+
+    i = 192
+    x = np.arange(2 * i)
+    y = interleave_gate_up(x, 0)
+    j, c = np.divmod(np.arange(2 * i), 128)
+    np.testing.assert_array_equal(y, np.where(c < 64, 64 * j + c, i + 64 * j + c - 64))
+    z = jnp.asarray(np.random.default_rng().standard_normal((3, 2 * i, 5)))
+    np.testing.assert_array_equal(np.asarray(deinterleave_gate_up(interleave_gate_up(z, 1), -2)), np.asarray(z))
+    np.testing.assert_array_equal(np.asarray(interleave_gate_up(z, 1))[1, :, 2], np.asarray(z)[1, y, 2])
+    with pytest.raises(ShapeError, match="2·I = 320"):
+        interleave_gate_up(np.zeros((2, 320)), 1)
+
+
 def _gated64(out, act):
     """The kernel's ``gated`` epilogue on ``out [..., N]`` (64-column gate / up halves per 128
     columns) → ``[..., N/2]``, with the library's (unfused) activation."""
@@ -610,10 +628,13 @@ def test_wgmma_weights_convert_and_decode(key):
         wg = convert_wgmma(w, dt)
         assert wg.w13_words.dtype == jnp.int16 and wg.w13_words.shape == (4, 512, 64)
         back = wg.to_tiles()
-        for f in ("w13_qweight", "w2_qweight", "w13_zeros", "w2_zeros", "w13_perm", "w2_perm"):
+        assert wg.w13_interleaved                      # I = 256: w13 stored in the gated column order
+        for f in ("w13_qweight", "w2_qweight", "w13_zeros", "w2_zeros", "w13_perm", "w2_perm", "w13_scales",
+                  "w2_scales"):
             a, b = getattr(back, f), getattr(tiles, f)
             assert (a is None) == (b is None), f
             if a is not None:
+                b = b.astype(dt) if f.endswith("scales") else b     # stored in the activation dtype
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f)
     for bad in ("gptq8_channel", "ct4_asym_g32", "gptq4_g64"):
         wb = random_checkpoint_weights(rng, SCHEMES[bad], 2, 256, 256).to_jax()
