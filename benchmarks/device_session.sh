@@ -4,8 +4,8 @@
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
 # (v8); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral /
-# Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13); 16 is the
-# next session's first part.
+# Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13); 16 and 17
+# are the next session's first parts.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -179,6 +179,15 @@ elif [ "$part" = 16 ]; then    # next: block size against padding at prefill (Mi
         --reps 5 --variants "wgmma=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
     tail -80 "$OUT/profile.log"
+elif [ "$part" = 17 ]; then    # next: 1-token layers in fewer launches — GEMM1 without a K split runs
+    # the gated epilogue and its 8-row blocks feed GEMM2 directly (no XLA pass between the GEMMs);
+    # with sfold no Σx reductions either. The GPU layer tests first (they cover the direct path
+    # wherever GEMM1 takes no K split at decode)
+    gpu_tests 200 "wgmma_gpu_shapes and (awq or channel)"
+    logged "sweep_1tok" 250 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 20 \
+        --variants "wgmma=kernel:wgmma;s1=kernel:wgmma,split1:1;s1 sfold=kernel:wgmma,split1:1,sfold:1;wgmma 2=kernel:wgmma;s1 2=kernel:wgmma,split1:1;s1 sfold 2=kernel:wgmma,split1:1,sfold:1"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_1tok.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -824,7 +824,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
     def gemm(a, experts, bm, ops, n, kdim, split, gate=None):
-        """``(output [rows, N] float32 — or [rows, N/2] act(gate)·up where gated —, gated)``."""
+        """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated)``: the kernel's
+        own output without a K split (16-bit with ``out16``), else the float32 sum of the splits."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
@@ -851,7 +852,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
                                  tout=tr, gated=gated)
-        return out.astype(jnp.float32).sum(0), gated is not None
+        return (out[0] if s == 1 else out.astype(jnp.float32).sum(0)), gated is not None
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
@@ -885,17 +886,23 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
     h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None)
-    h = first_rows(h)
-    if not gated:
-        if weights.w13_interleaved:
-            h = deinterleave_gate_up(h, 1)
-        if weights.w13_bias is not None:
-            h = h + weights.w13_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
-        if apply_router_weight_on_input:
-            h = h * tw_rows[:, None]
-        h = act(h)
-    a2 = _permute_cols(spread(h.astype(cdt)), weights.w2_perm, row_expert)
-    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2)[0])
+    if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
+        # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
+        # GEMM2's input, with no XLA pass between the two kernels
+        a2 = h
+    else:
+        h = first_rows(h)
+        if not gated:
+            h = h.astype(jnp.float32)
+            if weights.w13_interleaved:
+                h = deinterleave_gate_up(h, 1)
+            if weights.w13_bias is not None:
+                h = h + weights.w13_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+            if apply_router_weight_on_input:
+                h = h * tw_rows[:, None]
+            h = act(h)
+        a2 = _permute_cols(spread(h.astype(cdt)), weights.w2_perm, row_expert)
+    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2)[0]).astype(jnp.float32)
     if weights.w2_bias is not None:
         y = y + weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
     y = y * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]
