@@ -170,15 +170,19 @@ elif [ "$part" = 15 ]; then    # v8: the layer tests on the final v8 defaults (p
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated.log"
     grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
-elif [ "$part" = 16 ]; then    # next: block size against padding at prefill (Mixtral 512 tokens: ~128
-    # rows per expert, so 128-row blocks pad about half the rows; 64-row blocks about a quarter),
-    # and where the v8 layers spend their time (Mixtral decode, Qwen3 prefill; JAX profiler)
-    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:4096 --reps 3 \
+elif [ "$part" = 16 ]; then    # next: block size against padding and against re-reading weights (NOTES
+    # v8): compute-bound rows (Mixtral 512/4096, Qwen3 4096) pad less with 64-row blocks;
+    # bandwidth-bound rows read an expert's weights once per block, so blocks that hold
+    # mean + 2 sd of an expert's rows (Qwen3 512: 64, Mixtral 64: 32, DeepSeek-V2-Lite 64: 16)
+    # should beat the average rounded up (32 / 16 / 8); then where the v8 layers spend their time
+    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 --reps 3 \
         --variants "wgmma=kernel:wgmma;bm64=kernel:wgmma,block_m:64;wgmma 2=kernel:wgmma;bm64 2=kernel:wgmma,block_m:64"
-    logged "profile" 300 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1,64 qwen3:1,512,4096 \
+    logged "sweep_bm_decode" 110 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 dsv2lite:64 --reps 10 \
+        --variants "wgmma=kernel:wgmma;bm16=kernel:wgmma,block_m:16;bm32=kernel:wgmma,block_m:32;wgmma 2=kernel:wgmma"
+    logged "profile" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1 qwen3:512,4096 \
         --reps 5 --variants "wgmma=kernel:wgmma"
-    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
-    tail -80 "$OUT/profile.log"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log" "$OUT/sweep_bm_decode.log"
+    tail -60 "$OUT/profile.log"
 elif [ "$part" = 17 ]; then    # next: 1-token layers in fewer launches — GEMM1 without a K split runs
     # the gated epilogue and its 8-row blocks feed GEMM2 directly (no XLA pass between the GEMMs);
     # with sfold no Σx reductions either. The GPU layer tests first (they cover the direct path
