@@ -46,8 +46,7 @@ from wna16_jax.errors import ConfigError, DTypeError, ShapeError
 from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
 from .wna16_grouped_gemm import FUSED_ACTIVATIONS as GATED_ACTIVATIONS
-from .wna16_grouped_gemm import _act_pair as act_pair
-from .wna16_grouped_gemm import pack_tiles, unpack_tiles
+from .wna16_grouped_gemm import act_pair, pack_tiles, unpack_tiles
 
 # ``tout``'s store of the wgmma accumulator into a transposed shared-memory view lowers from jax
 # 0.11 on (0.10's Mosaic GPU rejects it: "Tiled strides must be a multiple of the vector length")
@@ -149,19 +148,23 @@ def interleave_gate_up(x, axis):
     """``[…, 2I, …]`` (the ``I`` gate columns, then the ``I`` up columns, along ``axis``) → the
     ``gated`` kernel's column order: 64 gate columns, the matching 64 up columns, the next 64 gate
     columns, … (``I`` a multiple of 64). numpy or jax arrays."""
-    axis = axis % x.ndim
-    n = x.shape[axis]
-    if n % (2 * GATE_HALF):
-        raise ShapeError(f"interleave_gate_up: 2·I = {n} along axis {axis} is not a multiple of {2 * GATE_HALF}")
-    y = x.reshape(x.shape[:axis] + (2, n // (2 * GATE_HALF), GATE_HALF) + x.shape[axis + 1:])
-    return y.swapaxes(axis, axis + 1).reshape(x.shape)
+    return _swap_gate_up(x, axis, inverse=False)
 
 
 def deinterleave_gate_up(x, axis):
     """Inverse of :func:`interleave_gate_up`."""
+    return _swap_gate_up(x, axis, inverse=True)
+
+
+def _swap_gate_up(x, axis, inverse):
+    """View ``axis`` as ``[2, I/64, 64]`` (logical order) or ``[I/64, 2, 64]`` (gated order) and
+    swap the first two factors."""
     axis = axis % x.ndim
     n = x.shape[axis]
-    y = x.reshape(x.shape[:axis] + (n // (2 * GATE_HALF), 2, GATE_HALF) + x.shape[axis + 1:])
+    if n % (2 * GATE_HALF):
+        raise ShapeError(f"interleave_gate_up: 2·I = {n} along axis {axis} is not a multiple of {2 * GATE_HALF}")
+    halves = (n // (2 * GATE_HALF), 2) if inverse else (2, n // (2 * GATE_HALF))
+    y = x.reshape(x.shape[:axis] + halves + (GATE_HALF,) + x.shape[axis + 1:])
     return y.swapaxes(axis, axis + 1).reshape(x.shape)
 
 

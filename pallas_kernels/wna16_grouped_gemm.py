@@ -176,7 +176,7 @@ def _block_tiles(w_ref, s_ref, z_ref, e, kb, cols, *, bits, group, has_zp, dtype
 # ----------------------------------------------------------------------------- epilogues
 
 
-def _act_pair(name, g, u):
+def act_pair(name, g, u):
     """``act(gate) · up`` for the activations the gated epilogue fuses (float32 in and out)."""
     if name == "silu":
         return g / (1.0 + jnp.exp(-g)) * u
@@ -253,7 +253,7 @@ def _gemm_kernel(eid_ref, a_ref, w_ref, s_ref, z_ref, rs_ref, b_ref, o_ref, *, b
         if has_rs:
             r = rs_ref[i] if pair_top_k else rs_ref[...][:, None]
             accs = [acc * r for acc in accs]
-        res = _act_pair(act, accs[0], accs[1]) if gated else accs[0]
+        res = act_pair(act, accs[0], accs[1]) if gated else accs[0]
         o_ref[...] = res.astype(o_ref.dtype)
 
 
