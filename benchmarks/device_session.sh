@@ -192,6 +192,23 @@ elif [ "$part" = 17 ]; then    # next: 1-token layers in fewer launches — GEMM
         --variants "wgmma=kernel:wgmma;s1=kernel:wgmma,split1:1;s1 sfold=kernel:wgmma,split1:1,sfold:1;wgmma 2=kernel:wgmma;s1 2=kernel:wgmma,split1:1;s1 sfold 2=kernel:wgmma,split1:1,sfold:1"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_1tok.log"
+elif [ "$part" = 18 ]; then    # v9: stages fitted to shared memory (64-row blocks failed in part 16 at
+    # 288 KB), so 64-row blocks against their padding and weight re-reads at the 512- and 4096-token
+    # rows; the inverse-order gather for the top-k sum again now that GEMM2 writes [M, N] (tout);
+    # the new block rule at decode (Mixtral 32 / 64 tokens: 16 / 32-row blocks, DeepSeek-V2-Lite
+    # 64: 16); the layer GPU tests first (incl. 64-row blocks with fitted stages)
+    gpu_tests 220 "wgmma_gpu_shapes and awq"
+    V="wgmma=kernel:wgmma;bm64=kernel:wgmma,block_m:64;gather=kernel:wgmma,combine:gather"
+    logged "sweep_prefill" 190 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 3 \
+        --variants "$V;wgmma 2=kernel:wgmma;bm64 2=kernel:wgmma,block_m:64;gather 2=kernel:wgmma,combine:gather"
+    logged "sweep_decode" 110 python3 benchmarks/moe_engine.py --sweep --rows mixtral:32,64 dsv2lite:64 --reps 10 \
+        --variants "wgmma=kernel:wgmma;bm8=kernel:wgmma,block_m:8;bm16=kernel:wgmma,block_m:16;wgmma 2=kernel:wgmma"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log" "$OUT/sweep_decode.log"
+elif [ "$part" = 19 ]; then    # v9: the layer table on the v9 defaults, three shapes
+    logged "table" 540 python3 benchmarks/moe_engine.py --rows qwen3 dsv2lite mixtral --reps 5 \
+        --skip "engine GPTQ,engine←Marlin" --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -37,6 +37,7 @@ grid, 8-bit codes.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -184,6 +185,39 @@ def _words_dims(words, k):
     return (*words.shape, None)
 
 
+# Shared memory one thread block may use on sm_90 (H100 / H200): 227 KB. Mosaic GPU rejects a
+# kernel above it only when it compiles, on the GPU; :func:`wgmma_smem_bytes` lets the layer fit
+# its stage count and the kernel refuse a configuration with a clear error on any machine.
+SMEM_LIMIT = 232448
+_SMEM_ALIGN = 1024    # Mosaic GPU aligns every shared-memory allocation to 1 KB
+
+
+def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blocks: int, ws: bool = False,
+                     tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
+                     channelwise: bool = False) -> int:
+    """Shared memory of one :func:`wgmma_grouped_gemm` program, as Mosaic GPU allocates it: the
+    block → expert ids, one ``stages``-deep buffer per pipelined operand (words: 64 bytes per
+    column and K-block; activations; scales; zero points; ``Σx`` with ``zfold``) and, with
+    ``tout``, the output tile — beside the pipeline with ``ws`` (both compute warpgroups'
+    tiles), after it without (its scope opens when the pipeline's has closed). Each allocation is
+    rounded up to 1 KB; 512 bytes cover the barriers. ``stages`` is the ring depth in effect
+    (``min(stages, steps)``)."""
+    def al(b):
+        return -(-b // _SMEM_ALIGN) * _SMEM_ALIGN
+
+    cols = 2 * block_n if ws else block_n
+    bufs = [stages * cols * 64 * kpb, stages * block_m * BLOCK_K * kpb * 2,
+            stages * (1 if channelwise else kpb) * cols * 2]
+    if has_zp:
+        bufs.append(bufs[-1])
+    if zfold:
+        bufs.append(stages * kpb * max(IDS_PAD, block_m) * 4)
+    ring = sum(al(b) for b in bufs)
+    out = al((2 if ws else 1) * block_m * (block_n // 2 if gated else block_n) * 2) if tout else 0
+    ids = al(-(-n_blocks // IDS_PAD) * IDS_PAD * 4)
+    return ids + (ring + out if ws else max(ring, out)) + 512
+
+
 def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
     m, k = a.shape
     e, n, kw, tile_n = _words_dims(words, k)
@@ -304,6 +338,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
                           f"activations' dtype) with split_k=1; got {odt.name} with split_k={split_k}")
     chunk = n_kb // split_k // kpb            # pipeline steps per program
+    need = wgmma_smem_bytes(block_m=block_m, block_n=bn, kpb=kpb, stages=max(2, min(stages, chunk)) if overlap
+                            else min(stages, chunk), n_blocks=expert_ids.shape[0], ws=ws, tout=tout,
+                            gated=gated is not None, has_zp=zeros is not None, zfold=zfold,
+                            channelwise=group_size == -1)
+    if need > SMEM_LIMIT:
+        raise ConfigError(f"wgmma_grouped_gemm: block_m={block_m}, block_n={bn}, kpb={kpb}, stages={stages}"
+                          f"{', ws' if ws else ''}{', tout' if tout else ''} need {need} bytes of shared memory "
+                          f"per program, more than the {SMEM_LIMIT} an H100/H200 thread block may use: fewer "
+                          f"stages, a smaller kpb or block_m, or tout=False")
     dtype = a.dtype
     bm = block_m
     # block → expert ids as [R, 32] int32 rows: TMA moves multiples of 128 bytes and at most
@@ -738,9 +781,23 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
 
 
 def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per expert block: the average rows per expert rounded up to a power of two, 8 to 128."""
-    avg = max(1, -(-num_pairs // max(num_experts, 1)))
-    return min(128, max(8, 1 << (avg - 1).bit_length()))
+    """Rows per expert block, 8 to 128: the average rows per expert rounded up to a power of two —
+    or, where that leaves small blocks, a block that holds the average plus two standard deviations
+    of an expert's rows under uniform routing, up to 32 rows.
+
+    Every block of an expert reads all of that expert's weights, and with blocks of the average
+    size about half of the experts overflow into a second one, so a bandwidth-bound layer reads its
+    weights ~1.5 times. Measured (NOTES v9, part 16): Mixtral at 64 tokens (16 ± 3.7 rows per
+    expert) 405–415 µs in 16-row blocks, 357 in 32-row ones; DeepSeek-V2-Lite at 64 tokens
+    (6 ± 2.4) 179–188 in 8-row, 176 in 16-row blocks. Larger blocks are not yet measured against
+    their padding, so above 32 rows the average rule stands."""
+    e = max(num_experts, 1)
+    avg = max(1, -(-num_pairs // e))
+    base = min(128, max(8, 1 << (avg - 1).bit_length()))
+    mean = num_pairs / e
+    hold = math.ceil(mean + 2.0 * math.sqrt(num_pairs * (1.0 / e) * (1.0 - 1.0 / e)))
+    want = 1 << max(hold - 1, 0).bit_length()
+    return max(base, want) if want <= 32 else base
 
 
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",
@@ -753,7 +810,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     fuse_act: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
-    ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step);
+    ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
+    :func:`wgmma_block_m`);
     ``"pair"``: no alignment — every routed pair is its own 8-row block (row 0 holds the token,
     rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
     experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
@@ -763,8 +821,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
     ``stages``: pipeline depth; default: 2 for blocks of up to 32 rows whose programs stream 8 or
-    more steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4 (2 at 128-row
-    wide blocks, 3 at 128-row blocks with ``tout``, for shared memory). ``shift32`` (default on): the kernel's 32-bit nibble
+    more steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4; given or default,
+    lowered until the program fits the 227 KB of shared memory (:func:`wgmma_smem_bytes`): 3 at
+    128-row blocks with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no
+    ``tout`` at 128-row blocks with 256-deep steps. ``shift32`` (default on): the kernel's 32-bit nibble
     extraction. ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
@@ -837,19 +897,26 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
-        # 128-row blocks with 256-deep steps already run 2 stages: no room for the output tile
-        # (234.5 KB > 227 KB on the H200, GPU layer test of part 14)
-        tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout)) and not (kpb == 2 and bm >= 128)
+        tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
         if stages is not None:
-            st = min(stages, 2) if kpb == 2 and bm >= 128 else stages         # shared memory: 227 KB
+            st = stages
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
             st = 2 if bm <= 32 and steps // s >= 8 else 4
-            st = 2 if kpb == 2 and bm >= 128 else st
-        if tr and bm >= 128:          # the [bm, bn] output tiles need the room of one stage
-            st = min(st, 3)
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
         want_ws = bm >= 32 if ws is None else ws
         wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+
+        def smem(st, tr):
+            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=min(st, steps // s), n_blocks=experts.shape[0],
+                                    ws=wsp, tout=tr, gated=gated is not None, has_zp=ops[2] is not None,
+                                    zfold=fold and not sfold, channelwise=group == -1)
+        # shared memory (227 KB): fewer stages, down to 2, then no output tile — e.g. 3 stages at
+        # 128-row blocks with the output tile (the measured default, NOTES v8), 2 at 64-row blocks
+        # with 256-deep steps (288 KB at 4 stages: part 16), none at 128-row ones (234.5 KB at 2)
+        while st > 2 and smem(st, tr) > SMEM_LIMIT:
+            st -= 1
+        if tr and smem(st, tr) > SMEM_LIMIT:
+            tr = False
         out = wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                  zfold=fold and not sfold, sfold=fold and sfold,

@@ -665,6 +665,14 @@ def test_wgmma_rejects_bad_input():
         wgmma_grouped_gemm(a, ids, w16, sc, block_m=16, split_k=3)
     with pytest.raises(ConfigError, match="block_n"):
         wgmma_grouped_gemm(a, ids, w16, sc, block_m=16, block_n=96)
+    s = jax.ShapeDtypeStruct       # a program that would not fit the H100/H200's shared memory
+    big = (s((128, 2048), jnp.bfloat16), s((2,), jnp.int32), s((2, 256, 512), jnp.int16),
+           s((2, 16, 256), jnp.bfloat16), s((2, 16, 256), jnp.bfloat16))
+    with pytest.raises(ConfigError, match="shared memory"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, block_n=128, ws=True, kpb=2, wide=True,
+                                  stages=4)).trace(*big)
+    jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, block_n=128, ws=True, kpb=2, wide=True,
+                              stages=3)).trace(*big)
     rng = np.random.default_rng()
     w, x, tw, ids2, _ = _layer_case(rng, SCHEMES["awq_g128"], 4, 256, 256, 3, 2)
     wg = convert_wgmma(w.to_jax())
@@ -739,6 +747,17 @@ def test_fused_moe_wgmma_gated_cpu(monkeypatch, key):
             _layer_close(got, ref, what=f"{act} fuse_act={fuse} bias={bias} {schedule}")
 
 
+def test_wgmma_block_m():
+    """Block rows per shape (NOTES v9): the average rows per expert rounded up to a power of two,
+    raised to hold the average + 2 sd (uniform routing) while that stays within 32 rows."""
+    from pallas_kernels.wgmma_w4a16 import wgmma_block_m
+
+    cases = {(2, 8): 8, (32, 8): 8, (64, 8): 16, (128, 8): 32, (1024, 8): 128, (8192, 8): 128,   # Mixtral
+             (512, 128): 8, (4096, 128): 32, (32768, 128): 128,                                 # Qwen3
+             (96, 64): 8, (384, 64): 16, (3072, 64): 64, (1, 1): 8}                             # DeepSeek-V2-Lite
+    assert {c: wgmma_block_m(*c) for c in cases} == cases
+
+
 def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
     2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; zfold only up to 16 rows
@@ -796,6 +815,17 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     assert opts(picks(block_m=128, tout=False)[2048], *names) == (128, 4, 1, False, False, False, True)
     assert opts(picks(block_m=128, wide=True)[2048], *names) == (128, 2, 2, True, False, False, True)
     assert opts(picks(block_m=8, stages=3, overlap=True)[2048], *names) == (8, 3, 2, True, True, False, False)
+    # 64-row blocks with 256-deep steps: 4 stages (288 KB with the output tile, part 16) do not fit
+    # the 227 KB of shared memory: 3 for GEMM1; GEMM2 (one K-block: 128-deep steps) keeps 4
+    o = picks(block_m=64)
+    assert opts(o[2048], *names) == (64, 3, 2, True, False, False, True) and o[2048]["tout"] == tr
+    assert opts(o[128], *names) == (64, 4, 1, False, False, False, True) and o[128]["tout"] == tr
+    assert picks(block_m=64, stages=6)[2048]["stages"] == 3                 # explicit stages are fitted too
+    for bm in (8, 16, 32, 64, 128):                                          # every pick fits
+        for k_, kw in picks(block_m=bm).items():
+            assert wgm.wgmma_smem_bytes(block_m=bm, block_n=kw["block_n"], kpb=kw["kpb"], n_blocks=1,
+                                        stages=min(kw["stages"], k_ // 128 // kw["kpb"] // kw["split_k"]), ws=kw["ws"], tout=kw["tout"], gated=kw["gated"] is not None,
+                                        zfold=kw["zfold"]) <= wgm.SMEM_LIMIT, (bm, k_, kw)
     # 128-deep steps: 16 per program (DeepSeek-V2-Lite's odd K-block count takes this path)
     assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False, False)
     assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False, False)   # 2 steps
@@ -1166,7 +1196,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
         prefill = (dict(block_m=64, block_n=64, stages=2, overlap=True), dict(block_m=128, wide=True, shift32=False),
                    dict(block_m=128, overlap=True), dict(block_m=128, ws=True, out16=False),
                    dict(block_m=32, block_n=64, ws=True), dict(block_m=128, tout=True), dict(block_m=32, tout=True),
-                   dict(combine="gather"), dict(block_m=128, fuse_act=False), dict(block_m=32, fuse_act=False))
+                   dict(combine="gather"), dict(block_m=128, fuse_act=False), dict(block_m=32, fuse_act=False),
+                   dict(block_m=64))                     # stages fitted to shared memory (3 / 2 with tout)
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
