@@ -205,10 +205,18 @@ elif [ "$part" = 18 ]; then    # v9: stages fitted to shared memory (64-row bloc
         --variants "wgmma=kernel:wgmma;bm8=kernel:wgmma,block_m:8;bm16=kernel:wgmma,block_m:16;wgmma 2=kernel:wgmma"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_prefill.log" "$OUT/sweep_decode.log"
-elif [ "$part" = 19 ]; then    # v9: the layer table on the v9 defaults, three shapes
-    logged "table" 540 python3 benchmarks/moe_engine.py --rows qwen3 dsv2lite mixtral --reps 5 \
-        --skip "engine GPTQ,engine←Marlin" --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
-    grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table.log"
+elif [ "$part" = 19 ]; then    # v9: the expert sort by counting (auto from 1024 pairs) against one sort,
+    # on the v9 defaults (inverse-order gather for the top-k sum); the two GPTQ channelwise layer tests
+    # part 17 did not reach; the wgmma AWQ / GPTQ columns of the layer table, three shapes
+    gpu_tests 190 "wgmma_gpu_shapes and gptq4_channel and (mixtral or qwen3)"
+    logged "sweep_align" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 3 \
+        --variants "wgmma=kernel:wgmma;sort=kernel:wgmma,align:sort;wgmma 2=kernel:wgmma;sort 2=kernel:wgmma,align:sort"
+    logged "table_wgmma" 190 python3 benchmarks/moe_engine.py --rows qwen3 dsv2lite mixtral --reps 5 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_align.log"
+    grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -243,14 +243,14 @@ def _local(topk_ids, expert_map, gne, e):
     return local, bad
 
 
-def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e):
+def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, method="auto"):
     """The routed pairs sorted by expert into ``bm``-row blocks, keeping only the blocks that can
     be non-empty. Returns ``(nb, block_expert [nb], row_expert [nb·bm], valid, flat pair id,
     token)`` per row (``valid`` false on padding rows; ids out of range count as expert 0 and the
     caller NaNs their tokens)."""
     t, k = topk_ids.shape
     aligned = moe_align_block_size(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
-                                   ignore_invalid_experts=True)
+                                   ignore_invalid_experts=True, method=method)
     nb = min(max_blocks(t * k, bm, e), aligned.expert_ids.shape[0])
     ids = aligned.sorted_token_ids[:nb * bm]
     experts = aligned.expert_ids[:nb]

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from wna16_jax.errors import ConfigError, DTypeError, ShapeError
+from wna16_jax.routing import ALIGN_METHODS
 from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
 from .wna16_grouped_gemm import FUSED_ACTIVATIONS as GATED_ACTIVATIONS
@@ -806,8 +807,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     sfold: bool = False, overlap: bool = False, ws: bool | None = None,
-                    out16: bool | None = None, tout: bool | None = None, combine: str = "scatter",
-                    fuse_act: bool | None = None):
+                    out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
+                    fuse_act: bool | None = None, align: str = "auto"):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -847,10 +848,15 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     4096 tokens 5527 vs 6003–6026; NOTES.md v8; at 8 rows the GEMM was slower, 325 vs 291 µs);
     never at 128-row blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory
     for the output tile.
-    ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"scatter"`` (a
-    ``segment_sum`` over the sorted rows; default) or ``"gather"`` (each token gathers its k rows
-    through the inverse of the row order: no scatter-add of ``[rows, H]``; measured no faster,
-    NOTES.md v8).
+    ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"gather"`` (each
+    token gathers its k rows through the inverse of the row order; default since v9: Qwen3 4096
+    tokens 1072–1150 vs 1256–1268 µs with GEMM2 writing ``[M, N]`` tiles, Qwen3 512 and Mixtral
+    512 within the spread, NOTES.md v9) or ``"scatter"`` (a ``segment_sum`` over the sorted rows,
+    a scatter-add of ``[rows, H]``; v8 measured no difference while XLA still transposed GEMM2's
+    output).
+    ``align`` (blocked schedule): how the routed pairs are sorted by expert
+    (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"`` or
+    ``"auto"``, the same order).
     ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
@@ -865,6 +871,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     act = check_activation(activation)
     if combine not in ("scatter", "gather"):
         raise ConfigError(f"combine: expected 'scatter' or 'gather', got {combine!r}")
+    if align not in ALIGN_METHODS:
+        raise ConfigError(f"align: expected one of {ALIGN_METHODS}, got {align!r}")
     t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
                                                     global_num_experts)
     if t == 0:
@@ -943,7 +951,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         expert_of_row = experts
     else:
         bm = block_m or wgmma_block_m(t * k, e)
-        _, experts, row_expert, live, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+        _, experts, row_expert, live, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, align)
         tw_rows = jnp.where(live, tw[flat], 0.0)
 
         def spread(rows):

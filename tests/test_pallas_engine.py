@@ -684,6 +684,8 @@ def test_wgmma_rejects_bad_input():
         fused_moe_wgmma(x, tw, ids2, wg, schedule="stream")
     with pytest.raises(ConfigError, match="combine"):
         fused_moe_wgmma(x, tw, ids2, wg, combine="atomic")
+    with pytest.raises(ConfigError, match="align"):
+        fused_moe_wgmma(x, tw, ids2, wg, align="radix")
 
 
 _GLUE_CASES = [(3, False, False, False, "silu"), (40, True, True, False, "silu"), (9, True, False, True, "gelu_tanh")]
@@ -709,13 +711,14 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     wg = wgm.convert_wgmma(w.to_jax())
     wide = schedule == "wide"                           # 256-deep steps: splits must divide K-blocks / 2
     ref = _reference(w, x, tw, ids, em, activation=activation, on_input=on_input)
-    # the top-k sum of sorted rows: segment_sum (default) and, blocked only, the inverse-order gather
-    for combine in ("scatter",) + (() if schedule == "pair" else ("gather",)):
+    # the top-k sum of sorted rows (blocked only): the inverse-order gather (default) and
+    # segment_sum; the expert sort by one sort and by counting
+    for combine, align in (("gather", "count"),) + (() if schedule == "pair" else (("scatter", "sort"),)):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
                                         schedule=None if wide else schedule, wide=True if wide else None,
-                                        apply_router_weight_on_input=on_input, combine=combine))(
+                                        apply_router_weight_on_input=on_input, combine=combine, align=align))(
             x, tw, ids, wg, expert_map=em)
-        _layer_close(got, ref, what=f"combine={combine}")
+        _layer_close(got, ref, what=f"combine={combine} align={align}")
 
 
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))

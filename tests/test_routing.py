@@ -48,7 +48,7 @@ J_GROUPED = jax.jit(
     ),
 )
 J_ALIGN = jax.jit(
-    moe_align_block_size, static_argnames=("block_size", "num_experts", "ignore_invalid_experts")
+    moe_align_block_size, static_argnames=("block_size", "num_experts", "ignore_invalid_experts", "method")
 )
 J_DISPATCH = jax.jit(
     dispatch_batched,
@@ -263,7 +263,8 @@ def test_grouped_topk_one_group_equals_fused_topk():
 
 # (T, k, E, block_size); several have T*k < E
 ALIGN_CONFIGS = [(1, 1, 4, 1), (3, 2, 16, 4), (2, 2, 64, 16), (16, 4, 8, 4), (33, 2, 8, 16),
-                 (40, 6, 24, 3), (64, 8, 64, 8)]
+                 (40, 6, 24, 3), (64, 8, 64, 8),
+                 (300, 2, 8, 16), (130, 8, 32, 8)]    # the counting sort over 3 and 5 chunks (auto: count)
 
 
 def check_blocks_belong(aligned: AlignedBlocks, flat_owner, n, bs):
@@ -287,8 +288,9 @@ def check_blocks_belong(aligned: AlignedBlocks, flat_owner, n, bs):
     mode=st.sampled_from(["none", "legacy", "ignore"]),
     skew=st.booleans(),
     seed=SEEDS,
+    method=st.sampled_from(["auto", "sort", "count"]),
 )
-def test_moe_align_matches_brute_force(cfg, mode, skew, seed):
+def test_moe_align_matches_brute_force(cfg, mode, skew, seed, method):
     T, k, E, bs = cfg
     rng = np.random.default_rng(seed)
     ids = random_topk_ids(rng, T, k, E, skew)
@@ -297,7 +299,7 @@ def test_moe_align_matches_brute_force(cfg, mode, skew, seed):
     flat = [int(x) for x in ids.reshape(-1)]
     max_padded = ref_max_padded(n, bs, E)
     if mode == "none":
-        out = J_ALIGN(ids, block_size=bs, num_experts=E)
+        out = J_ALIGN(ids, block_size=bs, num_experts=E, method=method)
         want_ids, want_eids, want_post = ref_align(flat, E, bs, max_padded, n)
         owner = flat
     else:
@@ -305,7 +307,7 @@ def test_moe_align_matches_brute_force(cfg, mode, skew, seed):
         em_copy = em.copy()
         ignore = mode == "ignore"
         out = J_ALIGN(ids, expert_map=em, block_size=bs, num_experts=E,
-                      ignore_invalid_experts=ignore)
+                      ignore_invalid_experts=ignore, method=method)
         if ignore:
             keys = [int(em[x]) for x in flat]  # -1 never matches a bucket
             want_ids, want_eids, want_post = ref_align(keys, E, bs, max_padded, n)
@@ -351,7 +353,7 @@ def test_moe_align_is_a_pytree():
 def test_moe_align_out_of_range_under_jit_is_skipped():
     rng = np.random.default_rng()
     T, k, E, bs = 16, 4, 8, 4
-    for mode in ("none", "legacy", "ignore"):
+    for mode, method in [(m, a) for m in ("none", "legacy", "ignore") for a in ("sort", "count")]:
         ids = random_topk_ids(rng, T, k, E, False)
         bad = rng.random((T, k)) < 0.2
         ids[bad] = rng.choice([-3, -1, E, E + 5, 1000], size=int(bad.sum()))
@@ -360,12 +362,12 @@ def test_moe_align_out_of_range_under_jit_is_skipped():
         valid_keys = [x if 0 <= x < E else -1 for x in flat]
         max_padded = ref_max_padded(n, bs, E)
         if mode == "none":
-            out = J_ALIGN(ids, block_size=bs, num_experts=E)
+            out = J_ALIGN(ids, block_size=bs, num_experts=E, method=method)
             want_ids, want_eids, _ = ref_align(valid_keys, E, bs, max_padded, n)
         else:
             _, em = random_expert_map(rng, E)
             out = J_ALIGN(ids, expert_map=em, block_size=bs, num_experts=E,
-                          ignore_invalid_experts=mode == "ignore")
+                          ignore_invalid_experts=mode == "ignore", method=method)
             if mode == "ignore":
                 keys = [int(em[x]) if x >= 0 else -1 for x in valid_keys]
                 want_ids, want_eids, _ = ref_align(keys, E, bs, max_padded, n)
@@ -609,6 +611,7 @@ ERROR_CASES = [
      ValueRangeError, ["topk_ids", "9"]),
     ("block_size", lambda: moe_align_block_size(_IDS, 0, 8), ConfigError, ["block_size"]),
     ("num_experts", lambda: moe_align_block_size(_IDS, 4, 0), ConfigError, ["num_experts"]),
+    ("align method", lambda: moe_align_block_size(_IDS, 4, 8, method="radix"), ConfigError, ["method", "radix"]),
     ("align topk > E", lambda: moe_align_block_size(np.zeros((2, 5), I32), 4, 4),
      ConfigError, ["topk"]),
     ("map shape", lambda: moe_align_block_size(_IDS, 4, 8, np.zeros(7, I32)),

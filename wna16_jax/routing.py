@@ -325,12 +325,44 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
     return -(-size // block_size) * block_size
 
 
-def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
+ALIGN_METHODS = ("auto", "sort", "count")
+COUNT_MIN_PAIRS = 1024      # "auto" counts from this many routed pairs on (sorts below)
+_COUNT_CHUNK = 256
+
+
+def _counting_order(k, num_keys: int):
+    """``argsort(k, stable=True)`` for keys in ``[0, num_keys)``, by counting instead of sorting.
+
+    The positions are cut into chunks of 256; a key's sorted position is the keys below it in
+    the whole array, plus its equals in earlier chunks (a per-chunk count table, cumulated over
+    chunks), plus its equals earlier in its own chunk (a 256 × 256 comparison per chunk). Every
+    step is a small scatter, gather or reduction — no sort passes (XLA's GPU sort of 32768 int32
+    keys took ~100 µs in four radix passes, NOTES v9)."""
+    n = k.shape[0]
+    c = min(_COUNT_CHUNK, n)
+    nc = -(-n // c)
+    kc = jnp.pad(k, (0, nc * c - n), constant_values=num_keys).reshape(nc, c)   # padding sorts last
+    nk = num_keys + 1
+    per_chunk = jnp.zeros((nc, nk), jnp.int32).at[jnp.arange(nc, dtype=jnp.int32)[:, None], kc].add(1)
+    total = per_chunk.sum(0)
+    start = jnp.cumsum(total) - total                             # keys below, whole array
+    before = jnp.cumsum(per_chunk, axis=0) - per_chunk            # equal keys in earlier chunks
+    r = jnp.arange(c, dtype=jnp.int32)
+    within = ((kc[:, :, None] == kc[:, None, :]) & (r[None, :] < r[:, None])).sum(-1, dtype=jnp.int32)
+    pos = start[kc] + jnp.take_along_axis(before, kc, axis=1) + within
+    order = jnp.zeros((nc * c,), jnp.int32).at[pos.reshape(-1)].set(jnp.arange(nc * c, dtype=jnp.int32),
+                                                                    unique_indices=True)
+    return order[:n]
+
+
+def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: int, sentinel: int,
+                  method: str = "auto"):
     """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad.
 
-    Written for the GPU's few-launch needs: one int32 sort (no payload), gathers instead of a
-    scatter for the padded list, and a compare-all ``searchsorted`` (the default binary search
-    is a loop of small launches)."""
+    Written for the GPU's few-launch needs: one int32 sort (no payload) or, with ``method``
+    ``"count"`` (``"auto"``: from :data:`COUNT_MIN_PAIRS` positions on), :func:`_counting_order`
+    — the same order —, gathers instead of a scatter for the padded list, and a compare-all
+    ``searchsorted`` (the default binary search is a loop of small launches)."""
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
@@ -343,7 +375,9 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
     if n == 0:
         return jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post
-    if (num_buckets + 1) * n < 2 ** 31:      # stable order from one sort of unique keys
+    if method == "count" or (method == "auto" and n >= COUNT_MIN_PAIRS):
+        order = _counting_order(k, num_buckets + 1)
+    elif (num_buckets + 1) * n < 2 ** 31:    # stable order from one sort of unique keys
         order = (jnp.sort(k * n + jnp.arange(n, dtype=jnp.int32)) % n).astype(jnp.int32)
     else:
         order = jnp.argsort(k, stable=True).astype(jnp.int32)
@@ -365,6 +399,7 @@ def moe_align_block_size(
     expert_map=None,
     *,
     ignore_invalid_experts: bool = False,
+    method: str = "auto",
 ) -> AlignedBlocks:
     """Sort flat token ids by expert and pad each expert's run to whole blocks (spec §1.2).
 
@@ -382,7 +417,13 @@ def moe_align_block_size(
 
     Out-of-range ids raise :class:`ValueRangeError` when ``topk_ids`` is concrete; under jit
     they are skipped (never counted, never listed) in both modes.
+
+    ``method`` (the same result either way): ``"sort"`` — one int32 sort; ``"count"`` — a
+    counting sort in chunks (:func:`_counting_order`); ``"auto"`` — counting from
+    :data:`COUNT_MIN_PAIRS` routed pairs on.
     """
+    if method not in ALIGN_METHODS:
+        raise ConfigError(f"method: expected one of {ALIGN_METHODS}, got {method!r}")
     topk_ids = _as_array("topk_ids", topk_ids)
     _check_rank("topk_ids", topk_ids, 2, "[num_tokens, topk]")
     _check_int("topk_ids", topk_ids)
@@ -405,7 +446,7 @@ def moe_align_block_size(
         valid = valid & (local >= 0) & (local < num_experts)
         keys = local
     sorted_ids, block_expert, post = _align_sorted(
-        keys, valid, num_experts, block_size, max_padded, n
+        keys, valid, num_experts, block_size, max_padded, n, method
     )
     if expert_map is not None and not ignore_invalid_experts:
         mapped = expert_map[jnp.clip(block_expert, 0, num_experts - 1)]
