@@ -336,8 +336,9 @@ def _counting_order(k, num_keys: int):
     The positions are cut into chunks of 256; a key's sorted position is the keys below it in
     the whole array, plus its equals in earlier chunks (a per-chunk count table, cumulated over
     chunks), plus its equals earlier in its own chunk (a 256 × 256 comparison per chunk). Every
-    step is a small scatter, gather or reduction — no sort passes (XLA's GPU sort of 32768 int32
-    keys took ~100 µs in four radix passes, NOTES v9)."""
+    step is a small scatter, gather or reduction — no sort passes (XLA's GPU sort of the routed
+    pairs took 32 µs of Qwen3's 512-token layer and ~34 µs, four radix passes and their memsets,
+    of its 4096-token one: NOTES v9)."""
     n = k.shape[0]
     c = min(_COUNT_CHUNK, n)
     nc = -(-n // c)
