@@ -217,6 +217,14 @@ elif [ "$part" = 19 ]; then    # v9: the expert sort by counting (auto from 1024
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_align.log"
     grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
+elif [ "$part" = 20 ]; then    # v9: the one-kernel decode layer (pallas_kernels/wgmma_decode.py): its first
+    # GPU run — the layer tests at 1/2 tokens (three calls in a row: the semaphores reset), then 1 token
+    # against the two-kernel layer. Fits the last ~4 device minutes of the tenth session
+    gpu_tests 100 "decode_layer_gpu and awq and (qwen3 or dsv2lite)"
+    logged "sweep_one" 80 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1;wgmma 2=kernel:wgmma;one 2=kernel:wgmma,one_kernel:1"
+    grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_one.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -808,7 +808,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     sfold: bool = False, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
-                    fuse_act: bool | None = None, align: str = "auto"):
+                    fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -857,6 +857,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``align`` (blocked schedule): how the routed pairs are sorted by expert
     (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"`` or
     ``"auto"``, the same order).
+    ``one_kernel`` (pair schedule; off by default until timed on the GPU): GEMM1, the activation
+    and GEMM2 in one persistent kernel (:func:`pallas_kernels.wgmma_decode.wgmma_decode_layer`),
+    where the fused activation applies (``fuse_act``), without act-order permutations, a ``w2``
+    bias, or a ``block_n`` other than 128; asking for it elsewhere raises :class:`ConfigError`
+    with the reason. XLA then only spreads the rows before it and sums the top-k rows after it.
     ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
@@ -934,6 +939,28 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
+    if one_kernel:
+        why = ("the schedule is not 'pair'" if schedule != "pair" else
+               "the activation is not fused in GEMM1 (fuse_act: interleaved w13, block_n=128, silu or "
+               "gelu_tanh, no w13 bias, router weight not on the input)" if not fuse else
+               "act-order permutations" if weights.w13_perm is not None or weights.w2_perm is not None else
+               "a w2 bias" if weights.w2_bias is not None else
+               "32-bit words" if jnp.dtype(weights.w13_words.dtype) != jnp.dtype(jnp.int16) else
+               f"jax {jax.__version__} < 0.11" if not TRANSPOSED_STORE else
+               f"H={h_dim} is not a multiple of 128" if h_dim % 128 else None)
+        if why:
+            raise ConfigError(f"one_kernel=True: the one-kernel decode layer does not apply here: {why}")
+    if one_kernel and schedule == "pair":
+        from .wgmma_decode import wgmma_decode_layer
+
+        experts = local.reshape(-1)
+        live = experts >= 0
+        rows = hidden_states[jnp.arange(t * k) // k].astype(cdt)
+        a1 = jnp.pad(rows[:, None, :], ((0, 0), (0, 7), (0, 0))).reshape(-1, h_dim)
+        y = wgmma_decode_layer(a1, experts, *ops1, *ops2, activation=activation)
+        y = y.reshape(t * k, 8, h_dim)[:, 0].astype(jnp.float32) * jnp.where(live, tw, 0.0)[:, None]
+        out = y.reshape(t, k, h_dim).sum(1)
+        return jnp.where(bad.any(axis=1)[:, None], jnp.nan, out).astype(cdt)
     if schedule == "pair":
         bm = 8
         experts = local.reshape(-1)                                              # [P], -1: no expert

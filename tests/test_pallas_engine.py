@@ -761,6 +761,99 @@ def test_wgmma_block_m():
     assert {c: wgmma_block_m(*c) for c in cases} == cases
 
 
+def _emulated_decode_layer(a, experts, w13, s13, z13, w2, s2, z2, *, activation="silu", **_):
+    """``wgmma_decode_layer``'s contract in jnp: the gated GEMM1 of 8-row pair blocks, rounded to
+    the activation dtype, then GEMM2, rounded once (zero blocks for expert -1)."""
+    g1, g2 = (128 if s13.shape[1] > 1 else -1), (128 if s2.shape[1] > 1 else -1)
+    h = _emulated_wgmma_gemm(a, experts, w13, s13, z13, block_m=8, group_size=g1, block_n=128, gated=activation,
+                             out_dtype=a.dtype)[0]
+    return _emulated_wgmma_gemm(h, experts, w2, s2, z2, block_m=8, group_size=g2, out_dtype=a.dtype)[0]
+
+
+@pytest.mark.parametrize("key", ["awq_g128", "gptq4_channel"])
+def test_fused_moe_wgmma_one_kernel_cpu(monkeypatch, key):
+    """The layer's glue around the one-kernel decode layer (``one_kernel=True``: rows spread into
+    8-row pair blocks, the kernel, row 0 of each block times the router weight, the top-k sum) with
+    the kernel replaced by its jnp contract, against the float64 reference — 1 and 2 tokens, an
+    expert map that leaves pairs without a local expert, both gated activations; where it does not
+    apply it says why."""
+    import pallas_kernels.wgmma_decode as wgd
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return _emulated_decode_layer(*args, **kw)
+
+    monkeypatch.setattr(wgd, "wgmma_decode_layer", spy)
+    monkeypatch.setattr(wgm, "TRANSPOSED_STORE", True)           # the kernel itself needs jax >= 0.11
+    rng = np.random.default_rng()
+    for t, act, map_ in ((1, "silu", False), (2, "gelu_tanh", True), (1, "silu", True)):
+        w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES[key], 8, 256, 384, t, 2, map_=map_)
+        wg = wgm.convert_wgmma(w.to_jax())
+        calls.clear()
+        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=act, one_kernel=True))(x, tw, ids, wg,
+                                                                                              expert_map=em)
+        assert len(calls) == 1 and calls[0]["activation"] == act
+        _layer_close(got, _reference(w, x, tw, ids, em, activation=act), what=f"one_kernel {act} T={t}")
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES[key], 8, 256, 384, 1, 2, bias=True)
+    with pytest.raises(ConfigError, match="one_kernel=True.*not fused"):              # a w13 bias
+        wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), one_kernel=True)
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES[key], 8, 256, 384, 1, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+    with pytest.raises(ConfigError, match="one_kernel=True.*pair"):
+        wgm.fused_moe_wgmma(x, tw, ids, wg, one_kernel=True, block_m=8)
+    with pytest.raises(ConfigError, match="one_kernel=True.*not fused"):
+        wgm.fused_moe_wgmma(x, tw, ids, wg, one_kernel=True, apply_router_weight_on_input=True)
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["gptq4_g128_actorder"], 8, 256, 384, 1, 2)
+    with pytest.raises(ConfigError, match="one_kernel=True.*act-order"):
+        wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), one_kernel=True)
+
+
+def test_wgmma_decode_layer_lowers_and_checks():
+    """The one-kernel decode layer lowers to Mosaic GPU (jax >= 0.11; group 128 and channelwise,
+    with and without zero points, 256- and 128-deep steps) and rejects bad operands by name."""
+    from pallas_kernels.wgmma_decode import decode_layer_smem_bytes, wgmma_decode_layer
+    from pallas_kernels.wgmma_w4a16 import SMEM_LIMIT, TRANSPOSED_STORE
+
+    s = jax.ShapeDtypeStruct
+    e, h, i, p = 4, 512, 384, 3
+
+    def args(g1=4, g2=3, zp=True, dt=jnp.bfloat16, i=i, p=p):
+        return (s((p * 8, h), dt), s((p,), jnp.int32), s((e, 2 * i, h // 4), jnp.int16), s((e, g1, 2 * i), dt),
+                s((e, g1, 2 * i), dt) if zp else None, s((e, h, i // 4), jnp.int16), s((e, g2, h), dt),
+                s((e, g2, h), dt) if zp else None)
+
+    def lower(a, **kw):
+        return jax.jit(functools.partial(wgmma_decode_layer, **kw)).trace(*a).lower(lowering_platforms=("cuda",))
+
+    if TRANSPOSED_STORE:
+        for a, kw in ((args(), {}), (args(1, 1, zp=False, dt=jnp.float16), dict(activation="gelu_tanh")),
+                      (args(4, 1), dict(programs=7, stages=2))):
+            assert "mosaic_gpu" in lower(a, **kw).as_text()
+    else:
+        with pytest.raises(ConfigError, match="jax >= 0.11"):
+            lower(args())
+    bad = [((args()[0].update(dtype=jnp.float32),) + args()[1:], DTypeError, "a: expected"),
+           (args()[:1] + (s((p + 1,), jnp.int32),) + args()[2:], ShapeError, "experts"),
+           (args()[:2] + (s((e, 2 * i, h // 8), jnp.int32),) + args()[3:], ShapeError, "w13_words"),
+           (args()[:6] + (s((e, 2, h), jnp.bfloat16),) + args()[7:], ShapeError, "w2_scales"),
+           (args()[:4] + (s((e, 4, 2 * i), jnp.float16),) + args()[5:], DTypeError, "w13_zeros"),
+           (args()[:7] + (None,), ConfigError, "both GEMMs")]
+    for a, err, msg in bad:
+        with pytest.raises(err, match=msg):
+            lower(a)
+    with pytest.raises(ConfigError, match="activation"):
+        lower(args(), activation="relu")
+    big = (s((p * 8, 4096), jnp.bfloat16), args()[1], s((e, 2 * i, 1024), jnp.int16), s((e, 32, 2 * i), jnp.bfloat16),
+           s((e, 32, 2 * i), jnp.bfloat16), s((e, 4096, i // 4), jnp.int16), s((e, 3, 4096), jnp.bfloat16),
+           s((e, 3, 4096), jnp.bfloat16))                  # H = 4096: 16 steps of 256 in GEMM1
+    with pytest.raises(ConfigError, match="shared memory"):
+        lower(big, stages=12)
+    assert decode_layer_smem_bytes(kpb1=2, kpb2=2, stages1=4, stages2=4, num_pairs=8) <= SMEM_LIMIT
+
+
 def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
     2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; zfold only up to 16 rows
@@ -1163,6 +1256,29 @@ def test_fused_moe_gpu_shapes(shape, key):
                      dict(mode="blocked", dot="swap")):
             got = jax.jit(functools.partial(fused_moe_tiles, poison_outputs=True, **over))(x, tw, ids, tiles)
             _layer_close(got, ref, what=f"{over} T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", ["awq_g128", "gptq4_channel"])
+def test_wgmma_decode_layer_gpu(shape, key):
+    """The one-kernel decode layer (``one_kernel=True``) on the weights the table prepares, at 1
+    and 2 tokens with expert 0 never routed, three calls in a row with fresh inputs (its global
+    semaphores must be back at zero after each call), against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    from wna16_jax.backends import TABLE, Backend
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    layer = jax.jit(functools.partial(fused_moe_wgmma, one_kernel=True))
+    for t in (1, 2, 1):
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
+        tw, ids = routing.fused_topk(logits, k, renormalize=True)
+        _layer_close(layer(x, tw, ids, wg), _fast_reference(w, x, tw, ids), what=f"one_kernel T={t}")
 
 
 @pytest.mark.gpu
