@@ -3,9 +3,9 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite table, 6: the Mixtral /
-# Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran as part 13); 16 and 17
-# are the next session's first parts.
+# (v8), 16–20 in the tenth (v9); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
+# as part 13); 21 is the next session's first part.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -223,6 +223,16 @@ elif [ "$part" = 20 ]; then    # v9: the one-kernel decode layer (pallas_kernels
     gpu_tests 100 "decode_layer_gpu and awq and (qwen3 or dsv2lite)"
     logged "sweep_one" 80 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 --reps 10 \
         --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1;wgmma 2=kernel:wgmma;one 2=kernel:wgmma,one_kernel:1"
+    grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_one.log"
+elif [ "$part" = 21 ]; then    # next: what one launch costs per kind of kernel (the NOTES v9 guess: Mosaic GPU
+    # encodes its TMA descriptors on the host at every launch, and that paces 1-token layers), then the
+    # one-kernel decode layer's remaining GPU tests (Mixtral, GPTQ channelwise) and its 1-token timings
+    logged "launch" 100 python3 benchmarks/launch_overhead.py --reps 200
+    gpu_tests 150 "decode_layer_gpu and (mixtral or gptq4_channel)"
+    logged "sweep_one" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 qwen3:1,2 dsv2lite:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1;wgmma 2=kernel:wgmma;one 2=kernel:wgmma,one_kernel:1"
+    grep -E "^\||^#|rc " "$OUT/launch.log"
     grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_one.log"
 else
