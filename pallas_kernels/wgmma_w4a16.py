@@ -30,8 +30,9 @@ shared-memory buffers; ``wide=True`` (with ``kpb=2``) copies ``[BN, 64]`` word t
 outputs, ``[M, N]`` tiles through a transposed shared-memory store, and the gate/up activation
 (``gated``: GEMM1 writes ``act(gate)·up`` from its float32 accumulator, on weights whose columns
 :func:`convert_wgmma` stores in 64-column gate/up halves). Not yet: the router weight and the top-k
-sum in GEMM2's epilogue (the layer does them, the biases, and a K split's sum in XLA), a persistent
-grid, 8-bit codes.
+sum in GEMM2's epilogue (the layer does them, the biases, and a K split's sum in XLA), 8-bit codes.
+A persistent grid exists only for the whole decode layer in one kernel
+(:mod:`pallas_kernels.wgmma_decode`, the layer's ``one_kernel`` option).
 """
 
 from __future__ import annotations
