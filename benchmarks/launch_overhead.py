@@ -8,7 +8,7 @@ jitted program of ``--reps`` calls — a ``fori_loop`` and straight-line code, a
 
 * ``xla``: one XLA fusion (``x * a + b``);
 * ``mgpu regs``: a Mosaic GPU kernel that reads and writes global memory from registers (no
-  TMA descriptor);
+  TMA descriptor); ``mgpu regs 128 KB smem``: the same with 128 KB of shared memory;
 * ``mgpu tma 1`` / ``mgpu tma 8``: Mosaic GPU kernels that copy through shared memory with TMA,
   one input (2 descriptors: load and store) / eight inputs (9 descriptors);
 * ``triton``: a Pallas kernel on the Triton lowering (pointer loads, no descriptors).
@@ -38,6 +38,25 @@ def mgpu_regs():
 
     def kernel(x_gmem, y_gmem, o_gmem):
         o_gmem[...] = x_gmem[...] * jnp.asarray(0.999, x_gmem.dtype) + y_gmem[...]
+
+    def step(x, ys):
+        return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+                            grid_names=("g",))(x, ys[0])
+    return step
+
+
+def mgpu_regs_smem():
+    """As ``mgpu_regs``, plus 128 KB of (barely used) shared memory: a launch that must raise the
+    kernel's dynamic shared-memory limit, as the GEMM kernels do."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def kernel(x_gmem, y_gmem, o_gmem):
+        def body(scratch):
+            scratch[pl.ds(0, ROWS)] = x_gmem[...] * jnp.asarray(0.999, x_gmem.dtype)
+            plgpu.commit_smem()
+            o_gmem[...] = scratch[pl.ds(0, ROWS)] + y_gmem[...]
+        pl.run_scoped(body, plgpu.SMEM((256, COLS), jnp.bfloat16))
 
     def step(x, ys):
         return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
@@ -89,7 +108,8 @@ def triton():
     return step
 
 
-VARIANTS = {"xla": lambda: xla_step, "mgpu regs": mgpu_regs, "mgpu tma 1": lambda: mgpu_tma(1),
+VARIANTS = {"xla": lambda: xla_step, "mgpu regs": mgpu_regs, "mgpu regs 128 KB smem": mgpu_regs_smem,
+            "mgpu tma 1": lambda: mgpu_tma(1),
             "mgpu tma 8": lambda: mgpu_tma(8), "triton": triton}
 
 
