@@ -921,8 +921,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
 
         def smem(st, tr):
-            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=min(st, steps // s), n_blocks=experts.shape[0],
-                                    ws=wsp, tout=tr, gated=gated is not None, has_zp=ops[2] is not None,
+            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=min(st, steps // s),
+                                    n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None, has_zp=ops[2] is not None,
                                     zfold=fold and not sfold, channelwise=group == -1)
         # shared memory (227 KB): fewer stages, down to 2, then no output tile — e.g. 3 stages at
         # 128-row blocks with the output tile (the measured default, NOTES v8), 2 at 64-row blocks

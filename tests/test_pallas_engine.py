@@ -924,9 +924,10 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     assert picks(block_m=64, stages=6)[2048]["stages"] == 3                 # explicit stages are fitted too
     for bm in (8, 16, 32, 64, 128):                                          # every pick fits
         for k_, kw in picks(block_m=bm).items():
+            steps = k_ // 128 // kw["kpb"] // kw["split_k"]
             assert wgm.wgmma_smem_bytes(block_m=bm, block_n=kw["block_n"], kpb=kw["kpb"], n_blocks=1,
-                                        stages=min(kw["stages"], k_ // 128 // kw["kpb"] // kw["split_k"]), ws=kw["ws"], tout=kw["tout"], gated=kw["gated"] is not None,
-                                        zfold=kw["zfold"]) <= wgm.SMEM_LIMIT, (bm, k_, kw)
+                                        stages=min(kw["stages"], steps), ws=kw["ws"], tout=kw["tout"],
+                                        gated=kw["gated"] is not None, zfold=kw["zfold"]) <= wgm.SMEM_LIMIT, (bm, k_, kw)
     # 128-deep steps: 16 per program (DeepSeek-V2-Lite's odd K-block count takes this path)
     assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False, False)
     assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False, False)   # 2 steps
