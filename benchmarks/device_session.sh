@@ -5,7 +5,7 @@
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
 # (v8), 16–20 in the tenth (v9); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
-# as part 13); 21 is the next session's first part.
+# as part 13); 21 and 22 are the next session's first parts.
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -235,6 +235,17 @@ elif [ "$part" = 21 ]; then    # next: what one launch costs per kind of kernel 
     grep -E "^\||^#|rc " "$OUT/launch.log"
     grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_one.log"
+elif [ "$part" = 22 ]; then    # next: where the v9 prefill layers spend their time (the gather top-k sum and
+    # the counting sort replaced the scatter and the radix sort; the row gather into expert blocks was
+    # 122 µs of Qwen3's 4096-token layer), and the Mixtral rows of the layer table the part-19 table
+    # did not reach
+    logged "profile" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 mixtral:512 \
+        --reps 5 --variants "wgmma=kernel:wgmma"
+    logged "table_wgmma" 300 python3 benchmarks/moe_engine.py --rows mixtral --reps 5 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    tail -60 "$OUT/profile.log"
+    grep -E "^\| Mix|rc " "$OUT/table_wgmma.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"
