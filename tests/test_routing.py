@@ -21,6 +21,7 @@ from wna16_jax.errors import ConfigError, DTypeError, ShapeError, ValueRangeErro
 from wna16_jax.routing import (
     AlignedBlocks,
     BatchedTokens,
+    _counting_order,
     batched_moe_align_block_size,
     batched_overflow,
     combine_batched,
@@ -337,6 +338,19 @@ def test_moe_align_matches_brute_force(cfg, mode, skew, seed, method):
             real = real[real < n]
             assert all(owner[int(i)] == eids[b] for i in real)
             assert len({flat[int(i)] for i in real}) == 1
+
+
+_J_COUNT = jax.jit(_counting_order, static_argnums=1)
+
+
+@given(n=st.integers(1, 1300), num_keys=st.integers(1, 300), skew=st.booleans(), seed=SEEDS)
+def test_counting_order_is_a_stable_argsort(n, num_keys, skew, seed):
+    """The counting sort behind ``method="count"`` is ``argsort(kind="stable")`` for any length
+    (one chunk, several, a ragged last one) and key range, skewed keys included."""
+    rng = np.random.default_rng(seed)
+    keys = (rng.integers(0, min(num_keys, 3), n) if skew else rng.integers(0, num_keys, n)).astype(np.int32)
+    got = np.asarray(_J_COUNT(jnp.asarray(keys), num_keys))
+    np.testing.assert_array_equal(got, np.argsort(keys, kind="stable"))
 
 
 def test_moe_align_is_a_pytree():
