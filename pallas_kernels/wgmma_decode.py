@@ -219,62 +219,65 @@ def wgmma_decode_layer(a, experts, w13_words, w13_scales, w13_zeros, w2_words, w
             plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
 
-            @pl.loop(0, -(-items1 // g_n))
-            def _(r):
-                it = g + r * g_n
+            def each_item(n_items, work):
+                """``work(item)`` for this program's share of ``n_items`` items, dealt round-robin."""
+                @pl.loop(0, -(-n_items // g_n))
+                def _(r):
+                    it = g + r * g_n
 
-                @pl.when(it < items1)
+                    @pl.when(it < n_items)
+                    def _():
+                        work(it)
+
+            def phase1(it):
+                p, j = it // t1, it % t1
+                ex = ids_smem[p // IDS_PAD, p % IDS_PAD]
+                dst = h_gmem.at[pl.ds(p * ROWS, ROWS), pl.ds(j * (TILE // 2), TILE // 2)]
+                cols = pl.ds(j * TILE, TILE)
+
+                @pl.when(ex >= 0)
                 def _():
-                    p, j = it // t1, it % t1
-                    ex = ids_smem[p // IDS_PAD, p % IDS_PAD]
-                    dst = h_gmem.at[pl.ds(p * ROWS, ROWS), pl.ds(j * (TILE // 2), TILE // 2)]
-                    cols = pl.ds(j * TILE, TILE)
+                    refs = (w13_gmem.at[ex, cols], a_gmem.at[pl.ds(p * ROWS, ROWS)],
+                            s13_gmem.at[ex, :, cols], *([z13_gmem.at[ex, :, cols]] if has_zp else []))
 
-                    @pl.when(ex >= 0)
-                    def _():
-                        refs = (w13_gmem.at[ex, cols], a_gmem.at[pl.ds(p * ROWS, ROWS)],
-                                s13_gmem.at[ex, :, cols], *([z13_gmem.at[ex, :, cols]] if has_zp else []))
+                    def with_acc(acc_ref):
+                        acc = gemm(acc_ref, kpb1, cw1, refs, n_kb1)
+                        store(act_pair(activation, acc[:TILE // 2], acc[TILE // 2:]), o1_smem, dst)
+                    pl.run_scoped(with_acc, plgpu.ACC((TILE, ROWS), jnp.float32))
 
-                        def with_acc(acc_ref):
-                            acc = gemm(acc_ref, kpb1, cw1, refs, n_kb1)
-                            store(act_pair(activation, acc[:TILE // 2], acc[TILE // 2:]), o1_smem, dst)
-                        pl.run_scoped(with_acc, plgpu.ACC((TILE, ROWS), jnp.float32))
-
-                    @pl.when(ex < 0)
-                    def _():
-                        store(zero(TILE // 2), o1_smem, dst)
-
-                    _proxy_fence()                   # the h tile (async proxy) before the release
-
-                    @pl.loop(0, t2)
-                    def _(j2):
-                        plgpu.semaphore_signal(sems.at[p, j2], 1, memory_scope="gpu")
-
-            @pl.loop(0, -(-items2 // g_n))
-            def _(r):
-                it = g + r * g_n
-
-                @pl.when(it < items2)
+                @pl.when(ex < 0)
                 def _():
-                    p, j2 = it // t2, it % t2
-                    plgpu.semaphore_wait(sems.at[p, j2], t1, memory_scope="gpu")     # takes the t1 off again
-                    _proxy_fence()                   # the acquire before the TMA loads of h
-                    ex = ids_smem[p // IDS_PAD, p % IDS_PAD]
-                    cols = pl.ds(j2 * TILE, TILE)
-                    dst = y_gmem.at[pl.ds(p * ROWS, ROWS), cols]
+                    store(zero(TILE // 2), o1_smem, dst)
 
-                    @pl.when(ex >= 0)
-                    def _():
-                        refs = (w2_gmem.at[ex, cols], h_gmem.at[pl.ds(p * ROWS, ROWS)],
-                                s2_gmem.at[ex, :, cols], *([z2_gmem.at[ex, :, cols]] if has_zp else []))
+                _proxy_fence()                       # the h tile (async proxy) before the release
 
-                        def with_acc(acc_ref):
-                            store(gemm(acc_ref, kpb2, cw2, refs, n_kb2), o2_smem, dst)
-                        pl.run_scoped(with_acc, plgpu.ACC((TILE, ROWS), jnp.float32))
+                @pl.loop(0, t2)
+                def _(j2):
+                    plgpu.semaphore_signal(sems.at[p, j2], 1, memory_scope="gpu")
 
-                    @pl.when(ex < 0)
-                    def _():
-                        store(zero(), o2_smem, dst)
+            def phase2(it):
+                p, j2 = it // t2, it % t2
+                plgpu.semaphore_wait(sems.at[p, j2], t1, memory_scope="gpu")     # takes the t1 off again
+                _proxy_fence()                       # the acquire before the TMA loads of h
+                ex = ids_smem[p // IDS_PAD, p % IDS_PAD]
+                cols = pl.ds(j2 * TILE, TILE)
+                dst = y_gmem.at[pl.ds(p * ROWS, ROWS), cols]
+
+                @pl.when(ex >= 0)
+                def _():
+                    refs = (w2_gmem.at[ex, cols], h_gmem.at[pl.ds(p * ROWS, ROWS)],
+                            s2_gmem.at[ex, :, cols], *([z2_gmem.at[ex, :, cols]] if has_zp else []))
+
+                    def with_acc(acc_ref):
+                        store(gemm(acc_ref, kpb2, cw2, refs, n_kb2), o2_smem, dst)
+                    pl.run_scoped(with_acc, plgpu.ACC((TILE, ROWS), jnp.float32))
+
+                @pl.when(ex < 0)
+                def _():
+                    store(zero(), o2_smem, dst)
+
+            each_item(items1, phase1)            # every phase-1 item of this program before any wait
+            each_item(items2, phase2)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       plgpu.SMEM((ROWS, TILE // 2), dtype), plgpu.SMEM((ROWS, TILE), dtype))
