@@ -33,6 +33,13 @@ gpu_tests() {   # gpu_tests SECONDS K-EXPRESSION: the Pallas engine's GPU tests 
     logged tests "$1" python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider \
         --tb=short -rfE -k "$2"
 }
+wgmma_table() { # wgmma_table SECONDS ROWS...: the layer table's wgmma AWQ / GPTQ columns (the ±10% target)
+    local secs=$1                               # into $OUT/table_wgmma.log, RESULTS_engine.md, results.json
+    shift
+    logged "table_wgmma" "$secs" python3 benchmarks/moe_engine.py --rows "$@" --reps 5 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+}
 if [ "$part" = 1 ]; then
     gpu_tests 300 "wgmma or gpu_prefill"
     logged "stream" 70 python3 benchmarks/stream_ceiling.py --gemms mixtral1 --stages 4
@@ -164,9 +171,7 @@ elif [ "$part" = 15 ]; then    # v8: the layer tests on the final v8 defaults (p
     gpu_tests 280 "wgmma_gpu_shapes"
     logged "sweep_gated" 110 python3 benchmarks/moe_engine.py --sweep --rows qwen3:64,4096 --reps 5 \
         --variants "wgmma=kernel:wgmma;unfused=kernel:wgmma,fuse_act:0"
-    logged "table_wgmma" 170 python3 benchmarks/moe_engine.py --rows qwen3 dsv2lite mixtral --reps 5 \
-        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    wgmma_table 170 qwen3 dsv2lite mixtral
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated.log"
     grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
@@ -211,9 +216,7 @@ elif [ "$part" = 19 ]; then    # v9: the expert sort by counting (auto from 1024
     gpu_tests 190 "wgmma_gpu_shapes and gptq4_channel and (mixtral or qwen3)"
     logged "sweep_align" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 3 \
         --variants "wgmma=kernel:wgmma;sort=kernel:wgmma,align:sort;wgmma 2=kernel:wgmma;sort 2=kernel:wgmma,align:sort"
-    logged "table_wgmma" 190 python3 benchmarks/moe_engine.py --rows qwen3 dsv2lite mixtral --reps 5 \
-        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    wgmma_table 190 qwen3 dsv2lite mixtral
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_align.log"
     grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
@@ -241,9 +244,7 @@ elif [ "$part" = 22 ]; then    # next: where the v9 prefill layers spend their t
     # did not reach
     logged "profile" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 mixtral:512 \
         --reps 5 --variants "wgmma=kernel:wgmma"
-    logged "table_wgmma" 300 python3 benchmarks/moe_engine.py --rows mixtral --reps 5 \
-        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    wgmma_table 300 mixtral
     tail -60 "$OUT/profile.log"
     grep -E "^\| Mix|rc " "$OUT/table_wgmma.log"
 else
