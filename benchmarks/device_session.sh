@@ -247,6 +247,17 @@ elif [ "$part" = 22 ]; then    # next: where the v9 prefill layers spend their t
     wgmma_table 300 mixtral
     tail -60 "$OUT/profile.log"
     grep -E "^\| Mix|rc " "$OUT/table_wgmma.log"
+elif [ "$part" = 23 ]; then    # v10: expert blocks sized to the spread of an expert's rows (wgmma_block_m:
+    # 144-row blocks at Mixtral 512 and Qwen3 4096 tokens, 48 at Qwen3 512), against the v9 powers of two
+    # in the same run, then the GPU tests that run the new sizes (defaults at 300 tokens: 96 / 48 / 32 rows,
+    # and explicit 144- and 48-row blocks)
+    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 qwen3:4096 --reps 5 \
+        --variants "wgmma=kernel:wgmma;bm128=kernel:wgmma,block_m:128;bm136=kernel:wgmma,block_m:136;wgmma 2=kernel:wgmma"
+    logged "sweep_bm48" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 mixtral:128 --reps 10 \
+        --variants "wgmma=kernel:wgmma;bm32=kernel:wgmma,block_m:32;bm64=kernel:wgmma,block_m:64;wgmma 2=kernel:wgmma"
+    gpu_tests 240 "wgmma_gpu_shapes and awq"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log" "$OUT/sweep_bm48.log"
+    grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

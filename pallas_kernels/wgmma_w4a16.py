@@ -782,24 +782,55 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
                         w13_interleaved=inter)
 
 
-def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per expert block, 8 to 128: the average rows per expert rounded up to a power of two —
-    or, where that leaves small blocks, a block that holds the average plus two standard deviations
-    of an expert's rows under uniform routing, up to 32 rows.
+BLOCK_ROW_COST = 128    # rows of wgmma work one block's weight stream and dequantization are worth
+BLOCK_M_CHOICES = (8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160)
 
-    Every block of an expert reads all of that expert's weights, and with blocks of the average
-    size about half of the experts overflow into a second one, so a bandwidth-bound layer reads its
-    weights ~1.5 times. Measured (NOTES v9, part 16): Mixtral at 64 tokens (16 ± 3.7 rows per
-    expert) 405–415 µs in 16-row blocks, 357 in 32-row ones; DeepSeek-V2-Lite at 64 tokens
-    (6 ± 2.4) 179–188 in 8-row, 176 in 16-row blocks. Larger blocks are not yet measured against
-    their padding, so above 32 rows the average rule stands."""
+
+def expected_blocks(num_pairs: int, num_experts: int, block_m: int) -> float:
+    """``E · Σ_n P(n) ⌈n / block_m⌉``: the expected number of non-empty blocks when each of
+    ``num_pairs`` routed pairs picks one of ``num_experts`` experts uniformly (an expert's rows
+    ``n`` are binomial)."""
     e = max(num_experts, 1)
-    avg = max(1, -(-num_pairs // e))
-    base = min(128, max(8, 1 << (avg - 1).bit_length()))
-    mean = num_pairs / e
-    hold = math.ceil(mean + 2.0 * math.sqrt(num_pairs * (1.0 / e) * (1.0 - 1.0 / e)))
-    want = 1 << max(hold - 1, 0).bit_length()
-    return max(base, want) if want <= 32 else base
+    if num_pairs <= 0:
+        return 0.0
+    if e == 1:
+        return float(-(-num_pairs // block_m))
+    p = 1.0 / e
+    mean, sd = num_pairs * p, math.sqrt(num_pairs * p * (1.0 - p))
+    lo, hi = max(0, int(mean - 12 * sd) - 2), min(num_pairs, int(mean + 12 * sd) + 2)
+    head = math.lgamma(num_pairs + 1)
+    total = 0.0
+    for n in range(max(lo, 1), hi + 1):
+        log_pmf = (head - math.lgamma(n + 1) - math.lgamma(num_pairs - n + 1) + n * math.log(p)
+                   + (num_pairs - n) * math.log1p(-p))
+        total += math.exp(log_pmf) * -(-n // block_m)
+    return e * total
+
+
+def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert block (8 to 160) for a blocked layer of ``num_pairs`` routed pairs: the
+    block that minimizes ``expected_blocks · max(BLOCK_ROW_COST, block_m)`` under uniform routing,
+    a larger block only where it saves more than 3%.
+
+    Every block of an expert streams and dequantizes all of that expert's weights, and its wgmma
+    work grows with its rows, padding included; the two overlap, so a block costs about the larger
+    of the two. ``BLOCK_ROW_COST`` puts the dequantization of a block's weights at 128 rows of
+    wgmma work: at 128-row blocks the kernel runs at ~82% of the dense rate (Mixtral, 4096 tokens),
+    and 64-row blocks, with ~10% fewer rows, were slower than 128-row ones at Qwen3 4096 tokens
+    (NOTES v9, part 18). Below 128 rows the rule thus takes the fewest expected blocks, which keeps
+    every measured decode choice (NOTES v9: Mixtral 32 tokens 16 rows, 64 tokens 32,
+    DeepSeek-V2-Lite 64 tokens 16, Qwen3 16/64 tokens 8); at prefill it sizes blocks to the
+    binomial spread of an expert's rows instead of a power of two: 128 ± 11 rows (Mixtral, 512
+    tokens) fit 144-row blocks (8.5 blocks, not 11.8 of 128 rows, whose second block per expert
+    held ~10 rows), 256 ± 16 (Qwen3, 4096 tokens) two of 144, 32 ± 6 (Qwen3, 512 tokens) one of
+    48. The kernel takes any multiple of 8 (wgmma's N side); 160 rows (the accumulator's
+    registers) is the cap."""
+    best, best_cost = BLOCK_M_CHOICES[0], None
+    for bm in BLOCK_M_CHOICES:
+        cost = expected_blocks(num_pairs, num_experts, bm) * max(BLOCK_ROW_COST, bm)
+        if best_cost is None or cost < 0.97 * best_cost:
+            best, best_cost = bm, cost
+    return best
 
 
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",

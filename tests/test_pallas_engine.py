@@ -751,14 +751,20 @@ def test_fused_moe_wgmma_gated_cpu(monkeypatch, key):
 
 
 def test_wgmma_block_m():
-    """Block rows per shape (NOTES v9): the average rows per expert rounded up to a power of two,
-    raised to hold the average + 2 sd (uniform routing) while that stays within 32 rows."""
-    from pallas_kernels.wgmma_w4a16 import wgmma_block_m
+    """Block rows per shape: the fewest expected blocks below 128 rows (the measured decode choices
+    of NOTES v9), blocks sized to the binomial spread of an expert's rows at prefill (NOTES v10);
+    the expected block count against a simulation of uniform routing."""
+    from pallas_kernels.wgmma_w4a16 import expected_blocks, wgmma_block_m
 
-    cases = {(2, 8): 8, (32, 8): 8, (64, 8): 16, (128, 8): 32, (1024, 8): 128, (8192, 8): 128,   # Mixtral
-             (512, 128): 8, (4096, 128): 32, (32768, 128): 128,                                 # Qwen3
-             (96, 64): 8, (384, 64): 16, (3072, 64): 64, (1, 1): 8}                             # DeepSeek-V2-Lite
+    cases = {(2, 8): 8, (32, 8): 8, (64, 8): 16, (128, 8): 32, (1024, 8): 144, (8192, 8): 128,   # Mixtral
+             (512, 128): 8, (4096, 128): 48, (32768, 128): 144,                                 # Qwen3
+             (96, 64): 8, (384, 64): 16, (3072, 64): 64, (1, 1): 8, (300, 1): 160, (0, 8): 8}   # DeepSeek-V2-Lite
     assert {c: wgmma_block_m(*c) for c in cases} == cases
+    rng = np.random.default_rng()
+    for pairs, e, bm in ((1024, 8, 128), (1024, 8, 144), (4096, 128, 32), (64, 8, 16), (5, 1, 8)):
+        counts = np.stack([np.bincount(rng.integers(0, e, pairs), minlength=e) for _ in range(4000)])
+        sim = np.ceil(counts / bm).sum(1).mean()
+        assert abs(expected_blocks(pairs, e, bm) - sim) < 0.01 * sim + 0.05, (pairs, e, bm, sim)
 
 
 def _emulated_decode_layer(a, experts, w13, s13, z13, w2, s2, z2, *, activation="silu", **_):
@@ -1322,7 +1328,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
                    dict(block_m=128, overlap=True), dict(block_m=128, ws=True, out16=False),
                    dict(block_m=32, block_n=64, ws=True), dict(block_m=128, tout=True), dict(block_m=32, tout=True),
                    dict(combine="gather"), dict(block_m=128, fuse_act=False), dict(block_m=32, fuse_act=False),
-                   dict(block_m=64))                     # stages fitted to shared memory (3 / 2 with tout)
+                   dict(block_m=64),                     # stages fitted to shared memory (3 / 2 with tout)
+                   dict(block_m=144), dict(block_m=48, ws=False))    # blocks that are not a power of two
         for over in (dict(shift32=False, wide=False, zfold=False),) + (decode if t <= 16 else prefill):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"wgmma {over} T={t}")
