@@ -89,7 +89,7 @@ elif [ "$part" = 7 ]; then     # next: where Qwen3's 512/4096-token layers spend
     # is read twice) is faster with 32-row blocks
     logged "profile_qwen3" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512,4096 --reps 5 \
         --variants "wgmma=kernel:wgmma;engine="
-    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 qwen3:64 --reps 10 \
+    logged "sweep_bm" 170 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 qwen3:64 --reps 10 \
         --variants "wgmma=kernel:wgmma;bm32=kernel:wgmma,block_m:32;bm32 zfold=kernel:wgmma,block_m:32,zfold:1;wgmma 2=kernel:wgmma;bm32 2=kernel:wgmma,block_m:32"
     tail -60 "$OUT/profile_qwen3.log"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log"
@@ -180,7 +180,7 @@ elif [ "$part" = 16 ]; then    # next: block size against padding and against re
     # bandwidth-bound rows read an expert's weights once per block, so blocks that hold
     # mean + 2 sd of an expert's rows (Qwen3 512: 64, Mixtral 64: 32, DeepSeek-V2-Lite 64: 16)
     # should beat the average rounded up (32 / 16 / 8); then where the v8 layers spend their time
-    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 --reps 3 \
+    logged "sweep_bm" 170 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512,4096 qwen3:512,4096 --reps 3 \
         --variants "wgmma=kernel:wgmma;bm64=kernel:wgmma,block_m:64;wgmma 2=kernel:wgmma;bm64 2=kernel:wgmma,block_m:64"
     logged "sweep_bm_decode" 110 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 dsv2lite:64 --reps 10 \
         --variants "wgmma=kernel:wgmma;bm16=kernel:wgmma,block_m:16;bm32=kernel:wgmma,block_m:32;wgmma 2=kernel:wgmma"
@@ -250,12 +250,13 @@ elif [ "$part" = 22 ]; then    # next: where the v9 prefill layers spend their t
 elif [ "$part" = 23 ]; then    # v10: expert blocks sized to the spread of an expert's rows (wgmma_block_m:
     # 144-row blocks at Mixtral 512 and Qwen3 4096 tokens, 48 at Qwen3 512), against the v9 powers of two
     # in the same run, then the GPU tests that run the new sizes (defaults at 300 tokens: 96 / 48 / 32 rows,
-    # and explicit 144- and 48-row blocks)
-    logged "sweep_bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 qwen3:4096 --reps 5 \
+    # and explicit 144- and 48-row blocks) and the router weight in GEMM2's epilogue (row_scale: the kernel
+    # cases, and every layer test, whose GEMM2 now scales its rows)
+    logged "sweep_bm" 170 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 qwen3:4096 --reps 5 \
         --variants "wgmma=kernel:wgmma;bm128=kernel:wgmma,block_m:128;bm136=kernel:wgmma,block_m:136;wgmma 2=kernel:wgmma"
-    logged "sweep_bm48" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 mixtral:128 --reps 10 \
+    logged "sweep_bm48" 100 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 mixtral:128 --reps 10 \
         --variants "wgmma=kernel:wgmma;bm32=kernel:wgmma,block_m:32;bm64=kernel:wgmma,block_m:64;wgmma 2=kernel:wgmma"
-    gpu_tests 240 "wgmma_gpu_shapes and awq"
+    gpu_tests 270 "(wgmma_gpu_shapes and (awq or channel)) or (wgmma_grouped_gemm_gpu and (rs1 or bm48 or bm144))"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log" "$OUT/sweep_bm48.log"
     grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
 else

@@ -194,11 +194,16 @@ SMEM_LIMIT = 232448
 _SMEM_ALIGN = 1024    # Mosaic GPU aligns every shared-memory allocation to 1 KB
 
 
+def _row_words(block_m: int) -> int:
+    """float32 words of a block's row-scale row: ``block_m`` padded to whole 128-byte TMA rows."""
+    return -(-block_m // IDS_PAD) * IDS_PAD
+
+
 def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blocks: int, ws: bool = False,
                      tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
-                     channelwise: bool = False) -> int:
+                     channelwise: bool = False, row_scale: bool = False) -> int:
     """Shared memory of one :func:`wgmma_grouped_gemm` program, as Mosaic GPU allocates it: the
-    block → expert ids, one ``stages``-deep buffer per pipelined operand (words: 64 bytes per
+    block → expert ids (and with ``row_scale`` the block's row scales), one ``stages``-deep buffer per pipelined operand (words: 64 bytes per
     column and K-block; activations; scales; zero points; ``Σx`` with ``zfold``) and, with
     ``tout``, the output tile — beside the pipeline with ``ws`` (both compute warpgroups'
     tiles), after it without (its scope opens when the pipeline's has closed). Each allocation is
@@ -216,12 +221,16 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
         bufs.append(stages * kpb * max(IDS_PAD, block_m) * 4)
     ring = sum(al(b) for b in bufs)
     out = al((2 if ws else 1) * block_m * (block_n // 2 if gated else block_n) * 2) if tout else 0
-    ids = al(-(-n_blocks // IDS_PAD) * IDS_PAD * 4)
+    ids = al(-(-n_blocks // IDS_PAD) * IDS_PAD * 4) + (al(_row_words(block_m) * 4) if row_scale else 0)
     return ids + (ring + out if ws else max(ring, out)) + 512
 
 
-def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
+def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale=None):
     m, k = a.shape
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+        raise (ShapeError if row_scale.shape != (m,) else DTypeError)(
+            f"row_scale: expected float32 of shape ({m},) (one scale per row of a), got "
+            f"{jnp.dtype(row_scale.dtype).name}{tuple(row_scale.shape)}")
     e, n, kw, tile_n = _words_dims(words, k)
     if tile_n is not None and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
         raise DTypeError(f"words: tile-major words are int16, got {words.dtype}")
@@ -252,7 +261,8 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size):
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
                                              "gated"))
-def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int, group_size: int = 128,
+def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, *, block_m: int,
+                       group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None):
@@ -296,11 +306,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     tile, columns ``128·j … 128·j+63`` are gate column ``64·j + c`` and ``128·j+64 …`` the matching
     up columns (:func:`interleave_gate_up`) — and the output is ``act(gate) · up`` ``[1, M, N/2]``,
     computed in float32 from the accumulator and rounded once into ``out_dtype``.
+    ``row_scale`` (``[M]`` float32, optional): every output row ``r`` multiplied by
+    ``row_scale[r]`` in the epilogue, in float32 before the output's rounding (the layer's router
+    weights in GEMM2; each K split's partial is scaled, so their sum is too). Each program copies
+    its block's scales into shared memory beside the expert ids.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale)
     m, k = a.shape
     e, n, _, tile_n = _words_dims(words, k)
     nb = expert_ids.shape[0]
@@ -343,7 +357,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     need = wgmma_smem_bytes(block_m=block_m, block_n=bn, kpb=kpb, stages=max(2, min(stages, chunk)) if overlap
                             else min(stages, chunk), n_blocks=expert_ids.shape[0], ws=ws, tout=tout,
                             gated=gated is not None, has_zp=zeros is not None, zfold=zfold,
-                            channelwise=group_size == -1)
+                            channelwise=group_size == -1, row_scale=row_scale is not None)
     if need > SMEM_LIMIT:
         raise ConfigError(f"wgmma_grouped_gemm: block_m={block_m}, block_n={bn}, kpb={kpb}, stages={stages}"
                           f"{', ws' if ws else ''}{', tout' if tout else ''} need {need} bytes of shared memory "
@@ -359,6 +373,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     ids = jnp.full((rows_ids * IDS_PAD,), -1, jnp.int32).at[:nb].set(expert_ids.astype(jnp.int32))
     ids = ids.reshape(rows_ids, IDS_PAD)
     has_zp = zeros is not None
+    has_rs = row_scale is not None
+    rw = _row_words(bm)
+    if has_rs:                                # [blocks, rw]: one 128-byte-aligned TMA row per block
+        rs = jnp.pad(row_scale.reshape(nb, bm), ((0, 0), (0, rw - bm)))
     row = plgpu.Layout.WGMMA.reduce(1)
     w16 = jnp.dtype(words.dtype) == jnp.dtype(jnp.int16)
     wcols = 32 if w16 else 16                 # words per row per K-block
@@ -382,6 +400,25 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         """The epilogue's value of a ``[bn, bm]`` accumulator: itself, or ``act(gate) · up`` of its
         64-row halves (gate rows first) with ``gated``."""
         return act_pair(gated, acc[:bno], acc[bno:]) if gated else acc
+
+    def scaled(val, rs_smem):
+        """``val [rows, bm]`` with each column (an output row) times its ``row_scale``."""
+        if not has_rs:
+            return val
+        r = plgpu.load(rs_smem.at[0, pl.ds(0, bm)], (), layout=col)
+        return val * jax.lax.broadcast_in_dim(r, val.shape, (1,))
+
+    def fetch_ids(ids_gmem, ids_smem, ids_bar, rs_gmem, rs_scratch):
+        """Start copying the block → expert ids and (``row_scale``) this block's row scales
+        into shared memory."""
+        plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
+        if has_rs:
+            plgpu.copy_gmem_to_smem(rs_gmem.at[pl.ds(jax.lax.axis_index("b"), 1)], *rs_scratch)
+
+    def wait_ids(ids_bar, rs_scratch):
+        plgpu.barrier_wait(ids_bar)
+        if has_rs:
+            plgpu.barrier_wait(rs_scratch[1])
 
     def dequant_units(w_smem, s_smem, z_smem):
         """The step's weights as a list of units in K order, each a function that emits (when
@@ -465,6 +502,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
         xs_gmem, rest = (rest[0], rest[1:]) if zfold else (None, rest)
+        rs_gmem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
         o_gmem = rest[0]
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         specs = [
@@ -546,9 +584,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             return plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
                                        in_specs=specs, init_carry=zero())(*gmem_refs)
 
-        def body(ids_smem, ids_bar):
-            plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
-            plgpu.barrier_wait(ids_bar)
+        def body(ids_smem, ids_bar, *rs_scratch):
+            fetch_ids(ids_gmem, ids_smem, ids_bar, rs_gmem, rs_scratch)
+            wait_ids(ids_bar, rs_scratch)
             ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
             cols = pl.ds(j * bn, bn)
             kb0 = sp * chunk * kpb
@@ -566,18 +604,20 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
                         *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
                 def with_acc(acc_ref):
-                    store(finish(run_k(acc_ref, refs)), dst)
+                    store(scaled(finish(run_k(acc_ref, refs)), rs_scratch[0] if has_rs else None), dst)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex < 0)
             def _():
                 store(zero(bno), dst)
 
-        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1))
+        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
+                      *([plgpu.SMEM((1, rw), jnp.float32), plgpu.Barrier(num_arrivals=1)] if has_rs else []))
 
     def kernel_ws(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         """``ws``: warpgroups 0 and 1 compute ``block_n`` columns each, warpgroup 2 copies."""
         z_gmem = rest[0] if has_zp else None
+        rs_gmem = rest[1 if has_zp else 0] if has_rs else None
         o_gmem = rest[-1]
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         wg = jax.lax.axis_index("wg")
@@ -606,11 +646,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
         def ignore(*_, **__):
             return None
 
-        def body(ids_smem, ids_bar, allocs, *o_smem):
+        def body(ids_smem, ids_bar, allocs, *scratch):
+            rs_scratch, o_smem = (scratch[:2], scratch[2:]) if has_rs else ((), scratch)
+
             @pl.when(wg == 0)
             def _():
-                plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
-            plgpu.barrier_wait(ids_bar)
+                fetch_ids(ids_gmem, ids_smem, ids_bar, rs_gmem, rs_scratch)
+            wait_ids(ids_bar, rs_scratch)
             ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
             mycols = pl.ds(j * 2 * bno + wg * bno, bno)                     # compute warpgroups only
             dst = o_gmem.at[sp, pl.ds(i * bm, bm), mycols] if tout else o_gmem.at[sp, mycols, pl.ds(i * bm, bm)]
@@ -631,7 +673,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
             def context(run):
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
-                    store(finish(run(zero())), dst, my_smem)
+                    store(scaled(finish(run(zero())), rs_scratch[0] if has_rs else None), dst, my_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex >= 0)
@@ -644,18 +686,20 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, *, block_m: int
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       pipeline(ignore, ignore).get_allocations(*gmem_refs(0)),
+                      *([plgpu.SMEM((1, rw), jnp.float32), plgpu.Barrier(num_arrivals=1)] if has_rs else []),
                       *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
 
     if ws:
         out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else
                                                                       (split_k, n_out, m), odt),
                              grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
-                             thread_name="wg")(ids, a, words, scales, *([zeros] if has_zp else []))
+                             thread_name="wg")(ids, a, words, scales, *([zeros] if has_zp else []),
+                                               *([rs] if has_rs else []))
         return out_t if tout else jnp.swapaxes(out_t, 1, 2)
     out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else (split_k, n_out, m),
                                                                odt),
                          grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
-        ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []))
+        ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []), *([rs] if has_rs else []))
     return out_t if tout else jnp.swapaxes(out_t, 1, 2)
 
 
@@ -847,8 +891,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     :func:`wgmma_block_m`);
     ``"pair"``: no alignment — every routed pair is its own 8-row block (row 0 holds the token,
     rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
-    experts and no ``block_m`` is given. Both: GEMM1 → split sum, bias, router weight (on input)
-    and activation in XLA → GEMM2 → split sum, bias, router weight and the top-k sum in XLA.
+    experts and no ``block_m`` is given. Both: GEMM1 (the activation in its epilogue where
+    ``fuse_act`` applies; else split sum, bias, router weight on the input and activation in XLA)
+    → GEMM2, which multiplies its rows by the router weights in its epilogue (``row_scale``) →
+    split sum, bias (times the router weight) and the top-k sum in XLA.
     Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5, v6):
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
@@ -931,7 +977,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None):
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated)``: the kernel's
         own output without a K split (16-bit with ``out16``), else the float32 sum of the splits."""
         bn = block_n if n % block_n == 0 else BLOCK_N
@@ -954,7 +1000,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         def smem(st, tr):
             return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=min(st, steps // s),
                                     n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None, has_zp=ops[2] is not None,
-                                    zfold=fold and not sfold, channelwise=group == -1)
+                                    zfold=fold and not sfold, channelwise=group == -1, row_scale=rs is not None)
         # shared memory (227 KB): fewer stages, down to 2, then no output tile — e.g. 3 stages at
         # 128-row blocks with the output tile (the measured default, NOTES v8), 2 at 64-row blocks
         # with 256-deep steps (288 KB at 4 stages: part 16), none at 128-row ones (234.5 KB at 2)
@@ -962,7 +1008,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             st -= 1
         if tr and smem(st, tr) > SMEM_LIMIT:
             tr = False
-        out = wgmma_grouped_gemm(a, experts, *ops, block_m=bm, group_size=group, split_k=s, block_n=bn,
+        out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, block_m=bm, group_size=group, split_k=s, block_n=bn,
                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
@@ -1039,10 +1085,14 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                 h = h * tw_rows[:, None]
             h = act(h)
         a2 = _permute_cols(spread(h.astype(cdt)), weights.w2_perm, row_expert)
-    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2)[0]).astype(jnp.float32)
+    # GEMM2 scales its output rows by the router weights in its epilogue (rows of pairs that
+    # route nowhere and padding rows by 0); with the weights on the input its rows stay as they
+    # are (padding rows and expert −1 blocks are zero already)
+    rs = None if apply_router_weight_on_input else tw_rows if schedule == "blocked" else spread(tw_rows[:, None])[:, 0]
+    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs)[0]).astype(jnp.float32)
     if weights.w2_bias is not None:
-        y = y + weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
-    y = y * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None]
+        y = y + (weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+                 * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None])
     if schedule == "pair":
         out = y.reshape(t, k, h_dim).sum(1)
     elif combine == "gather":                 # row of each routed pair (r: none — a zero row)

@@ -453,6 +453,16 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                                        tout=tout, gated=act, **opts)
                 assert jax.eval_shape(fn, *o16) == s((1, 64, 256), jnp.bfloat16)
                 assert "mosaic_gpu" in jax.jit(fn).trace(*o16).lower(lowering_platforms=("cuda",)).as_text()
+    rs = s((64,), jnp.float32)                          # row_scale: the epilogue's per-row factor
+    for opts in (dict(split_k=2), dict(kpb=2, wide=True, shift32=True, stages=2, zfold=True),
+                 dict(block_n=128, shift32=True, ws=True, stages=4, out_dtype=jnp.bfloat16),
+                 dict(block_n=128, shift32=True, out_dtype=jnp.bfloat16, tout=TRANSPOSED_STORE, gated="silu")):
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, **opts)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*o16, rs).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ShapeError, match=r"row_scale: expected float32 of shape \(64,\)"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*o16, s((48,), jnp.float32))
+    with pytest.raises(DTypeError, match="row_scale: expected float32"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16)).trace(*o16, s((64,), jnp.bfloat16))
     for bad in (dict(gated="gelu"), dict(gated="silu", block_n=64), dict(gated="silu", block_n=128, split_k=2)):
         with pytest.raises(ConfigError, match="gated"):
             jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, **bad)).trace(*o16)
@@ -518,7 +528,16 @@ _WGMMA_GPU_CASES = [
     (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True, gated="silu")),
     (False, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, stages=3, out16=True, tout=True, gated="silu",
                               k=2048)),
-    (True, 128, 32, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, stages=2, gated="gelu_tanh"))]
+    (True, 128, 32, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, stages=2, gated="gelu_tanh")),
+    # row_scale: each output row times its own float32 scale in the epilogue (split partials,
+    # [N, M] and [M, N] stores, fold, ws), and blocks that are not a power of two (48, 144 rows)
+    (True, 128, 8, 2, dict(block_n=128, rs=True)),
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True, rs=True)),
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, out16=True, tout=True, rs=True)),
+    (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048, rs=True)),
+    (False, -1, 48, 1, dict(block_n=128, ws=True, out16=True, tout=True, rs=True)),
+    (True, 128, 144, 1, dict(block_n=128, shift32=True, ws=True, stages=2, out16=True, tout=True, k=1024, rs=True)),
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu"))]
 
 
 def _gated64_np(ref, act):
@@ -548,12 +567,18 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     k = opts.pop("k", 512)
     rng = np.random.default_rng()
     out16 = opts.pop("out16", False)
+    rs = opts.pop("rs", False)
     zfold = opts.get("zfold", False) or opts.get("sfold", False)   # exact (c − z)·s, float32 accumulation
     a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, word_bits=word_bits, tile_n=tile_n,
                                                        exact=zfold)
     if opts.get("gated"):
         ref = _gated64_np(ref, opts["gated"])
-    out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, block_m=bm, group_size=group,
+    row_scale = None
+    if rs:                                     # signed, and zero on some rows
+        row_scale = rng.uniform(-2.0, 2.0, a.shape[0]).astype(np.float32) * (rng.random(a.shape[0]) > 0.1)
+        ref = ref * row_scale[:, None].astype(np.float64)
+        row_scale = jnp.asarray(row_scale)
+    out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, row_scale, block_m=bm, group_size=group,
                              split_k=split, out_dtype=a.dtype if out16 else jnp.float32, **opts)
     assert out.shape == (split,) + ref.shape and out.dtype == (a.dtype if out16 else jnp.float32)
     # out16: one bf16 rounding of each output (relative 2^-9 at most)
@@ -588,14 +613,14 @@ def _gated64(out, act):
     return ACTIVATIONS[act](jnp.concatenate([g, u], -1))
 
 
-def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, group_size=128, split_k=1, kpb=1,
-                         wide=False, out_dtype=jnp.float32, tout=False, gated=None, block_n=64, **_):
+def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, *, block_m, group_size=128,
+                         split_k=1, kpb=1, wide=False, out_dtype=jnp.float32, tout=False, gated=None, block_n=64, **_):
     """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, zero rows
     for id -1; with ``gated`` the activation of each 128-column tile's 64-column halves), for
     testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
 
-    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size)      # the kernel's own contract
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale)   # the kernel's contract
     assert (a.shape[1] // 128 // split_k) % kpb == 0 and (not wide or kpb == 2), (split_k, kpb, wide)
     z = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(a.dtype)).astype(jnp.uint8)
     w = dequantize_tiles(from_wgmma_layout(words), scales, z, bits=4, group_size=group_size, dtype=a.dtype)
@@ -608,6 +633,8 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, *, block_m, g
     if gated is not None:
         assert split_k == 1 and block_n == 128 and gated in ("silu", "gelu_tanh"), (split_k, block_n, gated)
         out = _gated64(out, gated)
+    if row_scale is not None:
+        out = out * row_scale[:, None]
     return jnp.concatenate([out[None], jnp.zeros((split_k - 1,) + out.shape)], 0).astype(out_dtype)
 
 
