@@ -3,9 +3,9 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–24 in the eleventh (v10); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
-# as part 13); 21 and 22 are the next session's first parts.
+# as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
 #    H200 — every 4-bit format it takes, three model shapes, through TABLE.prepare and fused_moe;
 #    the trainable layer's backward), the copy-ring probe with the zfold/overlap kernel rows, the
@@ -259,6 +259,14 @@ elif [ "$part" = 23 ]; then    # v10: expert blocks sized to the spread of an ex
     gpu_tests 270 "(wgmma_gpu_shapes and (awq or channel)) or (wgmma_grouped_gemm_gpu and (rs1 or bm48 or bm144))"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_bm.log" "$OUT/sweep_bm48.log"
     grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
+elif [ "$part" = 24 ]; then    # v10: the layer table's wgmma columns timed as straight-line calls. A fori_loop
+    # iteration waits for the device before the next one launches (part 21: an XLA fusion costs 12.7 µs
+    # per call in the loop, 1.7 unrolled), so in the loop timing every launch's host work adds to the
+    # layer; then the launch probe's rows the part-21 call did not reach (10 TMA descriptors, Triton)
+    wgmma_table 330 qwen3 dsv2lite mixtral --timing unrolled
+    logged "launch" 90 python3 benchmarks/launch_overhead.py --reps 50 --only "mgpu tma 1" "mgpu tma 8" triton
+    grep -E "^\| (Qwen|Deep|Mix)|rc " "$OUT/table_wgmma.log" | sort -u
+    grep -E "^\||^#|rc " "$OUT/launch.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"
