@@ -263,10 +263,12 @@ elif [ "$part" = 24 ]; then    # v10: the layer table's wgmma columns timed as s
     # iteration waits for the device before the next one launches (part 21: an XLA fusion costs 12.7 µs
     # per call in the loop, 1.7 unrolled), so in the loop timing every launch's host work adds to the
     # layer; then the launch probe's rows the part-21 call did not reach (10 TMA descriptors, Triton)
+    gpu_tests 80 "wgmma_grouped_gemm_gpu and bm48 and rs1"     # part 23's two invalid cases, made valid
     wgmma_table 330 qwen3 dsv2lite mixtral --timing unrolled
     logged "launch" 90 python3 benchmarks/launch_overhead.py --reps 50 --only "mgpu tma 1" "mgpu tma 8" triton
     grep -E "^\| (Qwen|Deep|Mix)|rc " "$OUT/table_wgmma.log" | sort -u
     grep -E "^\||^#|rc " "$OUT/launch.log"
+    grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -6
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -535,7 +535,8 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True, rs=True)),
     (True, 128, 16, 1, dict(block_n=128, shift32=True, out16=True, tout=True, rs=True)),
     (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048, rs=True)),
-    (False, -1, 48, 1, dict(block_n=128, ws=True, out16=True, tout=True, rs=True)),
+    (False, -1, 48, 1, dict(block_n=128, out16=True, tout=True, rs=True)),
+    (True, 128, 48, 1, dict(block_n=128, ws=True, out16=True, tout=True, rs=True)),
     (True, 128, 144, 1, dict(block_n=128, shift32=True, ws=True, stages=2, out16=True, tout=True, k=1024, rs=True)),
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu"))]
 
