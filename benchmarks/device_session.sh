@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–24 in the eleventh (v10); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–24 in the eleventh (v10); 25 is prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -269,6 +269,15 @@ elif [ "$part" = 24 ]; then    # v10: the layer table's wgmma columns timed as s
     grep -E "^\| (Qwen|Deep|Mix)|rc " "$OUT/table_wgmma.log" | sort -u
     grep -E "^\||^#|rc " "$OUT/launch.log"
     grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -6
+elif [ "$part" = 25 ]; then    # next: where a layer's device time has holes (kernel_profile's call timeline: span
+    # from its first kernel to its last, idle time inside it, the largest gaps and the kernels around
+    # them) — the rows whose loop time is far above their device-busy time (part 22: Qwen3 512 tokens
+    # 411 µs against 252 busy; v9: the one-kernel Qwen3 1-token layer 41–56 µs against 24 busy)
+    logged "profile" 180 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 mixtral:1 dsv2lite:1 \
+        --reps 10 --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1"
+    logged "profile512" 90 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
+        --variants "wgmma=kernel:wgmma"
+    grep -E "^##|µs/call|µs  ×|rc " "$OUT/profile.log" "$OUT/profile512.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -4,8 +4,10 @@
     print(format_breakdown(kernel_breakdown(fn, args)))
 
 Runs ``fn(*args)`` ``calls`` times under :func:`jax.profiler.trace` (with its Perfetto JSON
-export), then sums the durations of the GPU stream events by kernel name. Used by
-``moe_engine.py --profile`` to split a layer's time into its kernels and XLA fusions.
+export), then sums the durations of the GPU stream events by kernel name, and measures the idle
+time between a call's first and last kernel (the gaps where the device waits for the next
+launch). Used by ``moe_engine.py --profile`` to split a layer's time into its kernels and XLA
+fusions.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import jax
 
 
 def kernel_breakdown(fn, args, calls: int = 20):
-    """``(rows, wall_us)``: rows ``(name, µs per call, launches per call)`` for the kernels on the
-    device streams, largest first; ``wall_us`` is the host time per call (dispatch included)."""
+    """``(rows, wall_us, timeline)``: rows ``(name, µs per call, launches per call)`` for the
+    kernels on the device streams, largest first; ``wall_us`` is the host time per call (dispatch
+    included); ``timeline``: :func:`call_timeline` of the device events (None where they do not
+    split into ``calls`` equal calls)."""
     import time
 
     jf = jax.jit(fn)
@@ -46,6 +50,7 @@ def kernel_breakdown(fn, args, calls: int = 20):
     gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
     stream = {key for key, name in threads.items() if key[0] in gpu and name.lower().startswith("stream")}
     tot, cnt = collections.Counter(), collections.Counter()
+    device = []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu:
             continue
@@ -53,15 +58,48 @@ def kernel_breakdown(fn, args, calls: int = 20):
             continue
         tot[e["name"]] += float(e.get("dur", 0.0))
         cnt[e["name"]] += 1
+        device.append((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]))
     rows = [(name, us / calls, cnt[name] / calls) for name, us in tot.most_common()]
-    return rows, wall
+    return rows, wall, call_timeline(device, calls)
+
+
+def call_timeline(device, calls: int, top: int = 4):
+    """Where a call's device time has holes. ``device``: ``(start µs, duration µs, name)`` of every
+    kernel of ``calls`` identical calls. Sorted by start, they are cut into ``calls`` runs of equal
+    length; per call: ``span`` (first start to last end), ``busy`` (the union of the kernels'
+    intervals), ``idle = span − busy``, and the ``top`` largest gaps between consecutive kernels as
+    ``(µs, kernel before, kernel after)``, each averaged over the calls. None if the events do not
+    split into equal calls."""
+    if not device or calls < 1 or len(device) % calls:
+        return None
+    device = sorted(device)
+    n = len(device) // calls
+    span = busy = 0.0
+    gaps = collections.defaultdict(float)
+    for c in range(calls):
+        run = device[c * n:(c + 1) * n]
+        end = run[0][0]
+        span += max(ts + dur for ts, dur, _ in run) - run[0][0]
+        prev = None
+        for ts, dur, name in run:
+            if ts > end and prev is not None:
+                gaps[(prev, name)] += ts - end
+            busy += max(0.0, ts + dur - max(ts, end))
+            end = max(end, ts + dur)
+            prev = name
+    largest = sorted(((us / calls, a, b) for (a, b), us in gaps.items()), reverse=True)[:top]
+    return {"span": span / calls, "busy": busy / calls, "idle": (span - busy) / calls, "gaps": largest}
 
 
 def format_breakdown(result, top: int = 12, indent: str = "    ") -> str:
-    rows, wall = result
+    rows, wall, timeline = result
     busy = sum(us for _, us, _ in rows)
     launches = sum(n for _, _, n in rows)
     lines = [f"{indent}device busy {busy:.1f} µs/call in {launches:.0f} kernels; host wall {wall:.1f} µs/call"]
+    if timeline is not None:
+        lines.append(f"{indent}first kernel to last: {timeline['span']:.1f} µs/call, {timeline['idle']:.1f} of it "
+                     f"idle; largest gaps: " + "; ".join(f"{us:.1f} µs {a[:40]} → {b[:40]}"
+                                                         for us, a, b in timeline["gaps"]))
     for name, us, n in rows[:top]:
         lines.append(f"{indent}  {us:8.1f} µs  ×{n:g}  {name[:90]}")
     return "\n".join(lines)

@@ -67,3 +67,22 @@ def test_stream_ceiling_probe_lowers():
         assert "mosaic_gpu" in text, (mode, wide)
     with pytest.raises(ValueError, match="copy mode only"):
         jax.jit(lambda w: stream(w, "load", 4)).trace(flat)
+
+
+def test_call_timeline_gaps():
+    """A call's span, busy time (overlapping kernels counted once) and the largest gaps between
+    consecutive kernels, averaged over the calls; events that do not split into equal calls give
+    None; the formatted breakdown names the largest gap."""
+    from benchmarks.kernel_profile import call_timeline, format_breakdown
+
+    # two calls of three kernels: a [0, 10), b [14, 20) (gap 4), c [18, 30) overlapping b; the
+    # second call 1000 µs later with the a → b gap 6 and c ending at 1032
+    one = [(0.0, 10.0, "a"), (14.0, 6.0, "b"), (18.0, 12.0, "c")]
+    two = [(1000.0, 10.0, "a"), (1016.0, 6.0, "b"), (1020.0, 12.0, "c")]
+    t = call_timeline(two + one, 2)
+    assert t["span"] == 31.0 and t["busy"] == 26.0 and t["idle"] == 5.0
+    assert t["gaps"] == [(5.0, "a", "b")]
+    assert call_timeline(one + two[:2], 2) is None and call_timeline([], 3) is None
+    text = format_breakdown(([("a", 10.0, 1.0)], 50.0, t))
+    assert "first kernel to last: 31.0 µs/call, 5.0 of it idle" in text and "5.0 µs a → b" in text
+    assert "first kernel" not in format_breakdown(([("a", 10.0, 1.0)], 50.0, None))
