@@ -273,9 +273,9 @@ elif [ "$part" = 25 ]; then    # next: where a layer's device time has holes (ke
     # from its first kernel to its last, idle time inside it, the largest gaps and the kernels around
     # them) — the rows whose loop time is far above their device-busy time (part 22: Qwen3 512 tokens
     # 411 µs against 252 busy; v9: the one-kernel Qwen3 1-token layer 41–56 µs against 24 busy)
-    logged "profile" 180 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 mixtral:1 dsv2lite:1 \
+    logged "profile" 150 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 mixtral:1 dsv2lite:1 \
         --reps 10 --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1"
-    logged "profile512" 90 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
+    logged "profile512" 70 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
         --variants "wgmma=kernel:wgmma"
     grep -E "^##|µs/call|µs  ×|rc " "$OUT/profile.log" "$OUT/profile512.log"
 else

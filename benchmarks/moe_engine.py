@@ -82,8 +82,9 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
     and returns its wall time in seconds (so several alternatives can be timed round-robin).
 
     ``TIMING = "loop"`` (default): a ``fori_loop``; ``"unrolled"``: the calls as straight-line
-    code (no while loop around them). Both measured the same on the H200 (NOTES.md, v3); the loop
-    compiles faster."""
+    code (no while loop around them). Both measured the same on the H200 in v3; in v10 the
+    straight-line program was slower on several decode rows (NOTES.md v10). The loop compiles
+    faster."""
     @jax.jit
     def run(x, tw_all, ids_all, operands):
         def body(r, c):
