@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–24 in the eleventh (v10); 25 is prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -277,7 +277,18 @@ elif [ "$part" = 25 ]; then    # next: where a layer's device time has holes (ke
         --reps 10 --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1"
     logged "profile512" 70 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
         --variants "wgmma=kernel:wgmma"
-    grep -E "^##|µs/call|µs  ×|rc " "$OUT/profile.log" "$OUT/profile512.log"
+    grep -E "^##|floor  rel|µs/call|µs  ×|rc " "$OUT/profile.log" "$OUT/profile512.log"
+elif [ "$part" = 26 ]; then    # v10: part 25 found each call's kernels back to back on the device (idle ≤ 3 µs
+    # per call), yet the loop-timed layer 20–260 µs longer than that span: the same rows timed as a
+    # loop, as jitted calls dispatched from Python, and as a loop without XLA's command buffers
+    local_rows="qwen3:1,512 mixtral:1"
+    for timing in loop calls; do
+        logged "timing_$timing" 70 python3 benchmarks/moe_engine.py --sweep --timing $timing --rows $local_rows \
+            --reps 10 --variants "wgmma=kernel:wgmma"
+    done
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= logged "timing_nocmd" 70 python3 benchmarks/moe_engine.py --sweep \
+        --timing loop --rows $local_rows --reps 10 --variants "wgmma=kernel:wgmma"
+    grep -E "^##|floor  rel|FAIL|rc " "$OUT"/timing_*.log
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

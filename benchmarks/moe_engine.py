@@ -82,7 +82,8 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
     and returns its wall time in seconds (so several alternatives can be timed round-robin).
 
     ``TIMING = "loop"`` (default): a ``fori_loop``; ``"unrolled"``: the calls as straight-line
-    code (no while loop around them). Both measured the same on the H200 in v3; in v10 the
+    code (no while loop around them); ``"calls"``: one jitted call per layer, dispatched from
+    Python back to back (how a serving loop steps), synchronized once at the end. Both measured the same on the H200 in v3; in v10 the
     straight-line program was slower on several decode rows (NOTES.md v10). The loop compiles
     faster."""
     @jax.jit
@@ -96,6 +97,21 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
         for r in range(reps):
             c = body(r, c)
         return c
+
+    if TIMING == "calls":                     # one jitted layer call per step, dispatched from Python
+        step = jax.jit(lambda c, tw, ids, operands: x + layer(c, tw, ids, *operands).astype(x.dtype)
+                       * jnp.asarray(1e-3, x.dtype))
+        routes = [(tw_all[r], ids_all[r]) for r in range(reps)]
+        step(x, *routes[0], operands).block_until_ready()
+
+        def calls():
+            t0 = time.perf_counter()
+            c = x
+            for tw, ids in routes:
+                c = step(c, tw, ids, operands)
+            c.block_until_ready()
+            return time.perf_counter() - t0
+        return calls
 
     run(x, tw_all, ids_all, operands).block_until_ready()
 
@@ -187,7 +203,7 @@ def main(argv=None):
                     "built-in variant list (keys: fused_moe_tiles config overrides)")
     ap.add_argument("--profile", action="store_true", help="with --sweep: also split each variant's time into "
                     "its device kernels (JAX profiler)")
-    ap.add_argument("--timing", choices=("loop", "unrolled"), default="loop",
+    ap.add_argument("--timing", choices=("loop", "unrolled", "calls"), default="loop",
                     help="the timed program: a fori_loop of calls (default) or straight-line calls")
     ap.add_argument("--skip", default="", help="comma-separated alternatives not to time")
     ap.add_argument("--append", default=None)
