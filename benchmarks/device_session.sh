@@ -286,7 +286,7 @@ elif [ "$part" = 26 ]; then    # v10: part 25 found each call's kernels back to 
         logged "timing_$timing" 70 python3 benchmarks/moe_engine.py --sweep --timing $timing --rows $local_rows \
             --reps 10 --variants "wgmma=kernel:wgmma"
     done
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= logged "timing_nocmd" 70 python3 benchmarks/moe_engine.py --sweep \
+    logged "timing_nocmd" 70 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/moe_engine.py --sweep \
         --timing loop --rows $local_rows --reps 10 --variants "wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|FAIL|rc " "$OUT"/timing_*.log
 else
