@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27 is prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -289,6 +289,13 @@ elif [ "$part" = 26 ]; then    # v10: part 25 found each call's kernels back to 
     logged "timing_nocmd" 70 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/moe_engine.py --sweep \
         --timing loop --rows $local_rows --reps 10 --variants "wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|FAIL|rc " "$OUT"/timing_*.log
+elif [ "$part" = 27 ]; then    # next: what the host does per layer call (kernel_profile's host spans). Part 26:
+    # a layer takes 40–85 µs longer than its kernels' span on the device, whether in a fori_loop or as
+    # jitted calls from Python, and the kernels of one call run back to back (part 25) — so the time
+    # goes before each call's first kernel
+    logged "profile" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1,512 mixtral:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma"
+    grep -E "^##|floor  rel|µs/call|µs  ×|host spans|rc " "$OUT/profile.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -23,10 +23,12 @@ import jax
 
 
 def kernel_breakdown(fn, args, calls: int = 20):
-    """``(rows, wall_us, timeline)``: rows ``(name, µs per call, launches per call)`` for the
+    """``(rows, wall_us, timeline, host)``: rows ``(name, µs per call, launches per call)`` for the
     kernels on the device streams, largest first; ``wall_us`` is the host time per call (dispatch
     included); ``timeline``: :func:`call_timeline` of the device events (None where they do not
-    split into ``calls`` equal calls)."""
+    split into ``calls`` equal calls); ``host``: the same rows for the host threads' events (the
+    runtime's own spans — nested ones each count — and no Python frames, ``$``-named), whose
+    durations the profiler itself inflates: where the host's time goes, not how much."""
     import time
 
     jf = jax.jit(fn)
@@ -50,8 +52,12 @@ def kernel_breakdown(fn, args, calls: int = 20):
     gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
     stream = {key for key, name in threads.items() if key[0] in gpu and name.lower().startswith("stream")}
     tot, cnt = collections.Counter(), collections.Counter()
+    host_tot, host_cnt = collections.Counter(), collections.Counter()
     device = []
     for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu and not str(e.get("name", "$")).startswith("$"):
+            host_tot[e["name"]] += float(e.get("dur", 0.0))
+            host_cnt[e["name"]] += 1
         if e.get("ph") != "X" or e.get("pid") not in gpu:
             continue
         if stream and (e["pid"], e.get("tid")) not in stream:
@@ -60,7 +66,8 @@ def kernel_breakdown(fn, args, calls: int = 20):
         cnt[e["name"]] += 1
         device.append((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]))
     rows = [(name, us / calls, cnt[name] / calls) for name, us in tot.most_common()]
-    return rows, wall, call_timeline(device, calls)
+    host = [(name, us / calls, host_cnt[name] / calls) for name, us in host_tot.most_common()]
+    return rows, wall, call_timeline(device, calls), host
 
 
 def call_timeline(device, calls: int, top: int = 4):
@@ -91,8 +98,8 @@ def call_timeline(device, calls: int, top: int = 4):
     return {"span": span / calls, "busy": busy / calls, "idle": (span - busy) / calls, "gaps": largest}
 
 
-def format_breakdown(result, top: int = 12, indent: str = "    ") -> str:
-    rows, wall, timeline = result
+def format_breakdown(result, top: int = 12, indent: str = "    ", host_top: int = 10) -> str:
+    rows, wall, timeline, host = result
     busy = sum(us for _, us, _ in rows)
     launches = sum(n for _, _, n in rows)
     lines = [f"{indent}device busy {busy:.1f} µs/call in {launches:.0f} kernels; host wall {wall:.1f} µs/call"]
@@ -102,4 +109,8 @@ def format_breakdown(result, top: int = 12, indent: str = "    ") -> str:
                                                          for us, a, b in timeline["gaps"]))
     for name, us, n in rows[:top]:
         lines.append(f"{indent}  {us:8.1f} µs  ×{n:g}  {name[:90]}")
+    if host:
+        lines.append(f"{indent}host spans (profiled, inflated):")
+        for name, us, n in host[:host_top]:
+            lines.append(f"{indent}  {us:8.1f} µs  ×{n:g}  {name[:90]}")
     return "\n".join(lines)

@@ -83,6 +83,7 @@ def test_call_timeline_gaps():
     assert t["span"] == 31.0 and t["busy"] == 26.0 and t["idle"] == 5.0
     assert t["gaps"] == [(5.0, "a", "b")]
     assert call_timeline(one + two[:2], 2) is None and call_timeline([], 3) is None
-    text = format_breakdown(([("a", 10.0, 1.0)], 50.0, t))
+    text = format_breakdown(([("a", 10.0, 1.0)], 50.0, t, [("Thunk::Execute", 7.5, 2.0)]))
     assert "first kernel to last: 31.0 µs/call, 5.0 of it idle" in text and "5.0 µs a → b" in text
-    assert "first kernel" not in format_breakdown(([("a", 10.0, 1.0)], 50.0, None))
+    assert "7.5 µs  ×2  Thunk::Execute" in text
+    assert "first kernel" not in format_breakdown(([("a", 10.0, 1.0)], 50.0, None, []))
