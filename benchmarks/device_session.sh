@@ -292,10 +292,11 @@ elif [ "$part" = 26 ]; then    # v10: part 25 found each call's kernels back to 
 elif [ "$part" = 27 ]; then    # next: what the host does per layer call (kernel_profile's host spans). Part 26:
     # a layer takes 40–85 µs longer than its kernels' span on the device, whether in a fori_loop or as
     # jitted calls from Python, and the kernels of one call run back to back (part 25) — so the time
-    # goes before each call's first kernel
+    # goes before each call's first kernel, or between the calls: --profile now also profiles the timed
+    # program itself (fresh routing per call) and prints its per-call span and idle time
     logged "profile" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1,512 mixtral:1 --reps 10 \
         --variants "wgmma=kernel:wgmma"
-    grep -E "^##|floor  rel|µs/call|µs  ×|host spans|rc " "$OUT/profile.log"
+    grep -E "^##|floor  rel|µs/call|µs  ×|host spans|timed program|rc " "$OUT/profile.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -22,13 +22,15 @@ import tempfile
 import jax
 
 
-def kernel_breakdown(fn, args, calls: int = 20):
+def kernel_breakdown(fn, args, calls: int = 20, parts: int = 1):
     """``(rows, wall_us, timeline, host)``: rows ``(name, µs per call, launches per call)`` for the
     kernels on the device streams, largest first; ``wall_us`` is the host time per call (dispatch
     included); ``timeline``: :func:`call_timeline` of the device events (None where they do not
     split into ``calls`` equal calls); ``host``: the same rows for the host threads' events (the
     runtime's own spans — nested ones each count — and no Python frames, ``$``-named), whose
-    durations the profiler itself inflates: where the host's time goes, not how much."""
+    durations the profiler itself inflates: where the host's time goes, not how much. ``parts``:
+    each call of ``fn`` runs that many identical steps (a program of ``parts`` layer calls): the
+    rows and the timeline are per step."""
     import time
 
     jf = jax.jit(fn)
@@ -65,9 +67,14 @@ def kernel_breakdown(fn, args, calls: int = 20):
         tot[e["name"]] += float(e.get("dur", 0.0))
         cnt[e["name"]] += 1
         device.append((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]))
-    rows = [(name, us / calls, cnt[name] / calls) for name, us in tot.most_common()]
-    host = [(name, us / calls, host_cnt[name] / calls) for name, us in host_tot.most_common()]
-    return rows, wall, call_timeline(device, calls), host
+    steps = calls * parts
+    rows = [(name, us / steps, cnt[name] / steps) for name, us in tot.most_common()]
+    host = [(name, us / steps, host_cnt[name] / steps) for name, us in host_tot.most_common()]
+    timeline = call_timeline(device, calls)
+    if timeline is not None and parts > 1:
+        timeline = {"span": timeline["span"] / parts, "busy": timeline["busy"] / parts,
+                    "idle": timeline["idle"] / parts, "gaps": [(us / parts, a, b) for us, a, b in timeline["gaps"]]}
+    return rows, wall / parts, timeline, host
 
 
 def call_timeline(device, calls: int, top: int = 4):

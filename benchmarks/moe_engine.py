@@ -77,16 +77,10 @@ def timed(layer, x, tw_all, ids_all, operands, reps):
     return statistics.median(once() for _ in range(5)) / reps * 1e6
 
 
-def runner(layer, x, tw_all, ids_all, operands, reps):
-    """Compile and warm the timed program of :func:`timed`; returns a function that runs it once
-    and returns its wall time in seconds (so several alternatives can be timed round-robin).
-
-    ``TIMING = "loop"`` (default): a ``fori_loop``; ``"unrolled"``: the calls as straight-line
-    code (no while loop around them); ``"calls"``: one jitted call per layer, dispatched from
-    Python back to back (how a serving loop steps), synchronized once at the end. Both measured the same on the H200 in v3; in v10 the
-    straight-line program was slower on several decode rows (NOTES.md v10). The loop compiles
-    faster."""
-    @jax.jit
+def program(layer, reps):
+    """The timed program (not jitted): ``reps`` dependent calls of ``layer``, call ``r`` routed by
+    ``tw_all[r], ids_all[r]`` — a ``fori_loop``, or straight-line code unless ``TIMING`` is
+    ``"loop"``."""
     def run(x, tw_all, ids_all, operands):
         def body(r, c):
             y = layer(c, tw_all[r], ids_all[r], *operands)
@@ -97,6 +91,20 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
         for r in range(reps):
             c = body(r, c)
         return c
+    return run
+
+
+def runner(layer, x, tw_all, ids_all, operands, reps):
+    """Compile and warm the timed program of :func:`timed`; returns a function that runs it once
+    and returns its wall time in seconds (so several alternatives can be timed round-robin).
+
+    ``TIMING = "loop"`` (default): a ``fori_loop``; ``"unrolled"``: the calls as straight-line
+    code (no while loop around them); ``"calls"``: one jitted call per layer, dispatched from
+    Python back to back (how a serving loop steps), synchronized once at the end. The loop and
+    the straight-line program measured the same on the H200 in v3; in v10 the straight-line
+    program was slower on several decode rows, and the loop and the calls the same within ~25%
+    (NOTES.md v10). The loop compiles faster."""
+    run = jax.jit(program(layer, reps))
 
     if TIMING == "calls":                     # one jitted layer call per step, dispatched from Python
         step = jax.jit(lambda c, tw, ids, operands: x + layer(c, tw, ids, *operands).astype(x.dtype)
@@ -271,6 +279,12 @@ def main(argv=None):
 
                             print(format_breakdown(kernel_breakdown(engine(**over), (x, tw_all[0], ids_all[0], *ops))),
                                   flush=True)
+                            # the timed program itself (fresh routing per call, as timed): its
+                            # device timeline cut into the calls, and the idle time between them
+                            prog = kernel_breakdown(program(engine(**over), reps), (x, tw_all, ids_all, ops),
+                                                    calls=3, parts=reps)
+                            print(f"    the timed program ({TIMING}, {reps} calls), per call:", flush=True)
+                            print(format_breakdown(prog, top=0, host_top=0), flush=True)
                     except Exception as ex:  # noqa: BLE001 - report and continue
                         print(f"  {vname:16s} FAILED {type(ex).__name__}: {str(ex)[:400]}", flush=True)
                 continue
