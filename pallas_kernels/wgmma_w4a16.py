@@ -203,8 +203,9 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
                      tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
                      channelwise: bool = False, row_scale: bool = False) -> int:
     """Shared memory of one :func:`wgmma_grouped_gemm` program, as Mosaic GPU allocates it: the
-    block → expert ids (and with ``row_scale`` the block's row scales), one ``stages``-deep buffer per pipelined operand (words: 64 bytes per
-    column and K-block; activations; scales; zero points; ``Σx`` with ``zfold``) and, with
+    block → expert ids (and with ``row_scale`` the block's row scales), one ``stages``-deep
+    buffer per pipelined operand (words: 64 bytes per column and K-block; activations; scales;
+    zero points; ``Σx`` with ``zfold``) and, with
     ``tout``, the output tile — beside the pipeline with ``ws`` (both compute warpgroups'
     tiles), after it without (its scope opens when the pipeline's has closed). Each allocation is
     rounded up to 1 KB; 512 bytes cover the barriers. ``stages`` is the ring depth in effect
@@ -864,11 +865,12 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
     (NOTES v9, part 18). Below 128 rows the rule thus takes the fewest expected blocks, which keeps
     every measured decode choice (NOTES v9: Mixtral 32 tokens 16 rows, 64 tokens 32,
     DeepSeek-V2-Lite 64 tokens 16, Qwen3 16/64 tokens 8); at prefill it sizes blocks to the
-    binomial spread of an expert's rows instead of a power of two: 128 ± 11 rows (Mixtral, 512
-    tokens) fit 144-row blocks (8.5 blocks, not 11.8 of 128 rows, whose second block per expert
-    held ~10 rows), 256 ± 16 (Qwen3, 4096 tokens) two of 144, 32 ± 6 (Qwen3, 512 tokens) one of
-    48. The kernel takes any multiple of 8 (wgmma's N side); 160 rows (the accumulator's
-    registers) is the cap."""
+    binomial spread of an expert's rows instead of a power of two. Measured (NOTES v10, part 23):
+    128 ± 11 rows (Mixtral, 512 tokens) fit 144-row blocks — 8.5 blocks, not 11.8 of 128 rows
+    whose second block per expert held ~10 rows: 923–946 µs against 1146; 32 ± 6 (Qwen3, 512
+    tokens) one 48-row block: 353–369 against 393 in 32-row blocks; 256 ± 16 (Qwen3, 4096 tokens)
+    two of 144: no change (1006 / 988 against 1011). The kernel takes any multiple of 8 (wgmma's
+    N side); the cap of 160 rows keeps the float32 accumulator at 160 registers per thread."""
     best, best_cost = BLOCK_M_CHOICES[0], None
     for bm in BLOCK_M_CHOICES:
         cost = expected_blocks(num_pairs, num_experts, bm) * max(BLOCK_ROW_COST, bm)
