@@ -293,9 +293,10 @@ elif [ "$part" = 27 ]; then    # next: what the host does per layer call (kernel
     # a layer takes 40–85 µs longer than its kernels' span on the device, whether in a fori_loop or as
     # jitted calls from Python, and the kernels of one call run back to back (part 25) — so the time
     # goes before each call's first kernel, or between the calls: --profile now also profiles the timed
-    # program itself (fresh routing per call) and prints its per-call span and idle time
-    logged "profile" 200 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1,512 mixtral:1 --reps 10 \
-        --variants "wgmma=kernel:wgmma"
+    # program itself (fresh routing per call) and prints its per-call span and idle time. "in gemm2": the
+    # router weights in GEMM2's epilogue also at decode (off there by default: one more XLA launch?)
+    logged "profile" 240 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1,512 mixtral:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;in gemm2=kernel:wgmma,weight_in_gemm2:1"
     grep -E "^##|floor  rel|µs/call|µs  ×|host spans|timed program|rc " "$OUT/profile.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \

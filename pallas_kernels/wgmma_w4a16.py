@@ -886,7 +886,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     sfold: bool = False, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
-                    fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None):
+                    fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
+                    weight_in_gemm2: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -895,8 +896,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     rows 1–7 are zero), the decode case; default: ``"pair"`` while the pairs are no more than the
     experts and no ``block_m`` is given. Both: GEMM1 (the activation in its epilogue where
     ``fuse_act`` applies; else split sum, bias, router weight on the input and activation in XLA)
-    → GEMM2, which multiplies its rows by the router weights in its epilogue (``row_scale``) →
-    split sum, bias (times the router weight) and the top-k sum in XLA.
+    → GEMM2 (the router weights in its epilogue with ``weight_in_gemm2``) → split sum, bias and
+    the top-k sum in XLA (the router weights too, elsewhere).
     Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5, v6):
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
@@ -942,6 +943,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     where the fused activation applies (``fuse_act``), without act-order permutations, a ``w2``
     bias, or a ``block_n`` other than 128; asking for it elsewhere raises :class:`ConfigError`
     with the reason. XLA then only spreads the rows before it and sums the top-k rows after it.
+    ``weight_in_gemm2``: GEMM2 multiplies its output rows by the router weights in its epilogue
+    (the kernel's ``row_scale``, in float32 before the output's rounding) instead of the XLA
+    fusion that sums the top-k rows; default: on for the blocked schedule, off for the pair
+    schedule, where laying the weights out for the kernel is one more XLA launch in a layer of a
+    dozen (~3.4 µs each, NOTES v10) and the XLA multiply rides in the top-k sum for free. Never
+    with the router weight on the input (GEMM2's rows are then already weighted).
     ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
@@ -1087,14 +1094,19 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                 h = h * tw_rows[:, None]
             h = act(h)
         a2 = _permute_cols(spread(h.astype(cdt)), weights.w2_perm, row_expert)
-    # GEMM2 scales its output rows by the router weights in its epilogue (rows of pairs that
-    # route nowhere and padding rows by 0); with the weights on the input its rows stay as they
-    # are (padding rows and expert −1 blocks are zero already)
-    rs = None if apply_router_weight_on_input else tw_rows if schedule == "blocked" else spread(tw_rows[:, None])[:, 0]
+    # the router weights: in GEMM2's epilogue (rows of pairs that route nowhere and padding rows
+    # scaled by 0) or in XLA below; with the weights on the input GEMM2's rows are weighted
+    # already (padding rows and expert −1 blocks are zero)
+    in_gemm2 = (not apply_router_weight_on_input
+                and (schedule == "blocked" if weight_in_gemm2 is None else bool(weight_in_gemm2)))
+    rs = None if not in_gemm2 else tw_rows if schedule == "blocked" else spread(tw_rows[:, None])[:, 0]
     y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs)[0]).astype(jnp.float32)
+    row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if weights.w2_bias is not None:
-        y = y + (weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
-                 * (live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows)[:, None])
+        bias = weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+        y = y + (bias * row_w[:, None] if in_gemm2 else bias)
+    if not in_gemm2:
+        y = y * row_w[:, None]
     if schedule == "pair":
         out = y.reshape(t, k, h_dim).sum(1)
     elif combine == "gather":                 # row of each routed pair (r: none — a zero row)

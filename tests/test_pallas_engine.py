@@ -740,13 +740,15 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     wide = schedule == "wide"                           # 256-deep steps: splits must divide K-blocks / 2
     ref = _reference(w, x, tw, ids, em, activation=activation, on_input=on_input)
     # the top-k sum of sorted rows (blocked only): the inverse-order gather (default) and
-    # segment_sum; the expert sort by one sort and by counting
-    for combine, align in (("gather", "count"),) + (() if schedule == "pair" else (("scatter", "sort"),)):
+    # segment_sum; the expert sort by one sort and by counting; the router weights in GEMM2's
+    # epilogue and in XLA (each schedule's default, then both forced)
+    cases = [("gather", "count", None), ("gather", "count", True), ("gather", "count", False)]
+    for combine, align, in_gemm2 in cases + ([] if schedule == "pair" else [("scatter", "sort", None)]):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
                                         schedule=None if wide else schedule, wide=True if wide else None,
-                                        apply_router_weight_on_input=on_input, combine=combine, align=align))(
-            x, tw, ids, wg, expert_map=em)
-        _layer_close(got, ref, what=f"combine={combine} align={align}")
+                                        apply_router_weight_on_input=on_input, combine=combine, align=align,
+                                        weight_in_gemm2=in_gemm2))(x, tw, ids, wg, expert_map=em)
+        _layer_close(got, ref, what=f"combine={combine} align={align} weight_in_gemm2={in_gemm2}")
 
 
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
@@ -982,9 +984,9 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
 
 def _layer_case(rng, scheme, e, h, i, t, k, *, bias=False, map_=False):
     w = random_checkpoint_weights(rng, scheme, e, h, i, scale=0.05)
-    if bias:
-        w = dataclasses.replace(w, w13_bias=(0.1 * rng.standard_normal((e, 2 * i))).astype(np.float16),
-                                w2_bias=(0.1 * rng.standard_normal((e, h))).astype(np.float16))
+    if bias:          # about the size of the GEMM outputs they are added to, so a misplaced bias shows
+        w = dataclasses.replace(w, w13_bias=(1.0 * rng.standard_normal((e, 2 * i))).astype(np.float16),
+                                w2_bias=(3.0 * rng.standard_normal((e, h))).astype(np.float16))
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     n_route = e + 3 if map_ else e
     logits = jnp.asarray(rng.standard_normal((t, n_route)), jnp.float32)
