@@ -107,16 +107,16 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
     run = jax.jit(program(layer, reps))
 
     if TIMING == "calls":                     # one jitted layer call per step, dispatched from Python
-        step = jax.jit(lambda c, tw, ids, operands: x + layer(c, tw, ids, *operands).astype(x.dtype)
-                       * jnp.asarray(1e-3, x.dtype))
+        step = jax.jit(lambda c, x0, tw, ids, operands: x0 + layer(c, tw, ids, *operands).astype(x0.dtype)
+                       * jnp.asarray(1e-3, x0.dtype))
         routes = [(tw_all[r], ids_all[r]) for r in range(reps)]
-        step(x, *routes[0], operands).block_until_ready()
+        step(x, x, *routes[0], operands).block_until_ready()
 
         def calls():
             t0 = time.perf_counter()
             c = x
             for tw, ids in routes:
-                c = step(c, tw, ids, operands)
+                c = step(c, x, tw, ids, operands)
             c.block_until_ready()
             return time.perf_counter() - t0
         return calls
@@ -212,7 +212,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="with --sweep: also split each variant's time into "
                     "its device kernels (JAX profiler)")
     ap.add_argument("--timing", choices=("loop", "unrolled", "calls"), default="loop",
-                    help="the timed program: a fori_loop of calls (default) or straight-line calls")
+                    help="the timed program: a fori_loop of calls (default), straight-line calls, or one "
+                    "jitted call per layer dispatched from Python")
     ap.add_argument("--skip", default="", help="comma-separated alternatives not to time")
     ap.add_argument("--append", default=None)
     ap.add_argument("--reps", type=int, default=20)
@@ -283,7 +284,8 @@ def main(argv=None):
                             # device timeline cut into the calls, and the idle time between them
                             prog = kernel_breakdown(program(engine(**over), reps), (x, tw_all, ids_all, ops),
                                                     calls=3, parts=reps)
-                            print(f"    the timed program ({TIMING}, {reps} calls), per call:", flush=True)
+                            shape_of = "loop" if TIMING == "loop" else "straight-line"
+                            print(f"    the timed program ({shape_of}, {reps} calls), per call:", flush=True)
                             print(format_breakdown(prog, top=0, host_top=0), flush=True)
                     except Exception as ex:  # noqa: BLE001 - report and continue
                         print(f"  {vname:16s} FAILED {type(ex).__name__}: {str(ex)[:400]}", flush=True)
