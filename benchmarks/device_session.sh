@@ -297,10 +297,11 @@ elif [ "$part" = 27 ]; then    # next: what the host does per layer call (kernel
     # router weights in GEMM2's epilogue also at decode (off there by default: one more XLA launch?)
     logged "profile" 240 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1,512 mixtral:1 --reps 10 \
         --variants "wgmma=kernel:wgmma;in gemm2=kernel:wgmma,weight_in_gemm2:1"
-    # fewer launches at 1 token: sfold needs no Σx reductions in XLA (2 launches), split1=1 no split sum
-    # between the GEMMs (1); at ~3.4 µs a launch (NOTES v10) worth ~7–10 µs if the GEMMs keep their time
+    # fewer launches at 1 token: the split and top-k sums as unrolled adds (v10 default; "reductions": the
+    # v9 XLA reductions), sfold needs no Σx reductions in XLA (2 launches), split1=1 no split sum between
+    # the GEMMs (1); at ~3.4 µs a launch (NOTES v10) worth ~7–10 µs if the GEMMs keep their time
     logged "launches" 100 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 dsv2lite:1 --reps 10 \
-        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1"
+        --variants "wgmma=kernel:wgmma;reductions=kernel:wgmma,static_sums:0;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1"
     grep -E "^##|floor  rel|µs/call|µs  ×|host spans|timed program|rc " "$OUT/profile.log" "$OUT/launches.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \

@@ -887,7 +887,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     sfold: bool = False, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
-                    weight_in_gemm2: bool | None = None):
+                    weight_in_gemm2: bool | None = None, static_sums: bool = True):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -949,6 +949,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     schedule, where laying the weights out for the kernel is one more XLA launch in a layer of a
     dozen (~3.4 µs each, NOTES v10) and the XLA multiply rides in the top-k sum for free. Never
     with the router weight on the input (GEMM2's rows are then already weighted).
+    ``static_sums`` (default on): the K splits' sum, the pair schedule's top-k sum and the
+    any-invalid-id test as unrolled elementwise adds / ors over their small static axes instead of
+    XLA reductions (the blocked schedule's gather keeps its reduction), so
+    that XLA can fuse them into the neighbouring elementwise work (a reduction is a kernel of its
+    own: ~3.4 µs a launch at decode, NOTES v10); off: ``sum``/``any`` reductions (v9).
     ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
@@ -969,6 +974,19 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                                     global_num_experts)
     if t == 0:
         return jnp.zeros_like(hidden_states)
+
+    def total(x, axis=0):
+        """``x.sum(axis)``; with ``static_sums`` as unrolled adds over the (small, static) axis."""
+        if not static_sums:
+            return x.sum(axis)
+        parts = [jax.lax.index_in_dim(x, j, axis, keepdims=False) for j in range(x.shape[axis])]
+        return functools.reduce(jnp.add, parts)
+
+    def nan_bad(out):
+        """NaN rows for tokens with an out-of-range expert id."""
+        anybad = (functools.reduce(jnp.logical_or, [bad[:, j] for j in range(k)]) if static_sums
+                  else bad.any(axis=1))
+        return jnp.where(anybad[:, None], jnp.nan, out)
     schedule = schedule or ("pair" if t * k <= e and block_m is None else "blocked")
     if schedule not in ("pair", "blocked"):
         raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
@@ -1022,7 +1040,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
                                  tout=tr, gated=gated)
-        return (out[0] if s == 1 else out.astype(jnp.float32).sum(0)), gated is not None
+        return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
@@ -1046,8 +1064,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         a1 = jnp.pad(rows[:, None, :], ((0, 0), (0, 7), (0, 0))).reshape(-1, h_dim)
         y = wgmma_decode_layer(a1, experts, *ops1, *ops2, activation=activation)
         y = y.reshape(t * k, 8, h_dim)[:, 0].astype(jnp.float32) * jnp.where(live, tw, 0.0)[:, None]
-        out = y.reshape(t, k, h_dim).sum(1)
-        return jnp.where(bad.any(axis=1)[:, None], jnp.nan, out).astype(cdt)
+        return nan_bad(total(y.reshape(t, k, h_dim), 1)).astype(cdt)
     if schedule == "pair":
         bm = 8
         experts = local.reshape(-1)                                              # [P], -1: no expert
@@ -1108,13 +1125,15 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     if not in_gemm2:
         y = y * row_w[:, None]
     if schedule == "pair":
-        out = y.reshape(t, k, h_dim).sum(1)
+        out = total(y.reshape(t, k, h_dim), 1)
     elif combine == "gather":                 # row of each routed pair (r: none — a zero row)
         r = y.shape[0]
         pos = jnp.full((t * k + 1,), r, jnp.int32).at[jnp.where(live, flat, t * k)].set(
             jnp.arange(r, dtype=jnp.int32))[:t * k]
+        # a plain sum: XLA already fuses this gather and its top-k reduction into one loop fusion
+        # (part 22: 43 µs at Qwen3 4096 tokens), and unrolled slices might make it materialize the rows
         out = jnp.where((pos < r)[:, None], y[jnp.minimum(pos, r - 1)], 0.0).reshape(t, k, h_dim).sum(1)
     else:
         out = jax.ops.segment_sum(y, jnp.where(live, tok, t), num_segments=t + 1)[:t]
-    out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
+    out = nan_bad(out)
     return out.astype(cdt)

@@ -616,8 +616,8 @@ def _gated64(out, act):
 
 def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, *, block_m, group_size=128,
                          split_k=1, kpb=1, wide=False, out_dtype=jnp.float32, tout=False, gated=None, block_n=64, **_):
-    """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, zero rows
-    for id -1; with ``gated`` the activation of each 128-column tile's 64-column halves), for
+    """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, split ``i``
+    over the ``i``-th K range, zero rows for id -1; with ``gated`` the activation of each 128-column tile's 64-column halves), for
     testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
 
@@ -626,9 +626,11 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=Non
     z = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(a.dtype)).astype(jnp.uint8)
     w = dequantize_tiles(from_wgmma_layout(words), scales, z, bits=4, group_size=group_size, dtype=a.dtype)
     blocks = a.reshape(-1, block_m, a.shape[1]).astype(jnp.float32)
-    out = jnp.einsum("bmk,bkn->bmn", blocks, w[jnp.maximum(expert_ids, 0)].astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    out = jnp.where((expert_ids >= 0)[:, None, None], out, 0.0).reshape(a.shape[0], -1)
+    wb = w[jnp.maximum(expert_ids, 0)].astype(jnp.float32)
+    kc = a.shape[1] // split_k                 # each split's share of K, as the kernel splits it
+    out = jnp.stack([jnp.einsum("bmk,bkn->bmn", blocks[:, :, i * kc:(i + 1) * kc], wb[:, i * kc:(i + 1) * kc],
+                                precision=jax.lax.Precision.HIGHEST) for i in range(split_k)])
+    out = jnp.where((expert_ids >= 0)[None, :, None, None], out, 0.0).reshape(split_k, a.shape[0], -1)
     assert out_dtype == jnp.float32 or (out_dtype == a.dtype and split_k == 1), (out_dtype, split_k)
     assert not tout or out_dtype != jnp.float32
     if gated is not None:
@@ -636,7 +638,7 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=Non
         out = _gated64(out, gated)
     if row_scale is not None:
         out = out * row_scale[:, None]
-    return jnp.concatenate([out[None], jnp.zeros((split_k - 1,) + out.shape)], 0).astype(out_dtype)
+    return out.astype(out_dtype)
 
 
 WGMMA_SCHEMES = {"awq_g128": SCHEMES["awq_g128"], "gptq4_g128_actorder": SCHEMES["gptq4_g128_actorder"],
@@ -741,14 +743,36 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     ref = _reference(w, x, tw, ids, em, activation=activation, on_input=on_input)
     # the top-k sum of sorted rows (blocked only): the inverse-order gather (default) and
     # segment_sum; the expert sort by one sort and by counting; the router weights in GEMM2's
-    # epilogue and in XLA (each schedule's default, then both forced)
-    cases = [("gather", "count", None), ("gather", "count", True), ("gather", "count", False)]
-    for combine, align, in_gemm2 in cases + ([] if schedule == "pair" else [("scatter", "sort", None)]):
+    # epilogue and in XLA (each schedule's default, then both forced); the split and top-k sums
+    # as unrolled adds (default) and as reductions
+    cases = [("gather", "count", None, True), ("gather", "count", True, True), ("gather", "count", False, False)]
+    for combine, align, in_gemm2, static in cases + ([] if schedule == "pair" else [("scatter", "sort", None, True)]):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
                                         schedule=None if wide else schedule, wide=True if wide else None,
                                         apply_router_weight_on_input=on_input, combine=combine, align=align,
-                                        weight_in_gemm2=in_gemm2))(x, tw, ids, wg, expert_map=em)
-        _layer_close(got, ref, what=f"combine={combine} align={align} weight_in_gemm2={in_gemm2}")
+                                        weight_in_gemm2=in_gemm2, static_sums=static))(x, tw, ids, wg, expert_map=em)
+        _layer_close(got, ref, what=f"combine={combine} align={align} weight_in_gemm2={in_gemm2} static_sums={static}")
+
+
+@pytest.mark.parametrize("schedule", ["pair", "blocked"])
+@pytest.mark.parametrize("static", [True, False])
+def test_fused_moe_wgmma_invalid_ids_cpu(monkeypatch, schedule, static):
+    """An out-of-range expert id in any top-k slot (not only the first) gives its token a NaN row;
+    the other tokens match the float64 reference (kernel replaced by its jnp contract)."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", _emulated_wgmma_gemm)
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 5, 3)
+    bad_at = {1: (1, 6), 3: (2, -1)}                    # token: (slot, id) — past the experts, negative
+    for tok, (slot, bad_id) in bad_at.items():
+        ids = ids.at[tok, slot].set(bad_id)
+    got = np.asarray(jax.jit(functools.partial(wgm.fused_moe_wgmma, schedule=schedule, static_sums=static))(
+        x, tw, ids, wgm.convert_wgmma(w.to_jax())).astype(jnp.float32), np.float64)
+    ok = [t for t in range(5) if t not in bad_at]
+    assert np.isnan(got[list(bad_at)]).all()
+    ref = _reference(w, x[np.asarray(ok)], tw[np.asarray(ok)], ids[np.asarray(ok)], None)
+    _layer_close(got[ok], ref, what=f"valid tokens, {schedule}")
 
 
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
