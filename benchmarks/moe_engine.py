@@ -104,8 +104,6 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
     the straight-line program measured the same on the H200 in v3; in v10 the straight-line
     program was slower on several decode rows, and the loop and the calls the same within ~25%
     (NOTES.md v10). The loop compiles faster."""
-    run = jax.jit(program(layer, reps))
-
     if TIMING == "calls":                     # one jitted layer call per step, dispatched from Python
         step = jax.jit(lambda c, x0, tw, ids, operands: x0 + layer(c, tw, ids, *operands).astype(x0.dtype)
                        * jnp.asarray(1e-3, x0.dtype))
@@ -121,6 +119,7 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
             return time.perf_counter() - t0
         return calls
 
+    run = jax.jit(program(layer, reps))
     run(x, tw_all, ids_all, operands).block_until_ready()
 
     def once():
