@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27 is prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–30 in the twelfth (v11); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -289,20 +289,59 @@ elif [ "$part" = 26 ]; then    # v10: part 25 found each call's kernels back to 
     logged "timing_nocmd" 70 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/moe_engine.py --sweep \
         --timing loop --rows $local_rows --reps 10 --variants "wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|FAIL|rc " "$OUT"/timing_*.log
-elif [ "$part" = 27 ]; then    # next: what the host does per layer call (kernel_profile's host spans). Part 26:
-    # a layer takes 40–85 µs longer than its kernels' span on the device, whether in a fori_loop or as
-    # jitted calls from Python, and the kernels of one call run back to back (part 25) — so the time
-    # goes before each call's first kernel, or between the calls: --profile now also profiles the timed
-    # program itself (fresh routing per call) and prints its per-call span and idle time. "in gemm2": the
-    # router weights in GEMM2's epilogue also at decode (off there by default: one more XLA launch?)
-    logged "profile" 240 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1,512 mixtral:1 --reps 10 \
-        --variants "wgmma=kernel:wgmma;in gemm2=kernel:wgmma,weight_in_gemm2:1"
+elif [ "$part" = 27 ]; then    # what the host does per layer call. Part 26: a layer takes 40–85 µs longer
+    # than its kernels' span on the device, in a fori_loop and as jitted calls from Python, and the kernels
+    # of one profiled call run back to back (part 25). But XLA turns its command buffers (CUDA graphs) off
+    # while the profiler runs (xla_enable_command_buffers_during_profiling, default false), so parts 25/26
+    # profiled op-by-op launches, not the timed program. "profile_cmdbuf": the same profile with them on;
+    # --profile also profiles the timed program itself (fresh routing per call): per-call span and idle
+    logged "profile_cmdbuf" 200 env XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+        python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 mixtral:1 --reps 10 --variants "wgmma=kernel:wgmma"
+    logged "profile" 150 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 mixtral:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma"
     # fewer launches at 1 token: the split and top-k sums as unrolled adds (v10 default; "reductions": the
     # v9 XLA reductions), sfold needs no Σx reductions in XLA (2 launches), split1=1 no split sum between
-    # the GEMMs (1); at ~3.4 µs a launch (NOTES v10) worth ~7–10 µs if the GEMMs keep their time
-    logged "launches" 100 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 dsv2lite:1 --reps 10 \
-        --variants "wgmma=kernel:wgmma;reductions=kernel:wgmma,static_sums:0;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1"
-    grep -E "^##|floor  rel|µs/call|µs  ×|host spans|timed program|rc " "$OUT/profile.log" "$OUT/launches.log"
+    # the GEMMs (1), "in gemm2": the router weights in GEMM2's epilogue (off at decode: one more launch?)
+    logged "launches" 170 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:1 dsv2lite:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma;reductions=kernel:wgmma,static_sums:0;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1;in gemm2=kernel:wgmma,weight_in_gemm2:1"
+    grep -E "^##|floor  rel|µs/call|µs  ×|host spans|timed program|rc " "$OUT"/profile*.log "$OUT/launches.log"
+elif [ "$part" = 28 ]; then    # the same layers under XLA's command-buffer settings: does a CUDA graph
+    # take the per-launch host time (~3.4 µs a kernel, NOTES v10) off the layer? min_graph_size=1: every
+    # sequence of commands a graph; +WHILE,+CONDITIONAL: the fori_loop itself inside the graph (no host
+    # round trip per call); straight-line: no loop at all
+    rows="qwen3:1,512 dsv2lite:1 mixtral:1"
+    vars="wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1"
+    flags_run() {   # flags_run NAME SECONDS TIMING XLA_FLAGS
+        logged "$1" "$2" env XLA_FLAGS="$4" python3 benchmarks/moe_engine.py --sweep --timing "$3" --rows $rows \
+            --reps 10 --variants "$vars"
+    }
+    flags_run "f_loop" 80 loop ""
+    flags_run "f_straight" 95 unrolled ""
+    flags_run "f_loop_min1" 80 loop "--xla_gpu_graph_min_graph_size=1"
+    flags_run "f_straight_min1" 95 unrolled "--xla_gpu_graph_min_graph_size=1"
+    flags_run "f_loop_while" 80 loop "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+    flags_run "f_loop_unroll" 80 loop "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/f_*.log | grep -v "^.*: *$"
+elif [ "$part" = 29 ]; then    # v11: the differential timing (the 2R-call program less the R-call one, so a
+    # program's fixed ~0.2–0.4 ms is no longer spread over its 10 layers — parts 27/28 saw the same layer
+    # at 37–114 µs while the timed program's device span was 30–35 µs a call). Predictions (NOTES v11):
+    # Qwen3 1 token ≈ its timed device span, 30–35 µs; sfold −3 µs (2 kernels fewer); the straight-line
+    # program without the loop's carry copies a few µs less than the loop
+    dec="wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1;one=kernel:wgmma,one_kernel:1;wgmma again=kernel:wgmma"
+    logged "dec_loop" 270 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1,16 dsv2lite:1,16 mixtral:1,16 \
+        --reps 10 --variants "$dec"
+    logged "dec_straight" 220 python3 benchmarks/moe_engine.py --sweep --timing unrolled --rows qwen3:1 dsv2lite:1 \
+        mixtral:1 --reps 10 --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;one=kernel:wgmma,one_kernel:1"
+    grep -E "^##|floor  rel|rc |FAIL" "$OUT"/dec_*.log
+elif [ "$part" = 30 ]; then    # v11: sfold on for the pair schedule (part 29), GPU-tested against the float64
+    # reference for every format the table prepares, then the wgmma table (AWQ / GPTQ) under the differential
+    # timing, 40 routings at decode (10 at 512+ tokens) so a program's fixed cost and its spread shrink
+    gpu_tests 210 "pair_defaults_gpu"
+    logged "table_wgmma" 330 python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

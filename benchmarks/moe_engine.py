@@ -6,10 +6,13 @@
     PYTHONPATH=$PWD python3 benchmarks/moe_engine.py --sweep --profile ...   # + time per kernel
 
 One fused MoE layer (W4A16 group 128, random weights, random routing, bf16 activations) per
-row; µs per layer, timed as one jitted program of R dependent calls (a fori_loop; ``--timing
-unrolled`` for straight-line calls), each on its own random routing (so the experts a call touches are not
-all still in L2 from the call before), median of 5 runs / R; in the table the alternatives' runs are
-interleaved round-robin (one run of each, five times), so clock drift affects every column alike.
+row; µs per layer, timed as jitted programs of dependent calls (a fori_loop; ``--timing
+unrolled`` for straight-line calls), each on its own random routing (R routings, used in turn, so
+the experts a call touches are not all still in L2 from the call before): per layer =
+(time of the 2R-call program − time of the R-call program) / R, median of 5 such pairs, so the
+fixed cost of starting a program and waiting for it (~0.2–0.4 ms on the H200, NOTES.md v11)
+is not spread over the layers; in the table the alternatives' runs are interleaved round-robin
+(one pair of each, five times), so clock drift affects every column alike.
 Alternatives in the same run:
 
 * ``engine AWQ`` / ``engine GPTQ``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` on
@@ -70,40 +73,45 @@ TIMING = "loop"
 
 
 def timed(layer, x, tw_all, ids_all, operands, reps):
-    """µs per call of ``layer(c, tw, ids, *operands)`` in one jitted program of ``reps`` dependent
-    calls, call ``r`` routed by ``tw_all[r], ids_all[r]``, median of 5 runs. Weights are
-    arguments, never constants."""
+    """µs per call of ``layer(c, tw, ids, *operands)``: :func:`runner`'s differential time, median
+    of 5. Weights are arguments, never constants."""
     once = runner(layer, x, tw_all, ids_all, operands, reps)
     return statistics.median(once() for _ in range(5)) / reps * 1e6
 
 
-def program(layer, reps):
-    """The timed program (not jitted): ``reps`` dependent calls of ``layer``, call ``r`` routed by
-    ``tw_all[r], ids_all[r]`` — a ``fori_loop``, or straight-line code unless ``TIMING`` is
-    ``"loop"``."""
+def program(layer, calls):
+    """The timed program (not jitted): ``calls`` dependent calls of ``layer``, call ``r`` routed by
+    ``tw_all[r % R], ids_all[r % R]`` (``R`` routings given) — a ``fori_loop``, or straight-line
+    code unless ``TIMING`` is ``"loop"``."""
     def run(x, tw_all, ids_all, operands):
+        n = tw_all.shape[0]
+
         def body(r, c):
-            y = layer(c, tw_all[r], ids_all[r], *operands)
+            y = layer(c, tw_all[r % n], ids_all[r % n], *operands)
             return x + y.astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
         if TIMING == "loop":
-            return jax.lax.fori_loop(0, reps, body, x)
+            return jax.lax.fori_loop(0, calls, body, x)
         c = x
-        for r in range(reps):
+        for r in range(calls):
             c = body(r, c)
         return c
     return run
 
 
 def runner(layer, x, tw_all, ids_all, operands, reps):
-    """Compile and warm the timed program of :func:`timed`; returns a function that runs it once
-    and returns its wall time in seconds (so several alternatives can be timed round-robin).
+    """Compile and warm the timed programs of :func:`timed`; returns a function that runs them
+    once and returns ``reps`` calls' wall time in seconds (so several alternatives can be timed
+    round-robin).
 
     ``TIMING = "loop"`` (default): a ``fori_loop``; ``"unrolled"``: the calls as straight-line
-    code (no while loop around them); ``"calls"``: one jitted call per layer, dispatched from
-    Python back to back (how a serving loop steps), synchronized once at the end. The loop and
-    the straight-line program measured the same on the H200 in v3; in v10 the straight-line
-    program was slower on several decode rows, and the loop and the calls the same within ~25%
-    (NOTES.md v10). The loop compiles faster."""
+    code (no while loop around them). Both differential: the programs of ``reps`` and
+    ``2·reps`` calls each run once and the difference is returned, which leaves out what a
+    program costs once (dispatch, argument handling, the final synchronization; before v11 it
+    was divided into the layers: 15–35 µs per layer at 10 calls, NOTES.md v11).
+    ``"calls"``: one jitted call per layer, dispatched from Python back to back (how a serving
+    loop steps), synchronized once at the end (not differential: the dispatch is what it
+    measures). The loop and the straight-line program measured the same on the H200 in v3; the
+    loop compiles faster."""
     if TIMING == "calls":                     # one jitted layer call per step, dispatched from Python
         step = jax.jit(lambda c, x0, tw, ids, operands: x0 + layer(c, tw, ids, *operands).astype(x0.dtype)
                        * jnp.asarray(1e-3, x0.dtype))
@@ -119,13 +127,17 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
             return time.perf_counter() - t0
         return calls
 
-    run = jax.jit(program(layer, reps))
-    run(x, tw_all, ids_all, operands).block_until_ready()
+    short, long = jax.jit(program(layer, reps)), jax.jit(program(layer, 2 * reps))
+    for run in (short, long):
+        run(x, tw_all, ids_all, operands).block_until_ready()
 
-    def once():
+    def wall(run):
         t0 = time.perf_counter()
         run(x, tw_all, ids_all, operands).block_until_ready()
         return time.perf_counter() - t0
+
+    def once():
+        return wall(long) - wall(short)
     return once
 
 
@@ -348,8 +360,10 @@ def main(argv=None):
 
         append_markdown(args.append, "GPU engine", "moe_engine.py", argv or sys.argv[1:],
                         "W4A16 group 128 (AWQ with zero points unless the column says GPTQ), random weights, "
-                        f"random routing per call, bf16 activations; µs per layer ({TIMING} jitted program of "
-                        "calls, median of 5 runs, the alternatives' runs interleaved). rel err: the engine's output vs a float32 XLA evaluation.", table)
+                        f"random routing per call, bf16 activations; µs per layer ({TIMING} timing: "
+                        + ("one jitted call per layer from Python, median of 5 runs" if TIMING == "calls" else
+                           "the 2R-call program's time less the R-call program's, / R, median of 5 pairs")
+                        + ", the alternatives' runs interleaved). rel err: the engine's output vs a float32 XLA evaluation.", table)
     return 0
 
 

@@ -884,7 +884,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
                     split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
-                    sfold: bool = False, overlap: bool = False, ws: bool | None = None,
+                    sfold: bool | None = None, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True):
@@ -911,8 +911,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
     576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
-    fold, no ``Σx`` reduction in XLA) instead of ``zfold`` (off by default: no faster at 1 token,
-    slower at Qwen3 16 tokens, NOTES.md v8).
+    fold, no ``Σx`` reduction in XLA: two XLA kernels fewer per layer) instead of ``zfold``;
+    default: on for the pair schedule (1 token, differential timing, NOTES.md v11: Qwen3 20.0 vs
+    29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0, Mixtral 85 vs 79–92 within its spread),
+    off for the blocked one (Qwen3 16 tokens slower in v8; DeepSeek-V2-Lite and Mixtral 16
+    tokens within the spread in v11).
     ``overlap``: the kernel's ``overlap=True`` for every GEMM that does not fold (race-free since
     v6, measured no faster; off by default). ``ws``: the kernel's warp-specialized form (two
     compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
@@ -990,6 +993,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     schedule = schedule or ("pair" if t * k <= e and block_m is None else "blocked")
     if schedule not in ("pair", "blocked"):
         raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
+    sfold = schedule == "pair" if sfold is None else bool(sfold)
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32).reshape(-1)
     group = -1 if weights.w13_scales.shape[1] == 1 else BLOCK_K

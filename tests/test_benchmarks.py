@@ -87,3 +87,35 @@ def test_call_timeline_gaps():
     assert "first kernel to last: 31.0 µs/call, 5.0 of it idle" in text and "5.0 µs a → b" in text
     assert "7.5 µs  ×2  Thunk::Execute" in text
     assert "first kernel" not in format_breakdown(([("a", 10.0, 1.0)], 50.0, None, []))
+
+
+def test_timed_program_uses_routings_in_turn():
+    """The timed program of ``calls`` layer calls routes call ``r`` by routing ``r % R`` (the
+    differential timing runs R and 2R calls on the same R routings), in a loop or straight-line."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def layer(c, tw, ids, scale):          # depends on the carry, the routing and an operand
+        return c * 0.5 + tw.sum() * scale + ids.sum().astype(c.dtype)
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+    tw_all = jnp.asarray(rng.random((3, 2, 2)), jnp.float32)
+    ids_all = jnp.asarray(rng.integers(0, 8, (3, 2, 2)), jnp.int32)
+    scale = jnp.float32(1.7)
+    c = np.asarray(x, np.float64)
+    for r in range(7):                      # 7 calls over 3 routings: 0 1 2 0 1 2 0
+        y = c * 0.5 + float(tw_all[r % 3].sum()) * 1.7 + float(ids_all[r % 3].sum())
+        c = np.asarray(x, np.float64) + y * 1e-3
+    old = moe_engine.TIMING
+    try:
+        for timing in ("loop", "unrolled"):
+            moe_engine.TIMING = timing
+            got = jax.jit(moe_engine.program(layer, 7))(x, tw_all, ids_all, (scale,))
+            np.testing.assert_allclose(np.asarray(got), c, rtol=1e-5, err_msg=timing)
+        moe_engine.TIMING = "loop"
+        once = moe_engine.runner(layer, x, tw_all, ids_all, (scale,), 3)
+        assert np.isfinite(once())
+    finally:
+        moe_engine.TIMING = old

@@ -1390,6 +1390,35 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_pair_defaults_gpu(shape, key):
+    """The decode (pair) schedule's defaults since v11 — ``sfold``, ``static_sums`` — and the
+    v10 forms (``sfold=False``: zfold and XLA's Σx; ``static_sums=False``), through ``fused_moe``
+    on the weights the table prepares, at every pair count up to the experts' number (1–3 tokens;
+    Mixtral's top-2 of 8: up to 4), expert 0 never routed, fresh inputs per call, against the
+    float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    from wna16_jax.backends import TABLE, Backend
+    from wna16_jax.moe import fused_moe
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    for t in (1, 4 if shape == "mixtral" else 3):
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
+        tw, ids = routing.fused_topk(logits, k, renormalize=True)
+        ref = _fast_reference(w, x, tw, ids)
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
+        for over in (dict(sfold=False), dict(static_sums=False), dict(sfold=True, split1=1)):
+            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", **over))(x, tw, ids, wg)
+            _layer_close(got, ref, what=f"pair {over} T={t}")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (runs on the device machine)")
 def test_gpu_prefill_batched_and_backward_qwen3():
     from wna16_jax.autodiff import fused_moe_trainable
