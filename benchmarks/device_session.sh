@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–30 in the twelfth (v11); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -342,6 +342,12 @@ elif [ "$part" = 30 ]; then    # v11: sfold on for the pair schedule (part 29), 
         --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
+elif [ "$part" = 31 ]; then    # v11: prefill under the differential timing. gather32: the token rows gathered
+    # into the expert blocks as 32-bit words (XLA wrote the 134 MB of Qwen3 4096's rows at ~1 TB/s, 126 µs, v10);
+    # Qwen3 512's block rows again (48 chosen in v10 under the old timing)
+    logged "prefill" 230 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;gather32=kernel:wgmma,gather32:1;bm32=kernel:wgmma,block_m:32;bm64=kernel:wgmma,block_m:64;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL" "$OUT/prefill.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"

@@ -887,7 +887,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     sfold: bool | None = None, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
-                    weight_in_gemm2: bool | None = None, static_sums: bool = True):
+                    weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -963,6 +963,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     (``w13_interleaved``: ``I`` a multiple of 64), no ``w13`` bias, the router weight not on the
     input, ``block_n=128`` (Mixtral 512 tokens 1108–1122 vs 1188–1215 µs, Qwen3 4096 tokens 1198
     vs 1277; NOTES.md v8). Elsewhere XLA applies the activation to GEMM1's output.
+    ``gather32`` (blocked schedule; default on): gather the token rows into the expert blocks
+    as 32-bit words (pairs of 16-bit values, the same bits) instead of 16-bit elements — half
+    the elements for XLA's gather, which at Qwen3 4096 tokens wrote its 134 MB at ~1 TB/s
+    (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
+    µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1095,7 +1100,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         def first_rows(y):
             return y
 
-        x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
+        if (True if gather32 is None else gather32) and h_dim % 2 == 0:   # the same bits, as 32-bit words
+            xc = hidden_states.astype(cdt)
+            words = jax.lax.bitcast_convert_type(xc.reshape(t, h_dim // 2, 2), jnp.uint32)
+            x_rows = jax.lax.bitcast_convert_type(jnp.where(live[:, None], words[tok], 0), cdt).reshape(-1, h_dim)
+        else:
+            x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
     h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None)

@@ -744,14 +744,19 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     # the top-k sum of sorted rows (blocked only): the inverse-order gather (default) and
     # segment_sum; the expert sort by one sort and by counting; the router weights in GEMM2's
     # epilogue and in XLA (each schedule's default, then both forced); the split and top-k sums
-    # as unrolled adds (default) and as reductions
-    cases = [("gather", "count", None, True), ("gather", "count", True, True), ("gather", "count", False, False)]
-    for combine, align, in_gemm2, static in cases + ([] if schedule == "pair" else [("scatter", "sort", None, True)]):
+    # as unrolled adds (default) and as reductions; the token rows gathered as 32-bit words
+    # (default) and as 16-bit values
+    cases = [("gather", "count", None, True, None), ("gather", "count", True, True, True),
+             ("gather", "count", False, False, False)]
+    for combine, align, in_gemm2, static, g32 in cases + (
+            [] if schedule == "pair" else [("scatter", "sort", None, True, True)]):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
                                         schedule=None if wide else schedule, wide=True if wide else None,
                                         apply_router_weight_on_input=on_input, combine=combine, align=align,
-                                        weight_in_gemm2=in_gemm2, static_sums=static))(x, tw, ids, wg, expert_map=em)
-        _layer_close(got, ref, what=f"combine={combine} align={align} weight_in_gemm2={in_gemm2} static_sums={static}")
+                                        weight_in_gemm2=in_gemm2, static_sums=static, gather32=g32))(
+            x, tw, ids, wg, expert_map=em)
+        _layer_close(got, ref, what=f"combine={combine} align={align} weight_in_gemm2={in_gemm2} "
+                                    f"static_sums={static} gather32={g32}")
 
 
 @pytest.mark.parametrize("schedule", ["pair", "blocked"])
