@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 32 is prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -348,6 +348,17 @@ elif [ "$part" = 31 ]; then    # v11: prefill under the differential timing. gat
     logged "prefill" 230 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;gather32=kernel:wgmma,gather32:1;bm32=kernel:wgmma,block_m:32;bm64=kernel:wgmma,block_m:64;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL" "$OUT/prefill.log"
+elif [ "$part" = 32 ]; then    # prepared in v11 for the next session: the 1-token K splits under the differential
+    # timing (v11 defaults: sfold in the pair schedule). The layer's splits (choose_split, then the largest
+    # divisor of the steps): Qwen3 GEMM1 2 of 8 steps, GEMM2 3 of 3; DeepSeek-V2-Lite GEMM1 2 of 8, GEMM2 1 of
+    # 11; Mixtral GEMM1 1 of 16 (so its activation is fused), GEMM2 4 of 56. Qwen3's GEMM1 at split 2 is 192
+    # programs on 132 SMs, a tail of 60: prediction (NOTES v11) split1=4 (384 programs) 1–2 µs faster there
+    logged "splits" 240 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 40 \
+        --variants "wgmma=kernel:wgmma;split1 4=kernel:wgmma,split1:4;split1 8=kernel:wgmma,split1:8;split1 1=kernel:wgmma,split1:1;split2 1=kernel:wgmma,split2:1;split2 8=kernel:wgmma,split2:8;stages 4=kernel:wgmma,stages:4;wgmma again=kernel:wgmma"
+    logged "profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1 qwen3:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL" "$OUT/splits.log"
+    grep -E "^##|floor  rel|µs/call|µs  ×" "$OUT/profile.log" | head -40
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"
