@@ -759,6 +759,34 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
                                     f"static_sums={static} gather32={g32}")
 
 
+def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
+    """Which fold each GEMM gets by default (NOTES v11): the pair schedule's 8-row blocks the
+    scale-only fold (``sfold``), 16-row blocked ones ``zfold``, 32-row and larger blocks none;
+    ``sfold=False`` puts the pair schedule back on ``zfold``, and ``sfold=True`` reaches the
+    blocked 16-row GEMMs; the layer stays right in each case (kernel replaced by its jnp contract)."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["block_m"], kw.get("zfold", False), kw.get("sfold", False)))
+        return _emulated_wgmma_gemm(*args, **kw)
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 24, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+    ref = _reference(w, x, tw, ids, None)
+    cases = [(dict(schedule="pair"), (8, False, True)), (dict(schedule="pair", sfold=False), (8, True, False)),
+             (dict(block_m=16), (16, True, False)), (dict(block_m=16, sfold=True), (16, False, True)),
+             (dict(block_m=32), (32, False, False))]
+    for over, want in cases:
+        seen.clear()
+        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
+        assert seen == [want, want], (over, seen)
+        _layer_close(got, ref, what=str(over))
+
+
 @pytest.mark.parametrize("schedule", ["pair", "blocked"])
 @pytest.mark.parametrize("static", [True, False])
 def test_fused_moe_wgmma_invalid_ids_cpu(monkeypatch, schedule, static):
