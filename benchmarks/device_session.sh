@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 32 is prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -359,6 +359,13 @@ elif [ "$part" = 32 ]; then    # prepared in v11 for the next session: the 1-tok
         --variants "wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL" "$OUT/splits.log"
     grep -E "^##|floor  rel|µs/call|µs  ×" "$OUT/profile.log" | head -40
+elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
+    # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
+    # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
+    rows=$([ "$part" = 33 ] && echo "mixtral" || echo "qwen3 dsv2lite")
+    logged "table_full" 560 python3 benchmarks/moe_engine.py --rows $rows --reps 40 \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "^\| |rc |rror" "$OUT/table_full.log"
 else
     logged "gemm128" 110 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 128 --reps 5 \
         --only "bn128 st4 shift32" "bn128 st2 shift32" "triton swap" --append "$OUT/RESULTS_gemm.md"
