@@ -357,7 +357,12 @@ elif [ "$part" = 32 ]; then    # prepared in v11 for the next session: the 1-tok
         --variants "wgmma=kernel:wgmma;split1 4=kernel:wgmma,split1:4;split1 8=kernel:wgmma,split1:8;split1 1=kernel:wgmma,split1:1;split2 1=kernel:wgmma,split2:1;split2 8=kernel:wgmma,split2:8;stages 4=kernel:wgmma,stages:4;wgmma again=kernel:wgmma"
     logged "profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1 qwen3:1 --reps 10 \
         --variants "wgmma=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL" "$OUT/splits.log"
+    # Qwen3 512 (21–25% of the dense rate): one program per SM (ws: 256 columns, 3-stage rings, 205–251 KB),
+    # and each streams only 8 (GEMM1) or 3 (GEMM2) steps, so every program's ring fill is exposed. Without
+    # ws and with 2 stages a program needs ~83 KB: two per SM, one filling while the other computes
+    logged "prefill512" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;ws0=kernel:wgmma,ws:0;st2=kernel:wgmma,stages:2"
+    grep -E "^##|floor  rel|rc |FAIL" "$OUT/splits.log" "$OUT/prefill512.log"
     grep -E "^##|floor  rel|µs/call|µs  ×" "$OUT/profile.log" | head -40
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
