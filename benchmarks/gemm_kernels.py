@@ -9,7 +9,8 @@ same data, one run.
 
 Each row: E experts, one block of ``block_m`` rows per expert (the decode case: every expert
 touched once), AWQ-style weights (4-bit, group 128, zero points), bf16 activations. Time is µs
-per GEMM (jitted fori_loop of ``reps`` dependent calls, median of 5), floor = int4 weights +
+per GEMM (jitted fori_loops of ``2·reps`` and ``reps`` dependent calls, the difference / ``reps``,
+median of 5: :mod:`benchmarks.timing`), floor = int4 weights +
 scales + zero points of all experts / 4.3 TB/s (or FLOPs / 640 TFLOP/s when larger), GB/s = those
 bytes / time. Every variant is checked against a float32 evaluation first (rel err > 2e-2 is
 reported as WRONG and not timed). The wgmma variants need a Hopper GPU and are skipped in
@@ -19,9 +20,7 @@ interpret mode.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -94,20 +93,20 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
 
 
 def timed(fn, args, reps):
-    @jax.jit
-    def run(args):
-        def body(_, a):                 # each call reads the previous one's output: nothing to hoist
-            out = fn(a, *args[1:])
-            return a + (out[:, :1] * 1e-6).astype(a.dtype)
-        return jax.lax.fori_loop(0, reps, body, args[0])
+    """µs per GEMM: a jitted ``fori_loop`` of ``2·reps`` dependent calls less one of ``reps``,
+    / ``reps``, median of 5 (:mod:`benchmarks.timing`; before v11 one loop's time / reps)."""
+    from benchmarks.timing import differential_us
 
-    run(args).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        run(args).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / reps * 1e6
+    def build(n):
+        @jax.jit
+        def run(args):
+            def body(_, a):                 # each call reads the previous one's output: nothing to hoist
+                out = fn(a, *args[1:])
+                return a + (out[:, :1] * 1e-6).astype(a.dtype)
+            return jax.lax.fori_loop(0, n, body, args[0])
+        return run
+
+    return differential_us(build, (args,), reps)
 
 
 def variants(bm, n_kb, e, n, interpret):

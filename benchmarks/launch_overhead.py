@@ -3,8 +3,10 @@
 47–69 µs per layer; Mosaic GPU encodes its TMA descriptors on the host at every launch).
 
 Each variant is a chain of dependent tiny calls on an ``[8, 256]`` bf16 array, timed as one
-jitted program of ``--reps`` calls — a ``fori_loop`` and straight-line code, as
-``moe_engine.py`` times layers — median of 5 runs, µs per call:
+jitted program of ``2·--reps`` calls less the same of ``--reps`` (:mod:`benchmarks.timing`;
+before v11 one program / reps, which spread the program's fixed 0.08–0.45 ms over the calls) —
+a ``fori_loop`` and straight-line code, as ``moe_engine.py`` times layers — median of 5, µs per
+call:
 
 * ``xla``: one XLA fusion (``x * a + b``);
 * ``mgpu regs``: a Mosaic GPU kernel that reads and writes global memory from registers (no
@@ -19,9 +21,7 @@ Run on the GPU machine: ``PYTHONPATH=$PWD python3 benchmarks/launch_overhead.py`
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -118,23 +118,22 @@ def time_chain(step, reps, timing):
     x = jax.random.normal(key, (ROWS, COLS), jnp.bfloat16)
     ys = [jax.random.normal(jax.random.fold_in(key, i), (ROWS, COLS), jnp.bfloat16) * 1e-3 for i in range(8)]
 
-    @jax.jit
-    def run(x, ys):
-        if timing == "loop":
-            return jax.lax.fori_loop(0, reps, lambda _, c: step(c, ys), x)
-        for _ in range(reps):
-            x = step(x, ys)
-        return x
+    from benchmarks.timing import differential_us
 
-    out = run(x, ys).block_until_ready()
+    def build(n):
+        @jax.jit
+        def run(x, ys):
+            if timing == "loop":
+                return jax.lax.fori_loop(0, n, lambda _, c: step(c, ys), x)
+            for _ in range(n):
+                x = step(x, ys)
+            return x
+        return run
+
+    out = build(reps)(x, ys).block_until_ready()
     if not bool(jnp.isfinite(out.astype(jnp.float32)).all()):
         raise RuntimeError("non-finite result")
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        run(x, ys).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / reps * 1e6
+    return differential_us(build, (x, ys), reps)
 
 
 def main(argv=None):

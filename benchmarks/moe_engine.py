@@ -127,18 +127,9 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
             return time.perf_counter() - t0
         return calls
 
-    short, long = jax.jit(program(layer, reps)), jax.jit(program(layer, 2 * reps))
-    for run in (short, long):
-        run(x, tw_all, ids_all, operands).block_until_ready()
+    from benchmarks.timing import pair_timer
 
-    def wall(run):
-        t0 = time.perf_counter()
-        run(x, tw_all, ids_all, operands).block_until_ready()
-        return time.perf_counter() - t0
-
-    def once():
-        return wall(long) - wall(short)
-    return once
+    return pair_timer(lambda n: jax.jit(program(layer, n)), (x, tw_all, ids_all, operands), reps)
 
 
 def ragged_bf16(x, tw, ids, w13, w2):
@@ -261,7 +252,6 @@ def main(argv=None):
             fl = floor_us(ids_all, h, i, t, k)
             ref = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))(
                 x.astype(jnp.float32), tw_all[0], ids_all[0], tiles)
-            scale = float(jnp.abs(ref).max())
             refs = {}
 
             def check(fn, operands, gptq=False):

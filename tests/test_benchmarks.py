@@ -119,3 +119,31 @@ def test_timed_program_uses_routings_in_turn():
         assert np.isfinite(once())
     finally:
         moe_engine.TIMING = old
+
+
+def test_differential_timing_leaves_out_the_fixed_cost():
+    """``pair_timer`` returns the 2R-call program's time less the R-call program's: with fake
+    programs of a 50 ms fixed cost and 1 ms per call the difference is R calls' time (the fixed
+    cost gone), and ``differential_us`` divides by R."""
+    import time
+
+    from benchmarks.timing import differential_us, pair_timer
+
+    built = []
+
+    def build(n):
+        built.append(n)
+
+        def run(x):
+            time.sleep(0.05 + 1e-3 * n)
+            return x
+        return run
+
+    once = pair_timer(build, (1.0,), 10)
+    assert built == [10, 20]
+    assert 0.008 < once() < 0.03                          # 10 calls' 10 ms, not 60–70 ms
+    assert 800 < differential_us(build, (1.0,), 10, samples=3) < 3000
+    import pytest
+
+    with pytest.raises(ValueError, match="reps"):
+        pair_timer(build, (1.0,), 0)
