@@ -1429,9 +1429,9 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
 def test_wgmma_pair_defaults_gpu(shape, key):
     """The decode (pair) schedule's defaults since v11 — ``sfold``, ``static_sums`` — and the
     v10 forms (``sfold=False``: zfold and XLA's Σx; ``static_sums=False``), through ``fused_moe``
-    on the weights the table prepares, at every pair count up to the experts' number (1–3 tokens;
-    Mixtral's top-2 of 8: up to 4), expert 0 never routed, fresh inputs per call, against the
-    float64 reference."""
+    on the weights the table prepares, at 1 token and at 3 (Mixtral: 4, the most whose pairs its
+    8 experts hold; the layer picks the pair schedule for both), expert 0 never routed, fresh
+    inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
     from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe
