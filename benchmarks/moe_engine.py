@@ -110,8 +110,9 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
     was divided into the layers: 8–45 µs per layer at 10 calls, NOTES.md v11).
     ``"calls"``: one jitted call per layer, dispatched from Python back to back (how a serving
     loop steps), synchronized once at the end (not differential: the dispatch is what it
-    measures). The loop and the straight-line program measured the same on the H200 in v3; the
-    loop compiles faster."""
+    measures). The loop and the straight-line program measured the same on the H200 in v3; in
+    v11 the straight-line difference was too noisy at 10 calls (its two programs are different
+    executables). The loop compiles faster."""
     if TIMING == "calls":                     # one jitted layer call per step, dispatched from Python
         step = jax.jit(lambda c, x0, tw, ids, operands: x0 + layer(c, tw, ids, *operands).astype(x0.dtype)
                        * jnp.asarray(1e-3, x0.dtype))
