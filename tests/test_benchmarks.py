@@ -121,29 +121,30 @@ def test_timed_program_uses_routings_in_turn():
         moe_engine.TIMING = old
 
 
-def test_differential_timing_leaves_out_the_fixed_cost():
+def test_differential_timing_leaves_out_the_fixed_cost(monkeypatch):
     """``pair_timer`` returns the 2R-call program's time less the R-call program's: with fake
-    programs of a 50 ms fixed cost and 1 ms per call the difference is R calls' time (the fixed
-    cost gone), and ``differential_us`` divides by R."""
-    import time
+    programs that cost 50 ms once and 1 ms per call (on a fake clock, so the test cannot be
+    flaky) the difference is R calls' time, the fixed cost gone, and ``differential_us`` divides
+    by R."""
+    import pytest
 
-    from benchmarks.timing import differential_us, pair_timer
+    from benchmarks import timing
 
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
     built = []
 
     def build(n):
         built.append(n)
 
         def run(x):
-            time.sleep(0.05 + 1e-3 * n)
+            clock[0] += 0.05 + 1e-3 * n
             return x
         return run
 
-    once = pair_timer(build, (1.0,), 10)
+    once = timing.pair_timer(build, (1.0,), 10)
     assert built == [10, 20]
-    assert 0.008 < once() < 0.03                          # 10 calls' 10 ms, not 60–70 ms
-    assert 800 < differential_us(build, (1.0,), 10, samples=3) < 3000
-    import pytest
-
+    assert once() == pytest.approx(0.010)                 # 10 calls' 10 ms, not 60–70 ms
+    assert timing.differential_us(build, (1.0,), 10, samples=3) == pytest.approx(1000.0)
     with pytest.raises(ValueError, match="reps"):
-        pair_timer(build, (1.0,), 0)
+        timing.pair_timer(build, (1.0,), 0)
