@@ -323,7 +323,7 @@ elif [ "$part" = 28 ]; then    # the same layers under XLA's command-buffer sett
     flags_run "f_loop_unroll" 80 loop "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/f_*.log | grep -v "^.*: *$"
 elif [ "$part" = 29 ]; then    # v11: the differential timing (the 2R-call program less the R-call one, so a
-    # program's fixed ~0.2–0.4 ms is no longer spread over its 10 layers — parts 27/28 saw the same layer
+    # program's fixed 0.08–0.45 ms is no longer spread over its 10 layers — parts 27/28 saw the same layer
     # at 37–114 µs while the timed program's device span was 30–35 µs a call). Predictions (NOTES v11):
     # Qwen3 1 token ≈ its timed device span, 30–35 µs; sfold −3 µs (2 kernels fewer); the straight-line
     # program without the loop's carry copies a few µs less than the loop
@@ -359,7 +359,7 @@ elif [ "$part" = 32 ]; then    # prepared in v11 for the next session: the 1-tok
         --variants "wgmma=kernel:wgmma"
     # Qwen3 512 (21–25% of the dense rate): one program per SM (ws: 256 columns, 3-stage rings, 205–251 KB),
     # and each streams only 8 (GEMM1) or 3 (GEMM2) steps, so every program's ring fill is exposed. Without
-    # ws and with 2 stages a program needs ~83 KB: two per SM, one filling while the other computes
+    # ws and with 2 stages a program needs 85 KB: two per SM, one filling while the other computes
     logged "prefill512" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;ws0=kernel:wgmma,ws:0;st2=kernel:wgmma,stages:2"
     grep -E "^##|floor  rel|rc |FAIL" "$OUT/splits.log" "$OUT/prefill512.log"
