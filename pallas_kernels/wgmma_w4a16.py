@@ -1001,6 +1001,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     if schedule not in ("pair", "blocked"):
         raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
     sfold = schedule == "pair" if sfold is None else bool(sfold)
+    gather32 = True if gather32 is None else bool(gather32)
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32).reshape(-1)
     group = -1 if weights.w13_scales.shape[1] == 1 else BLOCK_K
@@ -1102,7 +1103,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         def first_rows(y):
             return y
 
-        if (True if gather32 is None else gather32) and h_dim % 2 == 0:   # the same bits, as 32-bit words
+        if gather32 and h_dim % 2 == 0:      # the same bits, moved as 32-bit words
             xc = hidden_states.astype(cdt)
             words = jax.lax.bitcast_convert_type(xc.reshape(t, h_dim // 2, 2), jnp.uint32)
             x_rows = jax.lax.bitcast_convert_type(jnp.where(live[:, None], words[tok], 0), cdt).reshape(-1, h_dim)
