@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -364,6 +364,21 @@ elif [ "$part" = 32 ]; then    # prepared in v11 for the next session: the 1-tok
         --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;ws0=kernel:wgmma,ws:0;st2=kernel:wgmma,stages:2"
     grep -E "^##|floor  rel|rc |FAIL" "$OUT/splits.log" "$OUT/prefill512.log"
     grep -E "^##|floor  rel|µs/call|µs  ×" "$OUT/profile.log" | head -40
+elif [ "$part" = 35 ]; then    # v12 (thirteenth session): part 32 trimmed (no profile) plus two zero-code questions.
+    # 1 token: the K splits (part 32's predictions), and DeepSeek-V2-Lite's GEMM2, whose 11 K-blocks (I = 1408)
+    # are odd, so it runs 128-deep steps without a split (96 programs on 132 SMs): split2 11 gives 1056
+    # one-step programs. Prediction: 2–4 µs off DeepSeek-V2-Lite 1 token. Mixtral 1 token: GEMM1 without a split is
+    # 448 programs, 3.4 per SM, so 52 SMs run 4 and the rest 3 (85% balance); split1 2 (896) should balance it,
+    # prediction 5–10 µs faster if the XLA activation pass costs less than that
+    logged "splits" 200 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 40 \
+        --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;split1 1=kernel:wgmma,split1:1;split2 1=kernel:wgmma,split2:1;split2 11=kernel:wgmma,split2:11;wgmma again=kernel:wgmma"
+    # Mixtral 16 / 64 tokens (1.44× / 1.83× floor, target 1.3×): ws from 32-row blocks (64 tokens) was chosen at
+    # prefill; at 64 tokens each 32-row block streams all of its expert's weights, 2 blocks per expert
+    logged "mixtral_dec" 130 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 40 \
+        --variants "wgmma=kernel:wgmma;ws0=kernel:wgmma,ws:0;bm16=kernel:wgmma,block_m:16;sfold=kernel:wgmma,sfold:1;wgmma again=kernel:wgmma"
+    logged "prefill512" 110 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;ws0=kernel:wgmma,ws:0;st2=kernel:wgmma,stages:2"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/splits.log" "$OUT/mixtral_dec.log" "$OUT/prefill512.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
