@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–36 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -379,6 +379,17 @@ elif [ "$part" = 35 ]; then    # v12 (thirteenth session): part 32 trimmed (no p
     logged "prefill512" 110 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;ws0=kernel:wgmma,ws:0;st2=kernel:wgmma,stages:2"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/splits.log" "$OUT/mixtral_dec.log" "$OUT/prefill512.log"
+elif [ "$part" = 36 ]; then    # v12, from part 35: sfold won at Mixtral 16 tokens (235 vs 251 µs), so sfold for the
+    # blocked schedule's folding blocks (≤ 16 rows) at every decode row (v8 saw Qwen3 16 tokens slower, under the
+    # old timing); Mixtral 64 tokens (32-row blocks, 1.8× floor): sfold at 32 rows and ws off with 2 stages;
+    # Qwen3 512 (ws0 st2 211 vs 243 µs in part 35): the block rows again without ws
+    logged "dec16" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:16,64 dsv2lite:16,64 mixtral:16 --reps 40 \
+        --variants "wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;wgmma again=kernel:wgmma"
+    logged "mixtral64" 100 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 40 \
+        --variants "wgmma=kernel:wgmma;sfold32=kernel:wgmma,zfold:1,sfold:1;ws0 st2=kernel:wgmma,ws:0,stages:2;wgmma again=kernel:wgmma"
+    logged "q512" 100 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
+        --variants "ws0 st2=kernel:wgmma,ws:0,stages:2;ws0 st3=kernel:wgmma,ws:0,stages:3;ws0 st2 bm32=kernel:wgmma,ws:0,stages:2,block_m:32;ws0 st2 bm64=kernel:wgmma,ws:0,stages:2,block_m:64;wgmma=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/dec16.log" "$OUT/mixtral64.log" "$OUT/q512.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
