@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–36 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–37 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -390,6 +390,14 @@ elif [ "$part" = 36 ]; then    # v12, from part 35: sfold won at Mixtral 16 toke
     logged "q512" 100 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
         --variants "ws0 st2=kernel:wgmma,ws:0,stages:2;ws0 st3=kernel:wgmma,ws:0,stages:3;ws0 st2 bm32=kernel:wgmma,ws:0,stages:2,block_m:32;ws0 st2 bm64=kernel:wgmma,ws:0,stages:2,block_m:64;wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/dec16.log" "$OUT/mixtral64.log" "$OUT/q512.log"
+elif [ "$part" = 37 ]; then    # v12 defaults (sfold in every folding block; ws from 32 rows only for 16+-step
+    # streams, else 2 stages): GPU-tested against the float64 reference, then the wgmma table (AWQ / GPTQ)
+    gpu_tests 220 "blocked_defaults_gpu"
+    logged "table_wgmma" 340 python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

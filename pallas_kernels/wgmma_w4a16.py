@@ -902,26 +902,31 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
-    ``stages``: pipeline depth; default: 2 for blocks of up to 32 rows whose programs stream 8 or
-    more steps (Mixtral: 301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4; given or default,
-    lowered until the program fits the 227 KB of shared memory (:func:`wgmma_smem_bytes`): 3 at
-    128-row blocks with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no
-    ``tout`` at 128-row blocks with 256-deep steps. ``shift32`` (default on): the kernel's 32-bit nibble
+    ``stages``: pipeline depth; default: 2 for blocks above 32 rows that ``ws``'s default leaves
+    without it, and for blocks of up to 32 rows whose programs stream 8 or more steps (Mixtral:
+    301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4; given or default, lowered until the
+    program fits the 227 KB of shared memory (:func:`wgmma_smem_bytes`): 3 at 128-row blocks
+    with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no ``tout`` at
+    128-row blocks with 256-deep steps. ``shift32`` (default on): the kernel's 32-bit nibble
     extraction. ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
     576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
     fold, no ``Σx`` reduction in XLA: two XLA kernels fewer per layer) instead of ``zfold``;
-    default: on for the pair schedule (1 token, differential timing, NOTES.md v11: Qwen3 20.0 vs
-    29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0, Mixtral 85 vs 79–92 within its spread),
-    off for the blocked one (Qwen3 16 tokens slower in v8; DeepSeek-V2-Lite and Mixtral 16
-    tokens within the spread in v11).
+    default: on (differential timing, 40 routings; pair schedule, 1 token, NOTES.md v11: Qwen3
+    20.0 vs 29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0; blocked 16-row blocks, NOTES.md
+    v12: Mixtral 16 tokens 235 vs 251, Qwen3 64 tokens 131 vs 147–148, DeepSeek-V2-Lite 16
+    tokens 110 vs 120, 64 tokens 142 vs 145–147; v8's "slower at Qwen3 16 tokens" was measured
+    under the old timing's noise).
     ``overlap``: the kernel's ``overlap=True`` for every GEMM that does not fold (race-free since
     v6, measured no faster; off by default). ``ws``: the kernel's warp-specialized form (two
     compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
-    columns split into ``2·block_n`` (group-128 scales only); default: on for blocks of 32 rows or
+    columns split into ``2·block_n`` (group-128 scales only); default: on for blocks of 64 rows or
     more (Mixtral 4096 tokens 6238 vs 8607 µs, 512 tokens 1393 vs 1775; the GEMM at 8 rows was
-    slower, 224 vs 202 µs; NOTES.md v7). ``out16``: GEMMs without a K split write their output in
+    slower, 224 vs 202 µs; NOTES.md v7) and for 32- to 63-row blocks whose programs stream 16 or
+    more steps (Mixtral 64 tokens 316–323 vs 333 µs); shorter streams at those blocks run without
+    it, at 2 stages, two programs per SM (Qwen3 512 tokens 211–222 vs 243 µs; NOTES.md v12).
+    ``out16``: GEMMs without a K split write their output in
     the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
     6359 µs, 64 tokens 453 vs 526; Qwen3 4096 tokens 1687 vs 1869; NOTES.md v7). ``tout``: those
@@ -1000,7 +1005,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     schedule = schedule or ("pair" if t * k <= e and block_m is None else "blocked")
     if schedule not in ("pair", "blocked"):
         raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
-    sfold = schedule == "pair" if sfold is None else bool(sfold)
+    sfold = True if sfold is None else bool(sfold)
     gather32 = True if gather32 is None else bool(gather32)
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32).reshape(-1)
@@ -1028,13 +1033,20 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
         tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
+        fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
+        # ws by default from 64-row blocks, and from 32 rows where a program streams 16+ steps: one ws
+        # program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
+        # (Qwen3 512 tokens, 48-row blocks of 8 / 3 steps: 211–222 µs without ws at 2 stages, 243
+        # with it; Mixtral 64 tokens, 32 rows, 16 / 28 steps: 316–323 with ws, 333 without; NOTES v12)
+        ws_default = ws is None
+        want_ws = (bm >= 64 or (bm >= 32 and steps // s >= 16)) if ws_default else ws
+        wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
         if stages is not None:
             st = stages
+        elif ws_default and bm > 32 and not wsp:     # two programs per SM, each filling while the other computes
+            st = 2
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
             st = 2 if bm <= 32 and steps // s >= 8 else 4
-        fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
-        want_ws = bm >= 32 if ws is None else ws
-        wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
 
         def smem(st, tr):
             return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=min(st, steps // s),

@@ -760,10 +760,10 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
 
 
 def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
-    """Which fold each GEMM gets by default (NOTES v11): the pair schedule's 8-row blocks the
-    scale-only fold (``sfold``), 16-row blocked ones ``zfold``, 32-row and larger blocks none;
-    ``sfold=False`` puts the pair schedule back on ``zfold``, and ``sfold=True`` reaches the
-    blocked 16-row GEMMs; the layer stays right in each case (kernel replaced by its jnp contract)."""
+    """Which fold each GEMM gets by default (NOTES v12): blocks of up to 16 rows — the pair
+    schedule's 8-row blocks and blocked ones — the scale-only fold (``sfold``), 32-row and larger
+    blocks none; ``sfold=False`` puts them back on ``zfold``; the layer stays right in each case
+    (kernel replaced by its jnp contract)."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     seen = []
@@ -778,12 +778,42 @@ def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
     wg = wgm.convert_wgmma(w.to_jax())
     ref = _reference(w, x, tw, ids, None)
     cases = [(dict(schedule="pair"), (8, False, True)), (dict(schedule="pair", sfold=False), (8, True, False)),
-             (dict(block_m=16), (16, True, False)), (dict(block_m=16, sfold=True), (16, False, True)),
+             (dict(block_m=16), (16, False, True)), (dict(block_m=16, sfold=False), (16, True, False)),
              (dict(block_m=32), (32, False, False))]
     for over, want in cases:
         seen.clear()
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
         assert seen == [want, want], (over, seen)
+        _layer_close(got, ref, what=str(over))
+
+
+def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
+    """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
+    and up always; 32- to 63-row blocks only where a program streams 16 or more steps (here GEMM1
+    over H = 4096: 16 of 256 deep), else no ``ws`` and 2 stages (two programs per SM); an explicit
+    ``ws=False`` keeps the stage rule of the blocks without it; the layer stays right."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["ws"], kw["stages"]))
+        return _emulated_wgmma_gemm(*args, **kw)
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 4, 4096, 256, 24, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+    ref = _reference(w, x, tw, ids, None)
+    # GEMM1: K = 4096, 16 steps of 256 (its ws programs fitted to shared memory at 3 stages); GEMM2:
+    # K = 256, one step (32-row blocks keep the rule of decode blocks: 4 stages below 8 steps)
+    cases = [(dict(block_m=48), [(True, 3), (False, 2)]), (dict(block_m=64), [(True, 3), (True, 4)]),
+             (dict(block_m=32), [(True, 2), (False, 4)]), (dict(block_m=48, ws=False), [(False, 4), (False, 4)]),
+             (dict(block_m=48, stages=3), [(True, 3), (False, 3)])]
+    for over, want in cases:
+        seen.clear()
+        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
+        assert seen == want, (over, seen)
         _layer_close(got, ref, what=str(over))
 
 
@@ -1449,6 +1479,38 @@ def test_wgmma_pair_defaults_gpu(shape, key):
         for over in (dict(sfold=False), dict(static_sums=False), dict(sfold=True, split1=1)):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"pair {over} T={t}")
+
+
+V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_blocked_defaults_gpu(shape, key):
+    """The blocked schedule's defaults since v12 — ``sfold`` in 8-row blocks (Mixtral 16, Qwen3
+    64, DeepSeek-V2-Lite 16 tokens), no ``ws`` and 2 stages in 48-row blocks of short K streams
+    (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — and the v11 forms (``sfold=False``, ``ws=True``), through ``fused_moe``
+    on the weights the table prepares, expert 0 never routed, fresh inputs per call, against the
+    float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    from wna16_jax.backends import TABLE, Backend
+    from wna16_jax.moe import fused_moe
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    for t in V12_TOKENS[shape]:
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
+        tw, ids = routing.fused_topk(logits, k, renormalize=True)
+        ref = _fast_reference(w, x, tw, ids)
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
+        for over in ((dict(sfold=False),) if t <= 64 else (dict(ws=True),)):
+            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
+            _layer_close(got, ref, what=f"blocked {over} T={t}")
 
 
 @pytest.mark.gpu
