@@ -923,8 +923,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
     columns split into ``2·block_n`` (group-128 scales only); default: on for blocks of 64 rows or
     more (Mixtral 4096 tokens 6238 vs 8607 µs, 512 tokens 1393 vs 1775; the GEMM at 8 rows was
-    slower, 224 vs 202 µs; NOTES.md v7) and for 32- to 63-row blocks whose programs stream 16 or
-    more steps (Mixtral 64 tokens 316–323 vs 333 µs); shorter streams at those blocks run without
+    slower, 224 vs 202 µs; NOTES.md v7) and for 32- to 63-row blocks whose programs stream 32 or
+    more K-blocks (Mixtral 64 tokens 316–323 vs 333 µs); shorter streams at those blocks run without
     it, at 2 stages, two programs per SM (Qwen3 512 tokens 211–222 vs 243 µs; NOTES.md v12).
     ``out16``: GEMMs without a K split write their output in
     the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
@@ -1034,12 +1034,13 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         o16 = s == 1 and (True if out16 is None else bool(out16))
         tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
-        # ws by default from 64-row blocks, and from 32 rows where a program streams 16+ steps: one ws
-        # program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
-        # (Qwen3 512 tokens, 48-row blocks of 8 / 3 steps: 211–222 µs without ws at 2 stages, 243
-        # with it; Mixtral 64 tokens, 32 rows, 16 / 28 steps: 316–323 with ws, 333 without; NOTES v12)
+        # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
+        # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
+        # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,
+        # 243 with it; Mixtral 64 tokens, 32 rows, 32 / 56 K-blocks: 316–323 with ws, 333 without;
+        # NOTES v12)
         ws_default = ws is None
-        want_ws = (bm >= 64 or (bm >= 32 and steps // s >= 16)) if ws_default else ws
+        want_ws = (bm >= 64 or (bm >= 32 and n_kb // s >= 32)) if ws_default else ws
         wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
         if stages is not None:
             st = stages

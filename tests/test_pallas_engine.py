@@ -789,8 +789,8 @@ def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
 
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
-    and up always; 32- to 63-row blocks only where a program streams 16 or more steps (here GEMM1
-    over H = 4096: 16 of 256 deep), else no ``ws`` and 2 stages (two programs per SM); an explicit
+    and up always; 32- to 63-row blocks only where a program streams 32 or more K-blocks (here
+    GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per SM); an explicit
     ``ws=False`` keeps the stage rule of the blocks without it; the layer stays right."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
@@ -809,7 +809,8 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     # K = 256, one step (32-row blocks keep the rule of decode blocks: 4 stages below 8 steps)
     cases = [(dict(block_m=48), [(True, 3), (False, 2)]), (dict(block_m=64), [(True, 3), (True, 4)]),
              (dict(block_m=32), [(True, 2), (False, 4)]), (dict(block_m=48, ws=False), [(False, 4), (False, 4)]),
-             (dict(block_m=48, stages=3), [(True, 3), (False, 3)])]
+             (dict(block_m=48, stages=3), [(True, 3), (False, 3)]),
+             (dict(block_m=48, wide=False), [(True, 4), (False, 2)])]
     for over, want in cases:
         seen.clear()
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
