@@ -399,15 +399,17 @@ elif [ "$part" = 37 ]; then    # v12 defaults (sfold in every folding block; ws 
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 elif [ "$part" = 38 ]; then    # v12: Qwen3 512 tokens, two programs per SM made it 10% faster (parts 35/36: without
-    # ws, 2 stages 211–222 µs, 3 stages 285: 92 KB vs 132 KB per program). With 128-deep steps (wide off) a
-    # stage is 20 KB instead of 40, so 3 stages fit three programs per SM (72 KB) and 2 stages four (52 KB);
+    # ws, 2 stages 211–222 µs, 3 stages 285: 84 KB vs 126 KB per program). With 128-deep steps (wide off) a
+    # stage is 20 KB instead of 42, so 3 stages fit three programs per SM (64 KB) and 2 stages four or five (44 KB);
     # the 32-byte TMA rows cap the ring near 2.4 TB/s, above the ~1.4 TB/s the layer reaches. Prediction:
     # wide0 st3 ≥ 10% faster than the default; then where the default's time goes (kernels, JAX profiler)
-    logged "q512b" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
+    logged "q512b" 110 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;wide0 st2=kernel:wgmma,wide:0;wide0 st3=kernel:wgmma,wide:0,stages:3;wide0 st4=kernel:wgmma,wide:0,stages:4;wgmma again=kernel:wgmma"
-    logged "profile512" 90 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
+    gpu_tests 150 "blocked_defaults_gpu and qwen3"      # the default and wide0 st3 against float64
+    logged "profile512" 70 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
         --variants "wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/q512b.log"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
     grep -E "^##|floor  rel|µs/call|µs  ×" "$OUT/profile512.log" | head -30
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and

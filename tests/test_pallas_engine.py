@@ -1492,9 +1492,9 @@ V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
 def test_wgmma_blocked_defaults_gpu(shape, key):
     """The blocked schedule's defaults since v12 — ``sfold`` in 8-row blocks (Mixtral 16, Qwen3
     64, DeepSeek-V2-Lite 16 tokens), no ``ws`` and 2 stages in 48-row blocks of short K streams
-    (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — and the v11 forms (``sfold=False``, ``ws=True``), through ``fused_moe``
-    on the weights the table prepares, expert 0 never routed, fresh inputs per call, against the
-    float64 reference."""
+    (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — the v11 forms (``sfold=False``, ``ws=True``) and
+    128-deep steps at 3 stages there, through ``fused_moe`` on the weights the table prepares,
+    expert 0 never routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
     from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe
@@ -1509,7 +1509,7 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        for over in ((dict(sfold=False),) if t <= 64 else (dict(ws=True),)):
+        for over in ((dict(sfold=False),) if t <= 64 else (dict(ws=True), dict(wide=False, stages=3))):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"blocked {over} T={t}")
 
