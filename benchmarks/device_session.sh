@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–37 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -411,6 +411,10 @@ elif [ "$part" = 38 ]; then    # v12: Qwen3 512 tokens, two programs per SM made
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/q512b.log"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
     grep -E "^##|floor  rel|µs/call|µs  ×" "$OUT/profile512.log" | head -30
+elif [ "$part" = 39 ]; then    # v12: the layer suite (defaults and every forced form, 1 / 5–16 / 300 tokens) on the
+    # v12 defaults, AWQ and GPTQ channelwise at the three shapes (act-order ran in parts 37/38's blocked tests)
+    gpu_tests 280 "wgmma_gpu_shapes and (awq or channel)"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

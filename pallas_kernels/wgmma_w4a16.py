@@ -1044,7 +1044,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
         if stages is not None:
             st = stages
-        elif ws_default and bm > 32 and not wsp:     # two programs per SM, each filling while the other computes
+        elif ws_default and bm > 32 and not want_ws:  # two programs per SM, each filling while the other computes
             st = 2
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
             st = 2 if bm <= 32 and steps // s >= 8 else 4

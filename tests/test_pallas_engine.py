@@ -985,10 +985,11 @@ def test_wgmma_decode_layer_lowers_and_checks():
 
 def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
-    2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; zfold only up to 16 rows
-    unless forced (then up to 32); wide below 128-row blocks, and then 2 stages; overlap never
-    with zfold; ws (NOTES.md v7) from 32 rows where the columns split into 2·block_n, never with a
-    fold or overlap; explicit options win."""
+    2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; a fold only up to 16 rows
+    unless forced (then up to 32), scale-only (``sfold``) unless ``sfold=False`` (v12); wide below
+    128-row blocks, and then 2 stages; overlap never with a fold; ws (NOTES.md v7, v12) from 64
+    rows, and from 32 rows for streams of 32+ K-blocks, where the columns split into 2·block_n,
+    never with a fold or overlap; explicit options win."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     calls = []
@@ -1031,15 +1032,21 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     assert (opts(picks(block_m=8, sfold=True)[2048], "zfold", "sfold", "overlap")
             == opts(picks(block_m=8, sfold=True)[128], "zfold", "sfold", "overlap") == (False, True, False))
     p = picks(block_m=8)
-    assert opts(p[2048], *names) == (8, 2, 2, True, True, False, False)      # 16 K-blocks, 2 per step: 8 steps
-    assert opts(p[128], *names) == (8, 4, 1, False, True, False, False)      # one K-block
-    assert opts(picks(block_m=32)[2048], *names) == (32, 2, 2, True, False, False, True)    # ws from 32 rows
-    assert opts(picks(block_m=32)[128], *names) == (32, 4, 1, False, False, False, True)    # GEMM2: N = 2048
-    assert opts(picks(block_m=32, zfold=True)[2048], *names) == (32, 2, 2, True, True, False, False)
+    assert opts(p[2048], *names) == (8, 2, 2, True, False, False, False)     # 16 K-blocks, 2 per step: 8 steps
+    assert opts(p[128], *names) == (8, 4, 1, False, False, False, False)     # one K-block
+    assert p[2048]["sfold"] and p[128]["sfold"]                              # the fold is scale-only (v12)
+    # 32-row blocks: ws only for streams of 32+ K-blocks (v12), here 16 and 1
+    assert opts(picks(block_m=32)[2048], *names) == (32, 2, 2, True, False, False, False)
+    assert opts(picks(block_m=32)[128], *names) == (32, 4, 1, False, False, False, False)
+    assert opts(picks(block_m=32, ws=True)[128], *names) == (32, 4, 1, False, False, False, True)   # N = 2048
+    o = picks(block_m=32, zfold=True)[2048]
+    assert opts(o, *names) == (32, 2, 2, True, False, False, False) and o["sfold"]
+    assert opts(picks(block_m=32, zfold=True, sfold=False)[2048], *names) == (32, 2, 2, True, True, False, False)
     assert opts(picks(block_m=64, overlap=True)[2048], *names) == (64, 4, 2, True, False, True, False)
     assert opts(picks(block_m=128, tout=False)[2048], *names) == (128, 4, 1, False, False, False, True)
     assert opts(picks(block_m=128, wide=True)[2048], *names) == (128, 2, 2, True, False, False, True)
-    assert opts(picks(block_m=8, stages=3, overlap=True)[2048], *names) == (8, 3, 2, True, True, False, False)
+    o = picks(block_m=8, stages=3, overlap=True)[2048]                   # a fold: overlap stays off
+    assert opts(o, *names) == (8, 3, 2, True, False, False, False) and o["sfold"]
     # 64-row blocks with 256-deep steps: 4 stages (288 KB with the output tile, part 16) do not fit
     # the 227 KB of shared memory: 3 for GEMM1; GEMM2 (one K-block: 128-deep steps) keeps 4
     o = picks(block_m=64)
@@ -1054,7 +1061,7 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
                                         gated=kw["gated"] is not None, zfold=kw["zfold"]) <= wgm.SMEM_LIMIT, (bm, k_, kw)
     # 128-deep steps: 16 per program (DeepSeek-V2-Lite's odd K-block count takes this path)
     assert opts(picks(block_m=16, zfold=False, wide=False)[2048], *names) == (16, 2, 1, False, False, False, False)
-    assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, True, False, False)   # 2 steps
+    assert opts(picks(block_m=16, split1=4)[2048], *names) == (16, 4, 2, True, False, False, False)   # 2 steps, sfold
     # the gated epilogue: GEMM1 without a K split, 128-column tiles, weights in the gated order, no
     # w13 bias, the router weight not on the input, an activation the epilogue has
     assert wg.w13_interleaved
