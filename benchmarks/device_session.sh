@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 32–34 and 40 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -415,6 +415,17 @@ elif [ "$part" = 39 ]; then    # v12: the layer suite (defaults and every forced
     # v12 defaults, AWQ and GPTQ channelwise at the three shapes (act-order ran in parts 37/38's blocked tests)
     gpu_tests 280 "wgmma_gpu_shapes and (awq or channel)"
     grep -E "PASSED|FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+elif [ "$part" = 40 ]; then    # prepared in v12 for the next session (lowered on jax 0.10.2 and 0.11.2 on the CPU,
+    # never run on a GPU): the persistent GEMM — each program streams a contiguous share of the (block, column
+    # tile) items through one ring, so an item's ring fill overlaps the previous item's compute. First its
+    # kernel cases and the layer forms against float64, then the prefill rows. Prediction (NOTES v12): Qwen3
+    # 512 tokens, whose GEMMs read their 302 MB at 1.66 TB/s in 48-row items of 16 / 6 K-blocks, 15–30% faster
+    # (≤ 190 µs); Mixtral 512 and Qwen3 4096 (144-row blocks, long streams, ws today) no faster
+    gpu_tests 200 "(wgmma_grouped_gemm_gpu and persistent) or (blocked_defaults_gpu and (qwen3 or dsv2lite))"
+    logged "persist" 200 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;pers=kernel:wgmma,persistent:1;pers st3=kernel:wgmma,persistent:1,stages:3;pers st4=kernel:wgmma,persistent:1,stages:4;wgmma again=kernel:wgmma"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/persist.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -191,6 +191,7 @@ def _words_dims(words, k):
 # kernel above it only when it compiles, on the GPU; :func:`wgmma_smem_bytes` lets the layer fit
 # its stage count and the kernel refuse a configuration with a clear error on any machine.
 SMEM_LIMIT = 232448
+SM_SMEM = 233472      # one SM's shared memory (228 KB), shared by the programs resident on it
 _SMEM_ALIGN = 1024    # Mosaic GPU aligns every shared-memory allocation to 1 KB
 
 
@@ -201,7 +202,7 @@ def _row_words(block_m: int) -> int:
 
 def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blocks: int, ws: bool = False,
                      tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
-                     channelwise: bool = False, row_scale: bool = False) -> int:
+                     channelwise: bool = False, row_scale: bool = False, persistent: bool = False) -> int:
     """Shared memory of one :func:`wgmma_grouped_gemm` program, as Mosaic GPU allocates it: the
     block → expert ids (and with ``row_scale`` the block's row scales), one ``stages``-deep
     buffer per pipelined operand (words: 64 bytes per column and K-block; activations; scales;
@@ -209,7 +210,8 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
     ``tout``, the output tile — beside the pipeline with ``ws`` (both compute warpgroups'
     tiles), after it without (its scope opens when the pipeline's has closed). Each allocation is
     rounded up to 1 KB; 512 bytes cover the barriers. ``stages`` is the ring depth in effect
-    (``min(stages, steps)``)."""
+    (``min(stages, steps)``). ``persistent``: the row scales travel in the ring (a row per step),
+    the ids hold one more slot, and the output tile lives beside the ring (items end inside it)."""
     def al(b):
         return -(-b // _SMEM_ALIGN) * _SMEM_ALIGN
 
@@ -220,10 +222,13 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
         bufs.append(bufs[-1])
     if zfold:
         bufs.append(stages * kpb * max(IDS_PAD, block_m) * 4)
+    if persistent and row_scale:
+        bufs.append(stages * _row_words(block_m) * 4)
     ring = sum(al(b) for b in bufs)
     out = al((2 if ws else 1) * block_m * (block_n // 2 if gated else block_n) * 2) if tout else 0
-    ids = al(-(-n_blocks // IDS_PAD) * IDS_PAD * 4) + (al(_row_words(block_m) * 4) if row_scale else 0)
-    return ids + (ring + out if ws else max(ring, out)) + 512
+    ids = al(-(-(n_blocks + persistent) // IDS_PAD) * IDS_PAD * 4) + (
+        al(_row_words(block_m) * 4) if row_scale and not persistent else 0)
+    return ids + (ring + out if ws or persistent else max(ring, out)) + 512
 
 
 def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale=None):
@@ -261,12 +266,13 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
-                                             "gated"))
+                                             "gated", "persistent", "programs"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
-                       ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None):
+                       ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
+                       persistent: bool = False, programs: int | None = None):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -311,6 +317,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``row_scale[r]`` in the epilogue, in float32 before the output's rounding (the layer's router
     weights in GEMM2; each K split's partial is scaled, so their sum is too). Each program copies
     its block's scales into shared memory beside the expert ids.
+    ``persistent`` (``split_k=1``, plain words, no ``ws``/``overlap``/``zfold``): ``programs``
+    programs (default: as many as fit on the GPU's SMs at once, by shared memory) each take a
+    contiguous share of the (block, column tile) items and stream them through one pipeline, so
+    the next item's first steps are in flight while the current one computes and no program
+    starts cold per item (the Marlin-style stream over all expert blocks; ``stages`` is the depth
+    of that one ring). Items run up to the last block with an expert (found by XLA before the
+    kernel); each program writes zeros over its share of the blocks after it.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -354,24 +367,39 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if odt != jnp.dtype(jnp.float32) and (odt != jnp.dtype(a.dtype) or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
                           f"activations' dtype) with split_k=1; got {odt.name} with split_k={split_k}")
-    chunk = n_kb // split_k // kpb            # pipeline steps per program
+    if persistent and (split_k != 1 or ws or overlap or zfold or tile_n is not None):
+        raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes split_k=1 and plain words, without ws, "
+                          f"overlap or zfold; got split_k={split_k}, ws={ws}, overlap={overlap}, zfold={zfold}, "
+                          f"tile-major words: {tile_n is not None}")
+    if programs is not None and (not persistent or programs < 1):
+        raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
+    chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
     need = wgmma_smem_bytes(block_m=block_m, block_n=bn, kpb=kpb, stages=max(2, min(stages, chunk)) if overlap
-                            else min(stages, chunk), n_blocks=expert_ids.shape[0], ws=ws, tout=tout,
-                            gated=gated is not None, has_zp=zeros is not None, zfold=zfold,
-                            channelwise=group_size == -1, row_scale=row_scale is not None)
+                            else stages if persistent else min(stages, chunk), n_blocks=expert_ids.shape[0],
+                            ws=ws, tout=tout, gated=gated is not None, has_zp=zeros is not None, zfold=zfold,
+                            channelwise=group_size == -1, row_scale=row_scale is not None, persistent=persistent)
     if need > SMEM_LIMIT:
         raise ConfigError(f"wgmma_grouped_gemm: block_m={block_m}, block_n={bn}, kpb={kpb}, stages={stages}"
-                          f"{', ws' if ws else ''}{', tout' if tout else ''} need {need} bytes of shared memory "
+                          f"{', ws' if ws else ''}{', tout' if tout else ''}"
+                          f"{', persistent' if persistent else ''} need {need} bytes of shared memory "
                           f"per program, more than the {SMEM_LIMIT} an H100/H200 thread block may use: fewer "
                           f"stages, a smaller kpb or block_m, or tout=False")
     dtype = a.dtype
     bm = block_m
     # block → expert ids as [R, 32] int32 rows: TMA moves multiples of 128 bytes and at most
     # 256 elements per dimension, so one copy covers up to 8192 blocks
-    rows_ids = -(-nb // IDS_PAD)
+    # (persistent: one slot more, the last, for the number of blocks up to the last live one)
+    rows_ids = -(-(nb + persistent) // IDS_PAD)
     if rows_ids > 256:
-        raise ShapeError(f"wgmma_grouped_gemm: {nb} blocks > {256 * IDS_PAD}")
+        raise ShapeError(f"wgmma_grouped_gemm: {nb} blocks > {256 * IDS_PAD - persistent}")
     ids = jnp.full((rows_ids * IDS_PAD,), -1, jnp.int32).at[:nb].set(expert_ids.astype(jnp.int32))
+    if persistent:
+        live_blocks = jnp.max(jnp.where(expert_ids >= 0, jnp.arange(1, nb + 1, dtype=jnp.int32), 0))
+        ids = ids.at[-1].set(live_blocks)
+        if programs is None:                  # as many as fit on the SMs at once
+            from .wna16_grouped_gemm import num_sms
+            programs = num_sms() * max(1, min(4, SM_SMEM // (need + _SMEM_ALIGN)))   # registers: ≤ 4
+        programs = max(1, min(programs, nb * (n // bn)))
     ids = ids.reshape(rows_ids, IDS_PAD)
     has_zp = zeros is not None
     has_rs = row_scale is not None
@@ -500,6 +528,37 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         else:
             through(o_smem)
 
+    def accumulate(acc_ref, acc, w_smem, x_smem, s_smem, z_smem, xs_smem):
+        """``acc`` plus one pipeline step's product: the step's weights dequantized in registers
+        (:func:`dequant_units`) against its activation tile, through ``acc_ref`` (the wgmma
+        accumulator); with ``zfold`` / ``sfold`` each K-block's partial folded in float32."""
+        ops = dequantized(w_smem, s_smem, z_smem)
+        xt = transposed(x_smem)
+        if not (zfold or sfold):
+            acc_ref[...] = acc
+            for k0, w in ops:
+                plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+        for q in range(kpb):                     # one K-block (one scale group) per partial
+            g = 0 if channelwise else q
+
+            def cols(ref):
+                return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(jnp.float32),
+                                                (bn, bm), (0,))
+            acc_ref[...] = zero()
+            for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
+                plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+            plgpu.wgmma_wait(0)
+            if sfold:                            # the partial is Σ (c − z)·x: scale it
+                acc = acc + cols(s_smem) * acc_ref[...]
+                continue
+            zb = cols(z_smem) if has_zp else jnp.float32(magic_value(dtype) + 8.0)
+            xrow = jax.lax.broadcast_in_dim(
+                plgpu.load(xs_smem.at[q, 0, pl.ds(0, bm)], (), layout=col), (bn, bm), (1,))
+            acc = acc + cols(s_smem) * (acc_ref[...] - zb * xrow)
+        return acc
+
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
         xs_gmem, rest = (rest[0], rest[1:]) if zfold else (None, rest)
@@ -556,31 +615,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
             def step(_, w_smem, x_smem, s_smem, *rest):
                 z_smem, xs_smem, acc = split_refs(rest)
-                ops = dequantized(w_smem, s_smem, z_smem)
-                xt = transposed(x_smem)
-                if not (zfold or sfold):
-                    acc_ref[...] = acc
-                    issue(ops, xt)
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-                for q in range(kpb):             # one K-block (one scale group) per partial
-                    g = 0 if channelwise else q
-
-                    def cols(ref):
-                        return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(jnp.float32),
-                                                        (bn, bm), (0,))
-                    acc_ref[...] = zero()
-                    for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
-                        plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
-                    plgpu.wgmma_wait(0)
-                    if sfold:                    # the partial is Σ (c − z)·x: scale it
-                        acc = acc + cols(s_smem) * acc_ref[...]
-                        continue
-                    zb = cols(z_smem) if has_zp else jnp.float32(magic_value(dtype) + 8.0)
-                    xrow = jax.lax.broadcast_in_dim(
-                        plgpu.load(xs_smem.at[q, 0, pl.ds(0, bm)], (), layout=col), (bn, bm), (1,))
-                    acc = acc + cols(s_smem) * (acc_ref[...] - zb * xrow)
-                return acc
+                return accumulate(acc_ref, acc, w_smem, x_smem, s_smem, z_smem, xs_smem)
 
             return plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
                                        in_specs=specs, init_carry=zero())(*gmem_refs)
@@ -690,6 +725,104 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                       *([plgpu.SMEM((1, rw), jnp.float32), plgpu.Barrier(num_arrivals=1)] if has_rs else []),
                       *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
 
+    def kernel_persistent(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
+        """``persistent``: ``programs`` programs, each streaming a contiguous share of the (block,
+        column tile) items through one pipeline whose index maps follow the items, so the next
+        item's first steps are in flight while the current one computes. The items are those of
+        the blocks up to the last one with an expert (``ids``' last slot); each program then writes
+        zeros over its share of the rest."""
+        z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
+        rs_gmem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
+        o_gmem = rest[0]
+        p = jax.lax.axis_index("p")
+        nt = n // bn
+        wcol_spec = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else \
+            dict(transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
+
+        def body(ids_smem, ids_bar, *o_smem):
+            plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            n_live = ids_smem[rows_ids - 1, IDS_PAD - 1] * nt          # items of blocks up to the last live one
+            per, extra = n_live // programs, n_live % programs
+            lo = p * per + jnp.minimum(p, extra)
+            count = per + (p < extra).astype(jnp.int32)
+
+            def where(g):
+                """Pipeline step ``g`` → (block, column tile, step within the item)."""
+                item = lo + g // chunk
+                return item // nt, item % nt, g % chunk
+
+            def expert(blk):
+                return jnp.maximum(ids_smem[blk // IDS_PAD, blk % IDS_PAD], 0)
+
+            def w_map(g):
+                blk, j, kk = where(g)
+                return expert(blk), j, kk
+
+            def s_map(g):
+                blk, j, kk = where(g)
+                return expert(blk), 0 if channelwise else kk, j
+
+            def x_map(g):
+                blk, _, kk = where(g)
+                return blk, kk
+
+            def rs_map(g):
+                return where(g)[0], 0
+            specs = [plgpu.BlockSpec((None, bn, wcols * kpb), w_map, **wcol_spec),
+                     plgpu.BlockSpec((bm, BLOCK_K * kpb), x_map,
+                                     transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+                     *[plgpu.BlockSpec((None, 1 if channelwise else kpb, bn), s_map)] * (2 if has_zp else 1),
+                     *([plgpu.BlockSpec((1, rw), rs_map)] if has_rs else [])]
+
+            def dst_of(blk, j):
+                ocols = pl.ds(j * bno, bno)
+                return o_gmem.at[0, pl.ds(blk * bm, bm), ocols] if tout else o_gmem.at[0, ocols, pl.ds(blk * bm, bm)]
+
+            def with_acc(acc_ref):
+                def step(idx, w_smem, x_smem, s_smem, *rest):
+                    z_smem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
+                    rs_smem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
+                    acc = rest[0]
+                    blk, j, kk = where(idx[0])
+                    acc = jax.lax.cond(kk == 0, lambda: zero(), lambda: acc)     # a new item starts
+                    acc = accumulate(acc_ref, acc, w_smem, x_smem, s_smem, z_smem, None)
+                    ex = ids_smem[blk // IDS_PAD, blk % IDS_PAD]
+                    last = kk == chunk - 1
+
+                    @pl.when(last & (ex >= 0))
+                    def _():
+                        store(scaled(finish(acc), rs_smem), dst_of(blk, j), o_smem[0] if tout else None)
+
+                    @pl.when(last & (ex < 0))
+                    def _():
+                        store(zero(bno), dst_of(blk, j), o_smem[0] if tout else None)
+                    return acc
+
+                @pl.when(count > 0)
+                def _():
+                    plgpu.emit_pipeline(step, grid=(count * chunk,), max_concurrent_steps=stages, in_specs=specs,
+                                        init_carry=zero())(w_gmem, a_gmem, s_gmem, *([z_gmem] if has_zp else []),
+                                                           *([rs_gmem] if has_rs else []))
+            pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
+
+            n_rest = nb * nt - n_live                                  # items of the blocks after it: zeros
+            mine = jnp.maximum(n_rest - p + programs - 1, 0) // programs
+
+            @pl.loop(0, mine)
+            def _(r):
+                item = n_live + p + r * programs
+                store(zero(bno), dst_of(item // nt, item % nt), o_smem[0] if tout else None)
+
+        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
+                      *([plgpu.SMEM((bm, bno), odt)] if tout else []))
+
+    if persistent:
+        out_t = plgpu.kernel(kernel_persistent, out_type=jax.ShapeDtypeStruct((1, m, n_out) if tout else (1, n_out, m),
+                                                                              odt),
+                             grid=(programs,), grid_names=("p",))(
+            ids, a, words, scales, *([zeros] if has_zp else []), *([rs] if has_rs else []))
+        return out_t if tout else jnp.swapaxes(out_t, 1, 2)
     if ws:
         out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else
                                                                       (split_k, n_out, m), odt),
@@ -887,7 +1020,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     sfold: bool | None = None, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
-                    weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None):
+                    weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
+                    persistent: bool = False):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -975,6 +1109,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     the elements for XLA's gather, which at Qwen3 4096 tokens wrote its 134 MB at ~1 TB/s
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
+    ``persistent`` (off by default: lowered on both jax versions, not yet run on the GPU): every
+    GEMM without a K split, ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over
+    all (block, column tile) items instead of one program per item, without ``ws``.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1034,6 +1171,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         o16 = s == 1 and (True if out16 is None else bool(out16))
         tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
+        pers = bool(persistent) and s == 1 and not overlap and not (fold and not sfold)
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,
@@ -1041,7 +1179,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # NOTES v12)
         ws_default = ws is None
         want_ws = (bm >= 64 or (bm >= 32 and n_kb // s >= 32)) if ws_default else ws
-        wsp = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+        wsp = want_ws and not pers and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
         if stages is not None:
             st = stages
         elif ws_default and bm > 32 and not want_ws:  # two programs per SM, each filling while the other computes
@@ -1050,9 +1188,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             st = 2 if bm <= 32 and steps // s >= 8 else 4
 
         def smem(st, tr):
-            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=min(st, steps // s),
-                                    n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None, has_zp=ops[2] is not None,
-                                    zfold=fold and not sfold, channelwise=group == -1, row_scale=rs is not None)
+            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=st if pers else min(st, steps // s),
+                                    n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None,
+                                    has_zp=ops[2] is not None, zfold=fold and not sfold, channelwise=group == -1,
+                                    row_scale=rs is not None, persistent=pers)
         # shared memory (227 KB): fewer stages, down to 2, then no output tile — e.g. 3 stages at
         # 128-row blocks with the output tile (the measured default, NOTES v8), 2 at 64-row blocks
         # with 256-deep steps (288 KB at 4 stages: part 16), none at 128-row ones (234.5 KB at 2)
@@ -1064,7 +1203,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                  stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
-                                 tout=tr, gated=gated)
+                                 tout=tr, gated=gated, persistent=pers)
         return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)

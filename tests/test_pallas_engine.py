@@ -416,6 +416,22 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
     for bad in (dict(zfold=True), dict(sfold=True), dict(overlap=True), dict(block_n=256), dict(group_size=-1)):
         with pytest.raises((ConfigError, ShapeError), match="ws=True|block_n|scales"):
             jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, ws=True, **bad)).trace(*wa)
+    for opts in (dict(), dict(kpb=2, wide=True, shift32=True, sfold=True), dict(programs=3, stages=3)):   # persistent
+        for zp, rsc in ((True, False), (False, True)):
+            ps = (s((3 * 48, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+                  s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16) if zp else None,
+                  s((3 * 48,), jnp.float32) if rsc else None)
+            fn = functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, **opts)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*ps).lower(lowering_platforms=("cuda",)).as_text()
+    if TRANSPOSED_STORE:
+        fn = functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, out_dtype=jnp.bfloat16,
+                               tout=True, gated="silu", kpb=2, wide=True, shift32=True, stages=2)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*ps).lower(lowering_platforms=("cuda",)).as_text()
+    for bad in (dict(split_k=2), dict(ws=True), dict(overlap=True), dict(zfold=True)):
+        with pytest.raises(ConfigError, match="persistent=True"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, **bad)).trace(*ps)
+    with pytest.raises(ConfigError, match="programs=3 needs persistent"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, programs=3)).trace(*ps)
     ov32 = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 64), jnp.int32),
             s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))           # overlap on 32-bit words
     fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, block_n=128)
@@ -538,7 +554,18 @@ _WGMMA_GPU_CASES = [
     (False, -1, 48, 1, dict(block_n=128, out16=True, tout=True, rs=True)),
     (True, 128, 48, 1, dict(block_n=128, ws=True, out16=True, tout=True, rs=True)),
     (True, 128, 144, 1, dict(block_n=128, shift32=True, ws=True, stages=2, out16=True, tout=True, k=1024, rs=True)),
-    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu"))]
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu")),
+    # persistent: programs streaming several (block, column tile) items through one ring — fewer
+    # programs than items, more (capped), one; the id -1 block in the middle (zeros stored in the
+    # stream) or last (the tail's zeros); sfold, gated, row scales, both stores
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, stages=2,
+                            persistent=True)),
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, persistent=True, programs=3)),
+    (False, -1, 48, 1, dict(block_n=128, out16=True, tout=True, rs=True, persistent=True, programs=2)),
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu",
+                            persistent=True, programs=5)),
+    (True, 128, 16, 1, dict(block_n=128, stages=3, persistent=True, programs=64)),
+    (False, 128, 32, 1, dict(block_n=64, persistent=True, programs=1, rs=True))]
 
 
 def _gated64_np(ref, act):
@@ -811,6 +838,37 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
              (dict(block_m=32), [(True, 2), (False, 4)]), (dict(block_m=48, ws=False), [(False, 4), (False, 4)]),
              (dict(block_m=48, stages=3), [(True, 3), (False, 3)]),
              (dict(block_m=48, wide=False), [(True, 4), (False, 2)])]
+    for over, want in cases:
+        seen.clear()
+        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
+        assert seen == want, (over, seen)
+        _layer_close(got, ref, what=str(over))
+
+
+def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
+    """``persistent=True`` reaches every GEMM without a K split, ``overlap`` or ``zfold`` (the
+    scale-only fold takes it), always without ``ws``; the layer stays right (kernel replaced by its
+    jnp contract; the kernel itself is lowered in ``test_wgmma_kernel_lowers_to_mosaic_gpu``)."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["persistent"], kw["ws"]))
+        return _emulated_wgmma_gemm(*args, **kw)
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    rng = np.random.default_rng()
+    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 4, 4096, 256, 24, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+    ref = _reference(w, x, tw, ids, None)
+    one = dict(persistent=True, split1=1, split2=1)
+    cases = [(dict(block_m=48, **one), [(True, False)] * 2), (dict(block_m=128, **one), [(True, False)] * 2),
+             (dict(block_m=48, persistent=True, split1=2, split2=1), [(False, False), (True, False)]),
+             (dict(block_m=16, **one), [(True, False)] * 2),
+             (dict(block_m=16, sfold=False, **one), [(False, False)] * 2),
+             (dict(block_m=64, overlap=True, **one), [(False, False)] * 2),
+             (dict(block_m=128, split1=1, split2=1), [(False, True)] * 2)]
     for over, want in cases:
         seen.clear()
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
@@ -1499,8 +1557,8 @@ V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
 def test_wgmma_blocked_defaults_gpu(shape, key):
     """The blocked schedule's defaults since v12 — ``sfold`` in 8-row blocks (Mixtral 16, Qwen3
     64, DeepSeek-V2-Lite 16 tokens), no ``ws`` and 2 stages in 48-row blocks of short K streams
-    (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — the v11 forms (``sfold=False``, ``ws=True``) and
-    128-deep steps at 3 stages there, through ``fused_moe`` on the weights the table prepares,
+    (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — the v11 forms (``sfold=False``, ``ws=True``),
+    128-deep steps at 3 stages there, and the ``persistent`` GEMMs, through ``fused_moe`` on the weights the table prepares,
     expert 0 never routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
     from wna16_jax.backends import TABLE, Backend
@@ -1516,7 +1574,8 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
         tw, ids = routing.fused_topk(logits, k, renormalize=True)
         ref = _fast_reference(w, x, tw, ids)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        for over in ((dict(sfold=False),) if t <= 64 else (dict(ws=True), dict(wide=False, stages=3))):
+        for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1)) if t <= 64 else
+                     (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3))):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"blocked {over} T={t}")
 
