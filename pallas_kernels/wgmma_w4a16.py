@@ -317,9 +317,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``row_scale[r]`` in the epilogue, in float32 before the output's rounding (the layer's router
     weights in GEMM2; each K split's partial is scaled, so their sum is too). Each program copies
     its block's scales into shared memory beside the expert ids.
-    ``persistent`` (``split_k=1``, plain words, no ``ws``/``overlap``/``zfold``): ``programs``
-    programs (default: as many as fit on the GPU's SMs at once, by shared memory) each take a
-    contiguous share of the (block, column tile) items and stream them through one pipeline, so
+    ``persistent`` (plain words, no ``ws``/``overlap``/``zfold``): ``programs`` programs
+    (default: as many as fit on the GPU's SMs at once, by shared memory, at most 4 per SM) each
+    take a contiguous share of the (block, column tile, K split) items and stream them through
+    one pipeline, so
     the next item's first steps are in flight while the current one computes and no program
     starts cold per item (the Marlin-style stream over all expert blocks; ``stages`` is the depth
     of that one ring). Items run up to the last block with an expert (found by XLA before the
@@ -367,10 +368,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if odt != jnp.dtype(jnp.float32) and (odt != jnp.dtype(a.dtype) or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
                           f"activations' dtype) with split_k=1; got {odt.name} with split_k={split_k}")
-    if persistent and (split_k != 1 or ws or overlap or zfold or tile_n is not None):
-        raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes split_k=1 and plain words, without ws, "
-                          f"overlap or zfold; got split_k={split_k}, ws={ws}, overlap={overlap}, zfold={zfold}, "
-                          f"tile-major words: {tile_n is not None}")
+    if persistent and (ws or overlap or zfold or tile_n is not None):
+        raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes plain words, without ws, overlap or "
+                          f"zfold; got ws={ws}, overlap={overlap}, zfold={zfold}, tile-major words: "
+                          f"{tile_n is not None}")
     if programs is not None and (not persistent or programs < 1):
         raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
     chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
@@ -399,7 +400,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         if programs is None:                  # as many as fit on the SMs at once
             from .wna16_grouped_gemm import num_sms
             programs = num_sms() * max(1, min(4, SM_SMEM // (need + _SMEM_ALIGN)))   # registers: ≤ 4
-        programs = max(1, min(programs, nb * (n // bn)))
+        programs = max(1, min(programs, nb * (n // bn) * split_k))
     ids = ids.reshape(rows_ids, IDS_PAD)
     has_zp = zeros is not None
     has_rs = row_scale is not None
@@ -727,15 +728,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
     def kernel_persistent(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         """``persistent``: ``programs`` programs, each streaming a contiguous share of the (block,
-        column tile) items through one pipeline whose index maps follow the items, so the next
-        item's first steps are in flight while the current one computes. The items are those of
-        the blocks up to the last one with an expert (``ids``' last slot); each program then writes
-        zeros over its share of the rest."""
+        column tile, K split) items through one pipeline whose index maps follow the items, so the
+        next item's first steps are in flight while the current one computes. The items are those
+        of the blocks up to the last one with an expert (``ids``' last slot); each program then
+        writes zeros over its share of the rest."""
         z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
         rs_gmem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
         o_gmem = rest[0]
         p = jax.lax.axis_index("p")
-        nt = n // bn
+        nt = n // bn * split_k                 # items per block: column tiles × K splits
         wcol_spec = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else \
             dict(transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
 
@@ -748,23 +749,28 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             count = per + (p < extra).astype(jnp.int32)
 
             def where(g):
-                """Pipeline step ``g`` → (block, column tile, step within the item)."""
+                """Pipeline step ``g`` → (block, column tile, K split, step of the whole K range)."""
                 item = lo + g // chunk
-                return item // nt, item % nt, g % chunk
+                rest = item % nt
+                return item // nt, rest // split_k, rest % split_k, rest % split_k * chunk + g % chunk
+
+            def first_last(g):
+                kk = g % chunk
+                return kk == 0, kk == chunk - 1
 
             def expert(blk):
                 return jnp.maximum(ids_smem[blk // IDS_PAD, blk % IDS_PAD], 0)
 
             def w_map(g):
-                blk, j, kk = where(g)
+                blk, j, _, kk = where(g)
                 return expert(blk), j, kk
 
             def s_map(g):
-                blk, j, kk = where(g)
+                blk, j, _, kk = where(g)
                 return expert(blk), 0 if channelwise else kk, j
 
             def x_map(g):
-                blk, _, kk = where(g)
+                blk, _, _, kk = where(g)
                 return blk, kk
 
             def rs_map(g):
@@ -775,28 +781,29 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                      *[plgpu.BlockSpec((None, 1 if channelwise else kpb, bn), s_map)] * (2 if has_zp else 1),
                      *([plgpu.BlockSpec((1, rw), rs_map)] if has_rs else [])]
 
-            def dst_of(blk, j):
+            def dst_of(blk, j, sp):
                 ocols = pl.ds(j * bno, bno)
-                return o_gmem.at[0, pl.ds(blk * bm, bm), ocols] if tout else o_gmem.at[0, ocols, pl.ds(blk * bm, bm)]
+                return (o_gmem.at[sp, pl.ds(blk * bm, bm), ocols] if tout else
+                        o_gmem.at[sp, ocols, pl.ds(blk * bm, bm)])
 
             def with_acc(acc_ref):
                 def step(idx, w_smem, x_smem, s_smem, *rest):
                     z_smem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
                     rs_smem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
                     acc = rest[0]
-                    blk, j, kk = where(idx[0])
-                    acc = jax.lax.cond(kk == 0, lambda: zero(), lambda: acc)     # a new item starts
+                    blk, j, sp, _ = where(idx[0])
+                    first, last = first_last(idx[0])
+                    acc = jax.lax.cond(first, lambda: zero(), lambda: acc)      # a new item starts
                     acc = accumulate(acc_ref, acc, w_smem, x_smem, s_smem, z_smem, None)
                     ex = ids_smem[blk // IDS_PAD, blk % IDS_PAD]
-                    last = kk == chunk - 1
 
                     @pl.when(last & (ex >= 0))
                     def _():
-                        store(scaled(finish(acc), rs_smem), dst_of(blk, j), o_smem[0] if tout else None)
+                        store(scaled(finish(acc), rs_smem), dst_of(blk, j, sp), o_smem[0] if tout else None)
 
                     @pl.when(last & (ex < 0))
                     def _():
-                        store(zero(bno), dst_of(blk, j), o_smem[0] if tout else None)
+                        store(zero(bno), dst_of(blk, j, sp), o_smem[0] if tout else None)
                     return acc
 
                 @pl.when(count > 0)
@@ -812,14 +819,15 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             @pl.loop(0, mine)
             def _(r):
                 item = n_live + p + r * programs
-                store(zero(bno), dst_of(item // nt, item % nt), o_smem[0] if tout else None)
+                rest = item % nt
+                store(zero(bno), dst_of(item // nt, rest // split_k, rest % split_k), o_smem[0] if tout else None)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       *([plgpu.SMEM((bm, bno), odt)] if tout else []))
 
     if persistent:
-        out_t = plgpu.kernel(kernel_persistent, out_type=jax.ShapeDtypeStruct((1, m, n_out) if tout else (1, n_out, m),
-                                                                              odt),
+        out_t = plgpu.kernel(kernel_persistent, out_type=jax.ShapeDtypeStruct(
+                                 (split_k, m, n_out) if tout else (split_k, n_out, m), odt),
                              grid=(programs,), grid_names=("p",))(
             ids, a, words, scales, *([zeros] if has_zp else []), *([rs] if has_rs else []))
         return out_t if tout else jnp.swapaxes(out_t, 1, 2)
@@ -1110,8 +1118,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
     ``persistent`` (off by default: lowered on both jax versions, not yet run on the GPU): every
-    GEMM without a K split, ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over
-    all (block, column tile) items instead of one program per item, without ``ws``.
+    GEMM without ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over all
+    (block, column tile, K split) items instead of one program per item, without ``ws``.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1171,7 +1179,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         o16 = s == 1 and (True if out16 is None else bool(out16))
         tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
-        pers = bool(persistent) and s == 1 and not overlap and not (fold and not sfold)
+        pers = bool(persistent) and not overlap and not (fold and not sfold)
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,

@@ -427,7 +427,9 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         fn = functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, out_dtype=jnp.bfloat16,
                                tout=True, gated="silu", kpb=2, wide=True, shift32=True, stages=2)
         assert "mosaic_gpu" in jax.jit(fn).trace(*ps).lower(lowering_platforms=("cuda",)).as_text()
-    for bad in (dict(split_k=2), dict(ws=True), dict(overlap=True), dict(zfold=True)):
+    fn = functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, split_k=2, sfold=True)
+    assert "mosaic_gpu" in jax.jit(fn).trace(*ps).lower(lowering_platforms=("cuda",)).as_text()    # K splits
+    for bad in (dict(ws=True), dict(overlap=True), dict(zfold=True)):
         with pytest.raises(ConfigError, match="persistent=True"):
             jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, **bad)).trace(*ps)
     with pytest.raises(ConfigError, match="programs=3 needs persistent"):
@@ -565,7 +567,9 @@ _WGMMA_GPU_CASES = [
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu",
                             persistent=True, programs=5)),
     (True, 128, 16, 1, dict(block_n=128, stages=3, persistent=True, programs=64)),
-    (False, 128, 32, 1, dict(block_n=64, persistent=True, programs=1, rs=True))]
+    (False, 128, 32, 1, dict(block_n=64, persistent=True, programs=1, rs=True)),
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, persistent=True, programs=5)),
+    (True, 128, 8, 4, dict(block_n=64, persistent=True, rs=True))]
 
 
 def _gated64_np(ref, act):
@@ -846,8 +850,8 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
 
 
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
-    """``persistent=True`` reaches every GEMM without a K split, ``overlap`` or ``zfold`` (the
-    scale-only fold takes it), always without ``ws``; the layer stays right (kernel replaced by its
+    """``persistent=True`` reaches every GEMM without ``overlap`` or ``zfold`` (K splits and the
+    scale-only fold take it), always without ``ws``; the layer stays right (kernel replaced by its
     jnp contract; the kernel itself is lowered in ``test_wgmma_kernel_lowers_to_mosaic_gpu``)."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
@@ -864,7 +868,8 @@ def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
     ref = _reference(w, x, tw, ids, None)
     one = dict(persistent=True, split1=1, split2=1)
     cases = [(dict(block_m=48, **one), [(True, False)] * 2), (dict(block_m=128, **one), [(True, False)] * 2),
-             (dict(block_m=48, persistent=True, split1=2, split2=1), [(False, False), (True, False)]),
+             (dict(block_m=48, persistent=True, split1=2, split2=1), [(True, False)] * 2),
+             (dict(schedule="pair", persistent=True, split1=2, split2=2), [(True, False)] * 2),
              (dict(block_m=16, **one), [(True, False)] * 2),
              (dict(block_m=16, sfold=False, **one), [(False, False)] * 2),
              (dict(block_m=64, overlap=True, **one), [(False, False)] * 2),
