@@ -320,11 +320,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``persistent`` (plain words, no ``ws``/``overlap``/``zfold``): ``programs`` programs
     (default: as many as fit on the GPU's SMs at once, by shared memory, at most 4 per SM) each
     take a contiguous share of the (block, column tile, K split) items and stream them through
-    one pipeline, so
-    the next item's first steps are in flight while the current one computes and no program
-    starts cold per item (the Marlin-style stream over all expert blocks; ``stages`` is the depth
-    of that one ring). Items run up to the last block with an expert (found by XLA before the
-    kernel); each program writes zeros over its share of the blocks after it.
+    one pipeline, so the next item's first steps are in flight while the current one computes
+    and no program starts cold per item (the Marlin-style stream over all expert blocks;
+    ``stages`` is the depth of that one ring). Items run up to the last block with an expert
+    (found by XLA before the kernel); each program writes zeros over its share of the blocks
+    after it. Lowered on jax 0.10.2 and 0.11.2; not yet run on a GPU (NOTES.md v12).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -557,9 +557,9 @@ _WGMMA_GPU_CASES = [
     (True, 128, 48, 1, dict(block_n=128, ws=True, out16=True, tout=True, rs=True)),
     (True, 128, 144, 1, dict(block_n=128, shift32=True, ws=True, stages=2, out16=True, tout=True, k=1024, rs=True)),
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, gated="silu")),
-    # persistent: programs streaming several (block, column tile) items through one ring — fewer
-    # programs than items, more (capped), one; the id -1 block in the middle (zeros stored in the
-    # stream) or last (the tail's zeros); sfold, gated, row scales, both stores
+    # persistent: programs streaming several (block, column tile, K split) items through one ring —
+    # fewer programs than items, more (capped), one; the id -1 block in the middle (zeros stored in
+    # the stream) or last (the tail's zeros); sfold, gated, row scales, both stores, K splits
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, stages=2,
                             persistent=True)),
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, persistent=True, programs=3)),
@@ -821,8 +821,9 @@ def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
     and up always; 32- to 63-row blocks only where a program streams 32 or more K-blocks (here
-    GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per SM); an explicit
-    ``ws=False`` keeps the stage rule of the blocks without it; the layer stays right."""
+    GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per
+    SM); an explicit ``ws=False`` keeps the stage rule of the blocks without it; the layer stays
+    right."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     seen = []
