@@ -423,7 +423,9 @@ elif [ "$part" = 40 ]; then    # prepared in v12 for the next session (lowered o
     # (≤ 190 µs); Mixtral 512 and Qwen3 4096 (144-row blocks, long streams, ws today) no faster; at 1 token
     # (K splits as items; GEMM2's programs stream 1–4 steps) 1–3 µs faster at Qwen3 and DeepSeek-V2-Lite
     gpu_tests 200 "(wgmma_grouped_gemm_gpu and persistent) or (blocked_defaults_gpu and (qwen3 or dsv2lite))"
-    logged "persist" 260 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1,512,4096 dsv2lite:1 mixtral:1,512 --reps 40 \
+    # 160 routings at decode (40 from 512 tokens): at 40, repeats of one 1-token configuration differed by up to
+    # ~5 µs (part 35), i.e. ~0.2 ms of the two programs' fixed-cost jitter; 4× the calls divide it by 4
+    logged "persist" 260 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1,512,4096 dsv2lite:1 mixtral:1,512 --reps 160 \
         --variants "wgmma=kernel:wgmma;pers=kernel:wgmma,persistent:1;pers st3=kernel:wgmma,persistent:1,stages:3;pers st4=kernel:wgmma,persistent:1,stages:4;wgmma again=kernel:wgmma"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/persist.log"
