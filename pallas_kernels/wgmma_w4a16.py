@@ -200,6 +200,30 @@ def _row_words(block_m: int) -> int:
     return -(-block_m // IDS_PAD) * IDS_PAD
 
 
+def persistent_share(p, programs: int, n_live):
+    """The persistent kernel's work split: program ``p`` of ``programs`` streams items
+    ``[lo, lo + count)`` of the ``n_live`` live ones (contiguous shares, sizes differing by at
+    most one). Python ints or traced int32 scalars."""
+    per, extra = n_live // programs, n_live % programs
+    lo = p * per + jnp.minimum(p, extra)
+    return lo, per + (p < extra).astype(jnp.int32)
+
+
+def persistent_item(lo, g, chunk: int, items_per_block: int, split_k: int):
+    """Pipeline step ``g`` of a persistent program whose items start at ``lo`` → ``(block, column
+    tile, K split, K step of the whole K range)``; items are ordered block-major, then column
+    tile, then K split, each ``chunk`` steps long."""
+    item = lo + g // chunk
+    rest = item % items_per_block
+    return item // items_per_block, rest // split_k, rest % split_k, rest % split_k * chunk + g % chunk
+
+
+def persistent_tail(p, programs: int, n_live, n_all: int):
+    """The items after the live ones (blocks past the last one with an expert) whose outputs
+    program ``p`` zeroes: ``n_live + p + r · programs`` for ``r < count``; returns ``count``."""
+    return jnp.maximum(n_all - n_live - p + programs - 1, 0) // programs
+
+
 def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blocks: int, ws: bool = False,
                      tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
                      channelwise: bool = False, row_scale: bool = False, persistent: bool = False) -> int:
@@ -744,15 +768,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
             n_live = ids_smem[rows_ids - 1, IDS_PAD - 1] * nt          # items of blocks up to the last live one
-            per, extra = n_live // programs, n_live % programs
-            lo = p * per + jnp.minimum(p, extra)
-            count = per + (p < extra).astype(jnp.int32)
+            lo, count = persistent_share(p, programs, n_live)
 
             def where(g):
                 """Pipeline step ``g`` → (block, column tile, K split, step of the whole K range)."""
-                item = lo + g // chunk
-                rest = item % nt
-                return item // nt, rest // split_k, rest % split_k, rest % split_k * chunk + g % chunk
+                return persistent_item(lo, g, chunk, nt, split_k)
 
             def first_last(g):
                 kk = g % chunk
@@ -813,8 +833,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                                                            *([rs_gmem] if has_rs else []))
             pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
-            n_rest = nb * nt - n_live                                  # items of the blocks after it: zeros
-            mine = jnp.maximum(n_rest - p + programs - 1, 0) // programs
+            mine = persistent_tail(p, programs, n_live, nb * nt)       # items of the blocks after it: zeros
 
             @pl.loop(0, mine)
             def _(r):

@@ -1626,3 +1626,36 @@ def test_gpu_prefill_batched_and_backward_qwen3():
     dx2, dtw2 = jax.jit(jax.grad(functools.partial(loss, executor="pallas"), argnums=(0, 1)))(x, tw, wg)
     _layer_close(dx2, np.asarray(rdx, np.float64), 3e-2)
     _layer_close(dtw2, np.asarray(rdtw, np.float64), 3e-2)
+
+
+@settings(deadline=None)
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 4), st.integers(1, 5), st.integers(1, 300),
+       st.data())
+def test_persistent_schedule_covers_every_item_once(nb, tiles, split, chunk, programs, data):
+    """The persistent kernel's index math (``persistent_share`` / ``persistent_item`` /
+    ``persistent_tail``, the functions its index maps and loops call): over all programs, the
+    streamed items and the zeroed tail cover every (block, column tile, K split) output exactly
+    once, the live items in stream order; each streamed item runs its ``chunk`` K steps of its own
+    split, in order; shares differ by at most one item."""
+    from pallas_kernels.wgmma_w4a16 import persistent_item, persistent_share, persistent_tail
+
+    live_blocks = data.draw(st.integers(0, nb))
+    ipb = tiles * split
+    n_live, n_all = live_blocks * ipb, nb * ipb
+    programs = min(programs, n_all)                   # as the kernel caps it
+    seen, counts = [], []
+    for p in range(programs):
+        lo, count = (int(v) for v in persistent_share(np.int32(p), programs, np.int32(n_live)))
+        counts.append(count)
+        for g in range(count * chunk):
+            blk, j, sp, kk = (int(v) for v in persistent_item(np.int32(lo), np.int32(g), chunk, ipb, split))
+            assert 0 <= blk < live_blocks and 0 <= j < tiles and 0 <= sp < split
+            assert kk == sp * chunk + g % chunk          # the split's own K steps, in order
+            if g % chunk == chunk - 1:                   # the item's last step: its output
+                seen.append((blk, j, sp))
+        for r in range(int(persistent_tail(np.int32(p), programs, np.int32(n_live), n_all))):
+            item = n_live + p + r * programs
+            assert n_live <= item < n_all
+            seen.append((item // ipb, item % ipb // split, item % ipb % split))
+    assert sorted(seen) == [(b, j, s) for b in range(nb) for j in range(tiles) for s in range(split)]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == n_live
