@@ -790,32 +790,39 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
                                     f"static_sums={static} gather32={g32}")
 
 
-def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
-    """Which fold each GEMM gets by default (NOTES v12): blocks of up to 16 rows — the pair
-    schedule's 8-row blocks and blocked ones — the scale-only fold (``sfold``), 32-row and larger
-    blocks none; ``sfold=False`` puts them back on ``zfold``; the layer stays right in each case
-    (kernel replaced by its jnp contract)."""
+def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter):
+    """Run ``fused_moe_wgmma`` with each case's options (24 tokens, top-2, AWQ), the kernel
+    replaced by its jnp contract: the options it passes each GEMM (``pick(kwargs)``, GEMM1 then
+    GEMM2) must be the case's, and the layer must match the float64 reference."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     seen = []
 
     def spy(*args, **kw):
-        seen.append((kw["block_m"], kw.get("zfold", False), kw.get("sfold", False)))
+        seen.append(pick(kw))
         return _emulated_wgmma_gemm(*args, **kw)
 
     monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
-    rng = np.random.default_rng()
-    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 24, 2)
+    w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], experts, hidden, inter, 24, 2)
     wg = wgm.convert_wgmma(w.to_jax())
     ref = _reference(w, x, tw, ids, None)
-    cases = [(dict(schedule="pair"), (8, False, True)), (dict(schedule="pair", sfold=False), (8, True, False)),
-             (dict(block_m=16), (16, False, True)), (dict(block_m=16, sfold=False), (16, True, False)),
-             (dict(block_m=32), (32, False, False))]
     for over, want in cases:
         seen.clear()
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
-        assert seen == [want, want], (over, seen)
+        assert seen == want, (over, seen)
         _layer_close(got, ref, what=str(over))
+
+
+def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
+    """Which fold each GEMM gets by default (NOTES v12): blocks of up to 16 rows — the pair
+    schedule's 8-row blocks and blocked ones — the scale-only fold (``sfold``), 32-row and larger
+    blocks none; ``sfold=False`` puts them back on ``zfold``; the layer stays right in each case
+    (kernel replaced by its jnp contract)."""
+    cases = [(dict(schedule="pair"), (8, False, True)), (dict(schedule="pair", sfold=False), (8, True, False)),
+             (dict(block_m=16), (16, False, True)), (dict(block_m=16, sfold=False), (16, True, False)),
+             (dict(block_m=32), (32, False, False))]
+    _check_layer_picks(monkeypatch, lambda kw: (kw["block_m"], kw.get("zfold", False), kw.get("sfold", False)),
+                       [(over, [want, want]) for over, want in cases], 6, 256, 256)
 
 
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
@@ -824,49 +831,19 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per
     SM); an explicit ``ws=False`` keeps the stage rule of the blocks without it; the layer stays
     right."""
-    import pallas_kernels.wgmma_w4a16 as wgm
-
-    seen = []
-
-    def spy(*args, **kw):
-        seen.append((kw["ws"], kw["stages"]))
-        return _emulated_wgmma_gemm(*args, **kw)
-
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
-    rng = np.random.default_rng()
-    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 4, 4096, 256, 24, 2)
-    wg = wgm.convert_wgmma(w.to_jax())
-    ref = _reference(w, x, tw, ids, None)
     # GEMM1: K = 4096, 16 steps of 256 (its ws programs fitted to shared memory at 3 stages); GEMM2:
     # K = 256, one step (32-row blocks keep the rule of decode blocks: 4 stages below 8 steps)
     cases = [(dict(block_m=48), [(True, 3), (False, 2)]), (dict(block_m=64), [(True, 3), (True, 4)]),
              (dict(block_m=32), [(True, 2), (False, 4)]), (dict(block_m=48, ws=False), [(False, 4), (False, 4)]),
              (dict(block_m=48, stages=3), [(True, 3), (False, 3)]),
              (dict(block_m=48, wide=False), [(True, 4), (False, 2)])]
-    for over, want in cases:
-        seen.clear()
-        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
-        assert seen == want, (over, seen)
-        _layer_close(got, ref, what=str(over))
+    _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256)
 
 
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
     """``persistent=True`` reaches every GEMM without ``overlap`` or ``zfold`` (K splits and the
     scale-only fold take it), always without ``ws``; the layer stays right (kernel replaced by its
     jnp contract; the kernel itself is lowered in ``test_wgmma_kernel_lowers_to_mosaic_gpu``)."""
-    import pallas_kernels.wgmma_w4a16 as wgm
-
-    seen = []
-
-    def spy(*args, **kw):
-        seen.append((kw["persistent"], kw["ws"]))
-        return _emulated_wgmma_gemm(*args, **kw)
-
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
-    rng = np.random.default_rng()
-    w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 4, 4096, 256, 24, 2)
-    wg = wgm.convert_wgmma(w.to_jax())
-    ref = _reference(w, x, tw, ids, None)
     one = dict(persistent=True, split1=1, split2=1)
     cases = [(dict(block_m=48, **one), [(True, False)] * 2), (dict(block_m=128, **one), [(True, False)] * 2),
              (dict(block_m=48, persistent=True, split1=2, split2=1), [(True, False)] * 2),
@@ -875,11 +852,7 @@ def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
              (dict(block_m=16, sfold=False, **one), [(False, False)] * 2),
              (dict(block_m=64, overlap=True, **one), [(False, False)] * 2),
              (dict(block_m=128, split1=1, split2=1), [(False, True)] * 2)]
-    for over, want in cases:
-        seen.clear()
-        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
-        assert seen == want, (over, seen)
-        _layer_close(got, ref, what=str(over))
+    _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"]), cases, 4, 4096, 256)
 
 
 @pytest.mark.parametrize("schedule", ["pair", "blocked"])
