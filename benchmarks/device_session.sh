@@ -33,12 +33,12 @@ gpu_tests() {   # gpu_tests SECONDS K-EXPRESSION: the Pallas engine's GPU tests 
     logged tests "$1" python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider \
         --tb=short -rfE -k "$2"
 }
-wgmma_table() { # wgmma_table SECONDS ROWS...: the layer table's wgmma AWQ / GPTQ columns (the ±10% target)
-    local secs=$1                               # into $OUT/table_wgmma.log, RESULTS_engine.md, results.json
-    shift
-    logged "table_wgmma" "$secs" python3 benchmarks/moe_engine.py --rows "$@" --reps 5 \
+wgmma_table() { # wgmma_table SECONDS ROWS... [OPTIONS]: the layer table's wgmma AWQ / GPTQ columns (the ±10%
+    local secs=$1   # target) into $OUT/table_wgmma.log, RESULTS_engine.md, results.json; 5 routings unless
+    shift           # OPTIONS give --reps
+    logged "table_wgmma" "$secs" python3 benchmarks/moe_engine.py --reps 5 \
         --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" --rows "$@"
 }
 if [ "$part" = 1 ]; then
     gpu_tests 300 "wgmma or gpu_prefill"
@@ -337,9 +337,7 @@ elif [ "$part" = 30 ]; then    # v11: sfold on for the pair schedule (part 29), 
     # reference for every format the table prepares, then the wgmma table (AWQ / GPTQ) under the differential
     # timing, 40 routings at decode (10 at 512+ tokens) so a program's fixed cost and its spread shrink
     gpu_tests 210 "pair_defaults_gpu"
-    logged "table_wgmma" 330 python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40 \
-        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    wgmma_table 330 mixtral qwen3 dsv2lite --reps 40
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 elif [ "$part" = 31 ]; then    # v11: prefill under the differential timing. gather32: the token rows gathered
@@ -390,12 +388,10 @@ elif [ "$part" = 36 ]; then    # v12, from part 35: sfold won at Mixtral 16 toke
     logged "q512" 100 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
         --variants "ws0 st2=kernel:wgmma,ws:0,stages:2;ws0 st3=kernel:wgmma,ws:0,stages:3;ws0 st2 bm32=kernel:wgmma,ws:0,stages:2,block_m:32;ws0 st2 bm64=kernel:wgmma,ws:0,stages:2,block_m:64;wgmma=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/dec16.log" "$OUT/mixtral64.log" "$OUT/q512.log"
-elif [ "$part" = 37 ]; then    # v12 defaults (sfold in every folding block; ws from 32 rows only for 16+-step
-    # streams, else 2 stages): GPU-tested against the float64 reference, then the wgmma table (AWQ / GPTQ)
+elif [ "$part" = 37 ]; then    # v12 defaults (sfold in every folding block; ws from 32 rows only for streams of
+    # 32+ K-blocks, else 2 stages): GPU-tested against the float64 reference, then the wgmma table (AWQ / GPTQ)
     gpu_tests 220 "blocked_defaults_gpu"
-    logged "table_wgmma" 340 python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40 \
-        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
-        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    wgmma_table 340 mixtral qwen3 dsv2lite --reps 40
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 elif [ "$part" = 38 ]; then    # v12: Qwen3 512 tokens, two programs per SM made it 10% faster (parts 35/36: without
