@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 32–34 and 40 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–41 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -425,6 +425,18 @@ elif [ "$part" = 40 ]; then    # prepared in v12 for the next session (lowered o
         --variants "wgmma=kernel:wgmma;pers=kernel:wgmma,persistent:1;pers st3=kernel:wgmma,persistent:1,stages:3;pers st4=kernel:wgmma,persistent:1,stages:4;wgmma again=kernel:wgmma"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/persist.log"
+elif [ "$part" = 41 ]; then    # v13 (fourteenth session): GEMM2 adds each row into its token's output row
+    # itself (combine=add: a TMA reduce-add per row from its output tile) instead of writing [rows, H] for XLA's
+    # gather-and-sum. Prediction: Qwen3 4096 tokens 40–70 µs faster (GEMM2's 134 MB of rows neither written nor
+    # read back; the 43 µs combine gone), Qwen3 512 and Mixtral 512 5–10 µs, Mixtral 4096 10–30 µs; decode
+    # blocks (8 rows) no faster (the combine is small there and the adds are one 1-row copy per row)
+    gpu_tests 220 "(wgmma_grouped_gemm_gpu and dest) or combine_add_gpu"
+    logged "add" 300 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512,4096 --reps 40 \
+        --variants "gather=kernel:wgmma;add=kernel:wgmma,combine:add;gather again=kernel:wgmma;add again=kernel:wgmma,combine:add"
+    logged "add_decode" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64 dsv2lite:64 --reps 160 \
+        --variants "gather=kernel:wgmma;add=kernel:wgmma,combine:add"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/add.log" "$OUT/add_decode.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

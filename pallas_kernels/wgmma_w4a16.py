@@ -226,7 +226,8 @@ def persistent_tail(p, programs: int, n_live, n_all: int):
 
 def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blocks: int, ws: bool = False,
                      tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
-                     channelwise: bool = False, row_scale: bool = False, persistent: bool = False) -> int:
+                     channelwise: bool = False, row_scale: bool = False, persistent: bool = False,
+                     dest: bool = False) -> int:
     """Shared memory of one :func:`wgmma_grouped_gemm` program, as Mosaic GPU allocates it: the
     block → expert ids (and with ``row_scale`` the block's row scales), one ``stages``-deep
     buffer per pipelined operand (words: 64 bytes per column and K-block; activations; scales;
@@ -235,7 +236,9 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
     tiles), after it without (its scope opens when the pipeline's has closed). Each allocation is
     rounded up to 1 KB; 512 bytes cover the barriers. ``stages`` is the ring depth in effect
     (``min(stages, steps)``). ``persistent``: the row scales travel in the ring (a row per step),
-    the ids hold one more slot, and the output tile lives beside the ring (items end inside it)."""
+    the ids hold one more slot, and the output tile lives beside the ring (items end inside it).
+    ``dest``: the block's destination rows, like the row scales (a row beside the ids, or in
+    the ring with ``persistent``)."""
     def al(b):
         return -(-b // _SMEM_ALIGN) * _SMEM_ALIGN
 
@@ -246,17 +249,21 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
         bufs.append(bufs[-1])
     if zfold:
         bufs.append(stages * kpb * max(IDS_PAD, block_m) * 4)
-    if persistent and row_scale:
-        bufs.append(stages * _row_words(block_m) * 4)
+    if persistent:
+        bufs += [stages * _row_words(block_m) * 4] * (int(row_scale) + int(dest))
     ring = sum(al(b) for b in bufs)
     out = al((2 if ws else 1) * block_m * (block_n // 2 if gated else block_n) * 2) if tout else 0
     ids = al(-(-(n_blocks + persistent) // IDS_PAD) * IDS_PAD * 4) + (
-        al(_row_words(block_m) * 4) if row_scale and not persistent else 0)
+        0 if persistent else al(_row_words(block_m) * 4) * (int(row_scale) + int(dest)))
     return ids + (ring + out if ws or persistent else max(ring, out)) + 512
 
 
-def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale=None):
+def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale=None, dest=None):
     m, k = a.shape
+    if dest is not None and (dest.shape != (m,) or dest.dtype != jnp.int32):
+        raise (ShapeError if dest.shape != (m,) else DTypeError)(
+            f"dest: expected int32 of shape ({m},) (one destination row per row of a), got "
+            f"{jnp.dtype(dest.dtype).name}{tuple(dest.shape)}")
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         raise (ShapeError if row_scale.shape != (m,) else DTypeError)(
             f"row_scale: expected float32 of shape ({m},) (one scale per row of a), got "
@@ -290,13 +297,13 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
-                                             "gated", "persistent", "programs"))
-def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, *, block_m: int,
+                                             "gated", "persistent", "programs", "dest_rows"))
+def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
-                       persistent: bool = False, programs: int | None = None):
+                       persistent: bool = False, programs: int | None = None, dest_rows: int | None = None):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -349,11 +356,18 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``stages`` is the depth of that one ring). Items run up to the last block with an expert
     (found by XLA before the kernel); each program writes zeros over its share of the blocks
     after it. Lowered on jax 0.10.2 and 0.11.2; not yet run on a GPU (NOTES.md v12).
+    ``dest`` (``[M]`` int32, with ``tout`` and ``split_k=1``) and ``dest_rows``: the output is
+    ``[dest_rows, N]`` instead — zeros, into which every row ``r`` with ``dest[r] >= 0`` is
+    added at row ``dest[r]`` by a TMA reduce-add from the output tile (one 1-row copy per row:
+    Hopper's TMA has no row scatter), in ``out_dtype`` (the layer's top-k sum inside GEMM2:
+    each token's ``k`` rows add into its output row, accumulating in the 16-bit dtype as
+    vLLM's ``moe_sum`` does, in an order that varies from run to run). Rows with ``dest < 0``
+    and blocks with expert ``-1`` add nothing.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale)
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale, dest)
     m, k = a.shape
     e, n, _, tile_n = _words_dims(words, k)
     nb = expert_ids.shape[0]
@@ -396,13 +410,19 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes plain words, without ws, overlap or "
                           f"zfold; got ws={ws}, overlap={overlap}, zfold={zfold}, tile-major words: "
                           f"{tile_n is not None}")
+    if (dest is None) != (dest_rows is None) or dest is not None and (not tout or split_k != 1 or dest_rows < 1):
+        raise ConfigError(f"wgmma_grouped_gemm: dest and dest_rows (>= 1) come together, with tout=True and "
+                          f"split_k=1 (the rows are added from the output tile); got dest "
+                          f"{'given' if dest is not None else None}, dest_rows={dest_rows}, tout={tout}, "
+                          f"split_k={split_k}")
     if programs is not None and (not persistent or programs < 1):
         raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
     chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
     need = wgmma_smem_bytes(block_m=block_m, block_n=bn, kpb=kpb, stages=max(2, min(stages, chunk)) if overlap
                             else stages if persistent else min(stages, chunk), n_blocks=expert_ids.shape[0],
                             ws=ws, tout=tout, gated=gated is not None, has_zp=zeros is not None, zfold=zfold,
-                            channelwise=group_size == -1, row_scale=row_scale is not None, persistent=persistent)
+                            channelwise=group_size == -1, row_scale=row_scale is not None, persistent=persistent,
+                            dest=dest is not None)
     if need > SMEM_LIMIT:
         raise ConfigError(f"wgmma_grouped_gemm: block_m={block_m}, block_n={bn}, kpb={kpb}, stages={stages}"
                           f"{', ws' if ws else ''}{', tout' if tout else ''}"
@@ -431,6 +451,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     rw = _row_words(bm)
     if has_rs:                                # [blocks, rw]: one 128-byte-aligned TMA row per block
         rs = jnp.pad(row_scale.reshape(nb, bm), ((0, 0), (0, rw - bm)))
+    has_dst = dest is not None
+    if has_dst:                               # the same for the destination rows (-1: none)
+        dst_rows = jnp.pad(dest.reshape(nb, bm), ((0, 0), (0, rw - bm)), constant_values=-1)
     row = plgpu.Layout.WGMMA.reduce(1)
     w16 = jnp.dtype(words.dtype) == jnp.dtype(jnp.int16)
     wcols = 32 if w16 else 16                 # words per row per K-block
@@ -462,17 +485,28 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         r = plgpu.load(rs_smem.at[0, pl.ds(0, bm)], (), layout=col)
         return val * jax.lax.broadcast_in_dim(r, val.shape, (1,))
 
-    def fetch_ids(ids_gmem, ids_smem, ids_bar, rs_gmem, rs_scratch):
-        """Start copying the block → expert ids and (``row_scale``) this block's row scales
-        into shared memory."""
-        plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
-        if has_rs:
-            plgpu.copy_gmem_to_smem(rs_gmem.at[pl.ds(jax.lax.axis_index("b"), 1)], *rs_scratch)
+    def row_types():
+        """Scratch for this block's rows of ``row_scale`` and ``dest``: a ``(1, rw)`` buffer and
+        its barrier each."""
+        return [t for dt, on in ((jnp.float32, has_rs), (jnp.int32, has_dst)) if on
+                for t in (plgpu.SMEM((1, rw), dt), plgpu.Barrier(num_arrivals=1))]
 
-    def wait_ids(ids_bar, rs_scratch):
+    def fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch):
+        """Start copying the block → expert ids and this block's rows of ``row_scale`` and
+        ``dest`` (``row_gmem``, those given) into shared memory."""
+        plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
+        for q, ref in enumerate(row_gmem):
+            plgpu.copy_gmem_to_smem(ref.at[pl.ds(jax.lax.axis_index("b"), 1)], *row_scratch[2 * q: 2 * q + 2])
+
+    def wait_ids(ids_bar, row_scratch):
         plgpu.barrier_wait(ids_bar)
-        if has_rs:
-            plgpu.barrier_wait(rs_scratch[1])
+        for bar in row_scratch[1::2]:
+            plgpu.barrier_wait(bar)
+
+    def row_smems(row_scratch):
+        """``(row_scale's, dest's)`` shared-memory rows (``None`` where not given)."""
+        it = iter(row_scratch[0::2])
+        return (next(it) if has_rs else None), (next(it) if has_dst else None)
 
     def dequant_units(w_smem, s_smem, z_smem):
         """The step's weights as a list of units in K order, each a function that emits (when
@@ -534,11 +568,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     def transposed(x_smem):
         return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
 
-    def store(val, dst, o_smem=None):
+    def store(val, dst, o_smem=None, dg_smem=None):
         """The program's ``[bn, bm]`` accumulator (``[bn/2, bm]`` with ``gated``: :func:`finish`)
         into ``dst``: directly (its window of the ``[split_k, N, M]`` output), or with ``tout``
         through ``o_smem [bm, ·]`` (a transposed store, then a TMA copy into the window of
-        ``[split_k, M, N]``)."""
+        ``[split_k, M, N]``); with ``dest`` (``dg_smem``: the block's destination rows, ``dst``
+        a function of a destination row giving its ``[1, ·]`` window) one TMA reduce-add per
+        row whose destination is ``>= 0``."""
         if not tout:
             dst[...] = val.astype(odt)
             return
@@ -546,7 +582,16 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         def through(o_smem):
             transposed(o_smem)[...] = val.astype(odt)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, dst)
+            if dg_smem is None:
+                plgpu.copy_smem_to_gmem(o_smem, dst)
+            else:
+                @pl.loop(0, bm)
+                def _(r):
+                    d = dg_smem[0, r]
+
+                    @pl.when(d >= 0)
+                    def _():
+                        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)], dst(d), reduction_op="add")
             plgpu.wait_smem_to_gmem(0)
         if o_smem is None:
             pl.run_scoped(through, plgpu.SMEM((bm, bno), odt))
@@ -584,11 +629,17 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             acc = acc + cols(s_smem) * (acc_ref[...] - zb * xrow)
         return acc
 
+    def window(o_gmem, sp, blk, ocols):
+        """Where block ``blk``'s output tile of columns ``ocols`` (K split ``sp``) goes: its window
+        of the output, or with ``dest`` a function of a destination row giving that row's window."""
+        if has_dst:
+            return lambda d: o_gmem.at[pl.ds(d, 1), ocols]
+        return o_gmem.at[sp, pl.ds(blk * bm, bm), ocols] if tout else o_gmem.at[sp, ocols, pl.ds(blk * bm, bm)]
+
     def kernel(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
         xs_gmem, rest = (rest[0], rest[1:]) if zfold else (None, rest)
-        rs_gmem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
-        o_gmem = rest[0]
+        row_gmem, o_gmem = rest[:-1], rest[-1]          # row_scale's and dest's rows (those given)
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         specs = [
             plgpu.BlockSpec((bn * kpb, wcols), lambda kb: (kb, 0),
@@ -645,16 +696,17 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             return plgpu.emit_pipeline(step, grid=(chunk,), max_concurrent_steps=min(stages, chunk),
                                        in_specs=specs, init_carry=zero())(*gmem_refs)
 
-        def body(ids_smem, ids_bar, *rs_scratch):
-            fetch_ids(ids_gmem, ids_smem, ids_bar, rs_gmem, rs_scratch)
-            wait_ids(ids_bar, rs_scratch)
+        def body(ids_smem, ids_bar, *row_scratch):
+            fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
+            wait_ids(ids_bar, row_scratch)
+            rs_smem, dg_smem = row_smems(row_scratch)
             ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
             cols = pl.ds(j * bn, bn)
             kb0 = sp * chunk * kpb
             nk = chunk * kpb
             groups = pl.ds(0, 1) if channelwise else pl.ds(kb0, nk)
             ocols = pl.ds(j * bno, bno)
-            dst = o_gmem.at[sp, pl.ds(i * bm, bm), ocols] if tout else o_gmem.at[sp, ocols, pl.ds(i * bm, bm)]
+            dst = window(o_gmem, sp, i, ocols)
 
             @pl.when(ex >= 0)
             def _():
@@ -665,21 +717,21 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                         *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
                 def with_acc(acc_ref):
-                    store(scaled(finish(run_k(acc_ref, refs)), rs_scratch[0] if has_rs else None), dst)
+                    store(scaled(finish(run_k(acc_ref, refs)), rs_smem), dst, dg_smem=dg_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
-            @pl.when(ex < 0)
-            def _():
-                store(zero(bno), dst)
+            if not has_dst:                           # (dest: nothing to add)
+                @pl.when(ex < 0)
+                def _():
+                    store(zero(bno), dst)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
-                      *([plgpu.SMEM((1, rw), jnp.float32), plgpu.Barrier(num_arrivals=1)] if has_rs else []))
+                      *row_types())
 
     def kernel_ws(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
         """``ws``: warpgroups 0 and 1 compute ``block_n`` columns each, warpgroup 2 copies."""
         z_gmem = rest[0] if has_zp else None
-        rs_gmem = rest[1 if has_zp else 0] if has_rs else None
-        o_gmem = rest[-1]
+        row_gmem, o_gmem = rest[int(has_zp):-1], rest[-1]
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
         wg = jax.lax.axis_index("wg")
         kb0 = sp * chunk * kpb
@@ -708,15 +760,17 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             return None
 
         def body(ids_smem, ids_bar, allocs, *scratch):
-            rs_scratch, o_smem = (scratch[:2], scratch[2:]) if has_rs else ((), scratch)
+            nrow = 2 * (int(has_rs) + int(has_dst))
+            row_scratch, o_smem = scratch[:nrow], scratch[nrow:]
 
             @pl.when(wg == 0)
             def _():
-                fetch_ids(ids_gmem, ids_smem, ids_bar, rs_gmem, rs_scratch)
-            wait_ids(ids_bar, rs_scratch)
+                fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
+            wait_ids(ids_bar, row_scratch)
+            rs_smem, dg_smem = row_smems(row_scratch)
             ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
             mycols = pl.ds(j * 2 * bno + wg * bno, bno)                     # compute warpgroups only
-            dst = o_gmem.at[sp, pl.ds(i * bm, bm), mycols] if tout else o_gmem.at[sp, mycols, pl.ds(i * bm, bm)]
+            dst = window(o_gmem, sp, i, mycols)
             my_smem = o_smem[0].at[wg] if tout else None
             acc_box = []
 
@@ -734,20 +788,20 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             def context(run):
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
-                    store(scaled(finish(run(zero())), rs_scratch[0] if has_rs else None), dst, my_smem)
+                    store(scaled(finish(run(zero())), rs_smem), dst, my_smem, dg_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex >= 0)
             def _():
                 pipeline(step, context)(*gmem_refs(ex), allocations=allocs)
 
-            @pl.when((ex < 0) & (wg < 2))
-            def _():
-                store(zero(bno), dst, my_smem)
+            if not has_dst:                           # (dest: nothing to add)
+                @pl.when((ex < 0) & (wg < 2))
+                def _():
+                    store(zero(bno), dst, my_smem)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
-                      pipeline(ignore, ignore).get_allocations(*gmem_refs(0)),
-                      *([plgpu.SMEM((1, rw), jnp.float32), plgpu.Barrier(num_arrivals=1)] if has_rs else []),
+                      pipeline(ignore, ignore).get_allocations(*gmem_refs(0)), *row_types(),
                       *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
 
     def kernel_persistent(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
@@ -757,8 +811,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         of the blocks up to the last one with an expert (``ids``' last slot); each program then
         writes zeros over its share of the rest."""
         z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
-        rs_gmem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
-        o_gmem = rest[0]
+        row_gmem, o_gmem = rest[:-1], rest[-1]          # row_scale's and dest's rows (those given)
         p = jax.lax.axis_index("p")
         nt = n // bn * split_k                 # items per block: column tiles × K splits
         wcol_spec = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else \
@@ -799,17 +852,16 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                      plgpu.BlockSpec((bm, BLOCK_K * kpb), x_map,
                                      transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
                      *[plgpu.BlockSpec((None, 1 if channelwise else kpb, bn), s_map)] * (2 if has_zp else 1),
-                     *([plgpu.BlockSpec((1, rw), rs_map)] if has_rs else [])]
+                     *[plgpu.BlockSpec((1, rw), rs_map)] * len(row_gmem)]
 
             def dst_of(blk, j, sp):
-                ocols = pl.ds(j * bno, bno)
-                return (o_gmem.at[sp, pl.ds(blk * bm, bm), ocols] if tout else
-                        o_gmem.at[sp, ocols, pl.ds(blk * bm, bm)])
+                return window(o_gmem, sp, blk, pl.ds(j * bno, bno))
 
             def with_acc(acc_ref):
                 def step(idx, w_smem, x_smem, s_smem, *rest):
                     z_smem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
                     rs_smem, rest = (rest[0], rest[1:]) if has_rs else (None, rest)
+                    dg_smem, rest = (rest[0], rest[1:]) if has_dst else (None, rest)
                     acc = rest[0]
                     blk, j, sp, _ = where(idx[0])
                     first, last = first_last(idx[0])
@@ -819,20 +871,23 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
                     @pl.when(last & (ex >= 0))
                     def _():
-                        store(scaled(finish(acc), rs_smem), dst_of(blk, j, sp), o_smem[0] if tout else None)
+                        store(scaled(finish(acc), rs_smem), dst_of(blk, j, sp), o_smem[0] if tout else None,
+                              dg_smem)
 
-                    @pl.when(last & (ex < 0))
-                    def _():
-                        store(zero(bno), dst_of(blk, j, sp), o_smem[0] if tout else None)
+                    if not has_dst:                   # (dest: nothing to add)
+                        @pl.when(last & (ex < 0))
+                        def _():
+                            store(zero(bno), dst_of(blk, j, sp), o_smem[0] if tout else None)
                     return acc
 
                 @pl.when(count > 0)
                 def _():
                     plgpu.emit_pipeline(step, grid=(count * chunk,), max_concurrent_steps=stages, in_specs=specs,
                                         init_carry=zero())(w_gmem, a_gmem, s_gmem, *([z_gmem] if has_zp else []),
-                                                           *([rs_gmem] if has_rs else []))
+                                                           *row_gmem)
             pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
-
+            if has_dst:                               # (dest: nothing to add)
+                return
             mine = persistent_tail(p, programs, n_live, nb * nt)       # items of the blocks after it: zeros
 
             @pl.loop(0, mine)
@@ -844,24 +899,41 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       *([plgpu.SMEM((bm, bno), odt)] if tout else []))
 
+    operands = (ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []),
+                *([rs] if has_rs else []), *([dst_rows] if has_dst else []))
     if persistent:
-        out_t = plgpu.kernel(kernel_persistent, out_type=jax.ShapeDtypeStruct(
-                                 (split_k, m, n_out) if tout else (split_k, n_out, m), odt),
-                             grid=(programs,), grid_names=("p",))(
-            ids, a, words, scales, *([zeros] if has_zp else []), *([rs] if has_rs else []))
-        return out_t if tout else jnp.swapaxes(out_t, 1, 2)
-    if ws:
-        out_t = plgpu.kernel(kernel_ws, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else
-                                                                      (split_k, n_out, m), odt),
-                             grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
-                             thread_name="wg")(ids, a, words, scales, *([zeros] if has_zp else []),
-                                               *([rs] if has_rs else []))
-        return out_t if tout else jnp.swapaxes(out_t, 1, 2)
-    out_t = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else (split_k, n_out, m),
-                                                               odt),
-                         grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))(
-        ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []), *([rs] if has_rs else []))
+        body, mesh = kernel_persistent, dict(grid=(programs,), grid_names=("p",))
+    elif ws:
+        body, mesh = kernel_ws, dict(grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
+                                     thread_name="wg")
+    else:
+        body, mesh = kernel, dict(grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))
+    if has_dst:
+        return _run_into(body, jnp.zeros((dest_rows, n_out), odt), operands, mesh)
+    out_t = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((split_k, m, n_out) if tout else (split_k, n_out, m),
+                                                             odt), **mesh)(*operands)
     return out_t if tout else jnp.swapaxes(out_t, 1, 2)
+
+
+def _run_into(body, init, operands, mesh_kw):
+    """``body(*operand refs, output ref)`` as a Mosaic GPU kernel over ``plgpu.Mesh(**mesh_kw)``
+    whose output starts as ``init`` (its buffer updated in place: the custom call aliases it),
+    for kernels that accumulate into their output. ``plgpu.kernel`` has no such argument;
+    ``pl.core_map`` under ``pl.run_state`` is how it is built (``core_map`` warns of its
+    deprecation from jax 0.11 on, where ``plgpu.kernel`` no longer goes through it)."""
+    import warnings
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    mesh = plgpu.Mesh(**mesh_kw)
+
+    def stateful(refs):
+        *ins, out = refs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pl.core_map(mesh)(lambda: body(*ins, out))
+    return pl.run_state(stateful)((*operands, init))[-1]
 
 
 # ----------------------------------------------------------------------------- the layer on wgmma
@@ -1103,7 +1175,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     tokens 1072–1150 vs 1256–1268 µs with GEMM2 writing ``[M, N]`` tiles, Qwen3 512 and Mixtral
     512 within the spread, NOTES.md v9) or ``"scatter"`` (a ``segment_sum`` over the sorted rows,
     a scatter-add of ``[rows, H]``; v8 measured no difference while XLA still transposed GEMM2's
-    output).
+    output) or ``"add"`` (GEMM2 adds each row into its token's output row itself: the kernel's
+    ``dest``, a TMA reduce-add per row from its output tile, accumulating in the activations'
+    16-bit dtype as vLLM's ``moe_sum`` does — no ``[rows, H]`` intermediate to write and read
+    back; needs jax >= 0.11, GEMM2 without a K split and with its 16-bit output tile, and the
+    router weights in GEMM2 or on the input, else :class:`ConfigError` says which).
     ``align`` (blocked schedule): how the routed pairs are sorted by expert
     (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"`` or
     ``"auto"``, the same order).
@@ -1145,8 +1221,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     from .wna16_grouped_gemm import choose_split, num_sms
 
     act = check_activation(activation)
-    if combine not in ("scatter", "gather"):
-        raise ConfigError(f"combine: expected 'scatter' or 'gather', got {combine!r}")
+    if combine not in ("scatter", "gather", "add"):
+        raise ConfigError(f"combine: expected 'scatter', 'gather' or 'add', got {combine!r}")
     if align not in ALIGN_METHODS:
         raise ConfigError(f"align: expected one of {ALIGN_METHODS}, got {align!r}")
     t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
@@ -1185,18 +1261,20 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None):
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated)``: the kernel's
-        own output without a K split (16-bit with ``out16``), else the float32 sum of the splits."""
+        own output without a K split (16-bit with ``out16``), else the float32 sum of the splits;
+        with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
         steps = n_kb // kpb
-        want = split or choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2)
+        want = split or (1 if dest is not None else
+                         choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2))
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
-        tr = o16 and TRANSPOSED_STORE and (bm >= 16 if tout is None else bool(tout))
+        tr = o16 and TRANSPOSED_STORE and ((bm >= 16 or dest is not None) if tout is None else bool(tout))
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
         pers = bool(persistent) and not overlap and not (fold and not sfold)
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
@@ -1218,19 +1296,29 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=st if pers else min(st, steps // s),
                                     n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None,
                                     has_zp=ops[2] is not None, zfold=fold and not sfold, channelwise=group == -1,
-                                    row_scale=rs is not None, persistent=pers)
+                                    row_scale=rs is not None, persistent=pers, dest=dest is not None)
         # shared memory (227 KB): fewer stages, down to 2, then no output tile — e.g. 3 stages at
         # 128-row blocks with the output tile (the measured default, NOTES v8), 2 at 64-row blocks
         # with 256-deep steps (288 KB at 4 stages: part 16), none at 128-row ones (234.5 KB at 2)
         while st > 2 and smem(st, tr) > SMEM_LIMIT:
             st -= 1
-        if tr and smem(st, tr) > SMEM_LIMIT:
+        fits = smem(st, tr) <= SMEM_LIMIT
+        if tr and not fits:
             tr = False
-        out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, block_m=bm, group_size=group, split_k=s, block_n=bn,
-                                 stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
+        if dest is not None:
+            why = (f"jax {jax.__version__} < 0.11 (no transposed shared-memory store)" if not TRANSPOSED_STORE else
+                   f"a K split of {s}" if s != 1 else "out16=False" if not o16 else
+                   "tout=False" if not tr and fits else
+                   "its output tile does not fit in shared memory" if not tr else None)
+            if why:
+                raise ConfigError(f"combine='add': GEMM2 cannot add its rows into the output here: {why}")
+        out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group,
+                                 split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
-                                 tout=tr, gated=gated, persistent=pers)
+                                 tout=tr, gated=gated, persistent=pers, dest_rows=None if dest is None else t)
+        if dest is not None:
+            return out, False
         return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
@@ -1313,6 +1401,17 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     in_gemm2 = (not apply_router_weight_on_input
                 and (schedule == "blocked" if weight_in_gemm2 is None else bool(weight_in_gemm2)))
     rs = None if not in_gemm2 else tw_rows if schedule == "blocked" else spread(tw_rows[:, None])[:, 0]
+    if schedule == "blocked" and combine == "add":
+        if not (in_gemm2 or apply_router_weight_on_input):
+            raise ConfigError("combine='add' sums GEMM2's rows as the kernel writes them: the router weights must "
+                              "be applied in GEMM2 (weight_in_gemm2 not False) or on the input")
+        out = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs,
+                   dest=jnp.where(live, tok, -1).astype(jnp.int32))[0].astype(jnp.float32)
+        if weights.w2_bias is not None:                 # Σ_j w_j · b[e_j] over each token's routed pairs
+            on = local >= 0
+            w = on.astype(jnp.float32) if apply_router_weight_on_input else jnp.where(on, tw.reshape(t, k), 0.0)
+            out = out + total(weights.w2_bias[jnp.maximum(local, 0)].astype(jnp.float32) * w[..., None], 1)
+        return nan_bad(out).astype(cdt)
     y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs)[0]).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if weights.w2_bias is not None:

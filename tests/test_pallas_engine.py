@@ -434,6 +434,31 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
             jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, **bad)).trace(*ps)
     with pytest.raises(ConfigError, match="programs=3 needs persistent"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, programs=3)).trace(*ps)
+    for bm, opts in ((48, dict(kpb=2, wide=True, shift32=True, stages=2)), (64, dict(ws=True)),       # dest
+                     (16, dict(kpb=2, wide=True, shift32=True, sfold=True)), (48, dict(persistent=True))):
+        da = (s((3 * bm, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+              s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16), s((3 * bm,), jnp.float32),
+              s((3 * bm,), jnp.int32))
+        fn = functools.partial(wgmma_grouped_gemm, block_m=bm, block_n=128, out_dtype=jnp.bfloat16, tout=True,
+                               dest_rows=50, **opts)
+        if not TRANSPOSED_STORE:
+            with pytest.raises(ConfigError, match="tout=True needs jax"):
+                jax.jit(fn).trace(*da)
+            continue
+        traced = jax.jit(fn).trace(*da)
+        assert traced.out_info.shape == (50, 256) and traced.out_info.dtype == jnp.bfloat16
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        # the zeros it adds into are the kernel's output buffer itself (aliased, no copy)
+        assert "mosaic_gpu" in text and "output_operand_aliases" in text
+    for bad in (dict(dest_rows=None), dict(tout=False), dict(split_k=2, out_dtype=jnp.float32)):
+        kw = dict(block_m=48, block_n=128, out_dtype=jnp.bfloat16, tout=True, dest_rows=50)
+        kw.update(bad)
+        with pytest.raises(ConfigError, match="dest and dest_rows|tout=True needs"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, **kw)).trace(*da)
+    for dst, err in ((s((3 * 48,), jnp.float32), DTypeError), (s((3 * 48 - 8,), jnp.int32), ShapeError)):
+        with pytest.raises(err, match="dest: expected int32"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, out_dtype=jnp.bfloat16, tout=True,
+                                      dest_rows=50)).trace(*da[:-1], dst)
     ov32 = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 64), jnp.int32),
             s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))           # overlap on 32-bit words
     fn = functools.partial(wgmma_grouped_gemm, block_m=8, overlap=True, block_n=128)
@@ -569,7 +594,17 @@ _WGMMA_GPU_CASES = [
     (True, 128, 16, 1, dict(block_n=128, stages=3, persistent=True, programs=64)),
     (False, 128, 32, 1, dict(block_n=64, persistent=True, programs=1, rs=True)),
     (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, persistent=True, programs=5)),
-    (True, 128, 8, 4, dict(block_n=64, persistent=True, rs=True))]
+    (True, 128, 8, 4, dict(block_n=64, persistent=True, rs=True)),
+    # dest: each row added into its destination row by a TMA reduce-add (the layer's top-k sum in
+    # GEMM2) — the blocks of Qwen3 512 / 4096 and Mixtral 4096 tokens (plain, ws), a fold, persistent
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, stages=2, rs=True,
+                            dest=True)),
+    (True, 128, 144, 1, dict(block_n=128, shift32=True, ws=True, stages=2, out16=True, tout=True, k=1024, dest=True)),
+    (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, stages=3, out16=True, tout=True, k=2048, rs=True,
+                             dest=True)),
+    (False, -1, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                            dest=True)),
+    (True, 128, 48, 1, dict(block_n=128, out16=True, tout=True, persistent=True, programs=5, rs=True, dest=True))]
 
 
 def _gated64_np(ref, act):
@@ -610,6 +645,18 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
         row_scale = rng.uniform(-2.0, 2.0, a.shape[0]).astype(np.float32) * (rng.random(a.shape[0]) > 0.1)
         ref = ref * row_scale[:, None].astype(np.float64)
         row_scale = jnp.asarray(row_scale)
+    if opts.pop("dest", False):                # 4 rows per destination row, ~10% of the rows dropped
+        m = a.shape[0]
+        dest = (rng.permutation(m) % (m // 4)).astype(np.int32)
+        dest[rng.random(m) < 0.1] = -1
+        summed = np.zeros((m // 4, ref.shape[1]))
+        np.add.at(summed, dest[dest >= 0], ref[dest >= 0])
+        out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, row_scale, jnp.asarray(dest), block_m=bm,
+                                 group_size=group, split_k=split, out_dtype=a.dtype, dest_rows=m // 4, **opts)
+        assert out.shape == summed.shape and out.dtype == a.dtype
+        # each row rounded to bf16, then up to 3 bf16 additions (relative 2^-9 each)
+        _close(np.asarray(out, np.float64), summed, 1e-2)
+        return
     out = wgmma_grouped_gemm(a, jnp.asarray(eids), words, scales, zeros, row_scale, block_m=bm, group_size=group,
                              split_k=split, out_dtype=a.dtype if out16 else jnp.float32, **opts)
     assert out.shape == (split,) + ref.shape and out.dtype == (a.dtype if out16 else jnp.float32)
@@ -645,14 +692,16 @@ def _gated64(out, act):
     return ACTIVATIONS[act](jnp.concatenate([g, u], -1))
 
 
-def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, *, block_m, group_size=128,
-                         split_k=1, kpb=1, wide=False, out_dtype=jnp.float32, tout=False, gated=None, block_n=64, **_):
+def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m,
+                         group_size=128, split_k=1, kpb=1, wide=False, out_dtype=jnp.float32, tout=False, gated=None,
+                         block_n=64, dest_rows=None, **_):
     """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, split ``i``
-    over the ``i``-th K range, zero rows for id -1; with ``gated`` the activation of each 128-column tile's 64-column halves), for
-    testing the layer's glue on the CPU."""
+    over the ``i``-th K range, zero rows for id -1; with ``gated`` the activation of each 128-column
+    tile's 64-column halves; with ``dest`` each row rounded to ``out_dtype`` and added in that dtype
+    into row ``dest[r]`` of ``[dest_rows, N]`` zeros), for testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
 
-    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale)   # the kernel's contract
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale, dest)   # the contract
     assert (a.shape[1] // 128 // split_k) % kpb == 0 and (not wide or kpb == 2), (split_k, kpb, wide)
     z = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(a.dtype)).astype(jnp.uint8)
     w = dequantize_tiles(from_wgmma_layout(words), scales, z, bits=4, group_size=group_size, dtype=a.dtype)
@@ -669,6 +718,11 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=Non
         out = _gated64(out, gated)
     if row_scale is not None:
         out = out * row_scale[:, None]
+    if dest is not None:
+        assert tout and split_k == 1 and dest_rows is not None, (tout, split_k, dest_rows)
+        to = jnp.where(dest >= 0, dest, dest_rows)                # -1: dropped
+        return jnp.zeros((dest_rows, out.shape[2]), out_dtype).at[to].add(out[0].astype(out_dtype), mode="drop")
+    assert dest_rows is None
     return out.astype(out_dtype)
 
 
@@ -777,10 +831,13 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     # epilogue and in XLA (each schedule's default, then both forced); the split and top-k sums
     # as unrolled adds (default) and as reductions; the token rows gathered as 32-bit words
     # (default) and as 16-bit values
+    # and GEMM2 adding its rows into the output itself (combine="add", the kernel's dest; jax >= 0.11
+    # in the kernel, which the jnp contract does not need)
+    monkeypatch.setattr(wgm, "TRANSPOSED_STORE", True)
     cases = [("gather", "count", None, True, None), ("gather", "count", True, True, True),
              ("gather", "count", False, False, False)]
     for combine, align, in_gemm2, static, g32 in cases + (
-            [] if schedule == "pair" else [("scatter", "sort", None, True, True)]):
+            [] if schedule == "pair" else [("scatter", "sort", None, True, True), ("add", "count", None, True, True)]):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
                                         schedule=None if wide else schedule, wide=True if wide else None,
                                         apply_router_weight_on_input=on_input, combine=combine, align=align,
@@ -1557,6 +1614,36 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
                      (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3))):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"blocked {over} T={t}")
+
+
+ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_combine_add_gpu(shape, key):
+    """GEMM2 adding each row into its token's output row itself (``combine="add"``: TMA reduce-adds
+    from its output tile) in the blocks each shape's token counts get — 8-row blocks with the
+    scale-only fold (Mixtral 16, Qwen3 64 tokens), 48-row blocks without ``ws`` (Qwen3 512,
+    DeepSeek-V2-Lite 256), 64- and 128-row ``ws`` blocks (Mixtral 512, Qwen3 4096) — and with the
+    persistent GEMMs; expert 0 never routed, fresh inputs per call, against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    from wna16_jax.backends import TABLE, Backend
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    for t in ADD_TOKENS[shape]:
+        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
+        tw, ids = routing.fused_topk(logits, k, renormalize=True)
+        ref = _fast_reference(w, x, tw, ids)
+        for over in (dict(), dict(persistent=True)):
+            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", combine="add", **over))(x, tw, ids, wg)
+            _layer_close(got, ref, what=f"combine=add {over} T={t}")
 
 
 @pytest.mark.gpu
