@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–41 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–42 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -437,6 +437,16 @@ elif [ "$part" = 41 ]; then    # v13 (fourteenth session): GEMM2 adds each row i
         --variants "gather=kernel:wgmma;add=kernel:wgmma,combine:add"
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/add.log" "$OUT/add_decode.log"
+elif [ "$part" = 42 ]; then    # v13, from part 41 (combine=add: slower at Qwen3 512 / 4096 and Mixtral 4096,
+    # 736–758 vs 768–770 µs at Mixtral 512, even at decode): Mixtral 512 repeated, and Mixtral's decode blocks.
+    # Prediction: 16-row blocks at 64 tokens (1–2 per expert, now with the scale-only fold, the two blocks of
+    # an expert reading the same weight tiles at about the same time, so mostly from L2) 280–300 µs against
+    # 316–330 for the 32-row ws default; 8-row blocks there slower (2–3 blocks per expert)
+    logged "bm" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64,16 --reps 160 \
+        --variants "wgmma=kernel:wgmma;bm16=kernel:wgmma,block_m:16;bm8=kernel:wgmma,block_m:8;bm16 add=kernel:wgmma,block_m:16,combine:add;wgmma again=kernel:wgmma"
+    logged "add512" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
+        --variants "gather=kernel:wgmma;add=kernel:wgmma,combine:add;gather again=kernel:wgmma;add again=kernel:wgmma,combine:add"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/bm.log" "$OUT/add512.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
