@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–42 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–43 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -447,6 +447,12 @@ elif [ "$part" = 42 ]; then    # v13, from part 41 (combine=add: slower at Qwen3
     logged "add512" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
         --variants "gather=kernel:wgmma;add=kernel:wgmma,combine:add;gather again=kernel:wgmma;add again=kernel:wgmma,combine:add"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/bm.log" "$OUT/add512.log"
+elif [ "$part" = 43 ]; then    # v13, from part 42 (16- and 8-row blocks at Mixtral 64 tokens: 391 and 536 against
+    # 323 µs; combine=add at Mixtral 512 806 / 812 against 776 / 807): ring depth at Mixtral decode, whose
+    # GEMMs stream its weights at 2.3–3 TB/s. Prediction: 3 stages (ws at 64 tokens, 8-row sfold at 16) 3–8% faster
+    logged "stages" 250 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 160 \
+        --variants "wgmma=kernel:wgmma;st3=kernel:wgmma,stages:3;st4=kernel:wgmma,stages:4;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/stages.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -29,10 +29,12 @@ shared-memory buffers; ``wide=True`` (with ``kpb=2``) copies ``[BN, 64]`` word t
 2.4 TB/s, the wide ones reach 3.9 TB/s: ``benchmarks/stream_ceiling.py``). Epilogues: 16-bit
 outputs, ``[M, N]`` tiles through a transposed shared-memory store, and the gate/up activation
 (``gated``: GEMM1 writes ``act(gate)·up`` from its float32 accumulator, on weights whose columns
-:func:`convert_wgmma` stores in 64-column gate/up halves). Not yet: the router weight and the top-k
-sum in GEMM2's epilogue (the layer does them, the biases, and a K split's sum in XLA), 8-bit codes.
-A persistent grid exists only for the whole decode layer in one kernel
-(:mod:`pallas_kernels.wgmma_decode`, the layer's ``one_kernel`` option).
+:func:`convert_wgmma` stores in 64-column gate/up halves), a per-row scale (``row_scale``: the
+router weights in GEMM2's epilogue), and rows added into destination rows (``dest``: the top-k sum
+in GEMM2, by TMA reduce-adds; measured slower than XLA's gather-and-sum, so off in the layer by
+default). A persistent grid: ``persistent`` (measured slower, off by default), and the whole decode
+layer in one kernel (:mod:`pallas_kernels.wgmma_decode`, the layer's ``one_kernel`` option). Not
+yet: 8-bit codes (the layer's biases and a K split's sum stay in XLA).
 """
 
 from __future__ import annotations
@@ -355,14 +357,17 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     and no program starts cold per item (the Marlin-style stream over all expert blocks;
     ``stages`` is the depth of that one ring). Items run up to the last block with an expert
     (found by XLA before the kernel); each program writes zeros over its share of the blocks
-    after it. Lowered on jax 0.10.2 and 0.11.2; not yet run on a GPU (NOTES.md v12).
+    after it. Right on the H200 (GPU cases, part 40) but slower than one program per item:
+    Qwen3 512 tokens 256 vs 216–234 µs, Qwen3 4096 1611 vs 794–843 (no ``ws``), Qwen3 1 token
+    24 vs 21–23 (NOTES.md v13).
     ``dest`` (``[M]`` int32, with ``tout`` and ``split_k=1``) and ``dest_rows``: the output is
     ``[dest_rows, N]`` instead — zeros, into which every row ``r`` with ``dest[r] >= 0`` is
     added at row ``dest[r]`` by a TMA reduce-add from the output tile (one 1-row copy per row:
     Hopper's TMA has no row scatter), in ``out_dtype`` (the layer's top-k sum inside GEMM2:
     each token's ``k`` rows add into its output row, accumulating in the 16-bit dtype as
     vLLM's ``moe_sum`` does, in an order that varies from run to run). Rows with ``dest < 0``
-    and blocks with expert ``-1`` add nothing.
+    and blocks with expert ``-1`` add nothing. Right on the H200 (part 41); as the layer's
+    top-k sum slower than XLA's gather-and-sum except at Mixtral 512 tokens (NOTES.md v13).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -1212,7 +1217,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     the elements for XLA's gather, which at Qwen3 4096 tokens wrote its 134 MB at ~1 TB/s
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
-    ``persistent`` (off by default: lowered on both jax versions, not yet run on the GPU): every
+    ``persistent`` (off by default: right on the H200, but slower, NOTES.md v13 — Qwen3 512
+    tokens 256 vs 216–234 µs, 4096 tokens 1611 vs 794–843, 1 token 24 vs 21–23): every
     GEMM without ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over all
     (block, column tile, K split) items instead of one program per item, without ``ws``.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
