@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–43 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -453,6 +453,17 @@ elif [ "$part" = 43 ]; then    # v13, from part 42 (16- and 8-row blocks at Mixt
     logged "stages" 250 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 160 \
         --variants "wgmma=kernel:wgmma;st3=kernel:wgmma,stages:3;st4=kernel:wgmma,stages:4;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/stages.log"
+elif [ "$part" = 44 ]; then    # v13: what Mixtral's decode GEMMs wait on (Nsight Compute, if it reads the counters
+    # on this machine): GEMM1 in 8-row sfold blocks (16 tokens) and 32-row ws blocks (64 tokens); each streams
+    # the weights at 2.3–3 TB/s against 3.9 TB/s for the copy ring alone
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
+    for spec in "8|bn128 st2 kpb2 wide shift32 sfold s1" "32|bn128 st3 kpb2 wide shift32 ws s1"; do
+        bm=${spec%%|*}; v=${spec#*|}
+        logged "ncu_bm${bm}" 100 "$NCU" --target-processes all --clock-control none -k regex:'mosaic|kernel' -c 1 $S \
+            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m "$bm" --reps 1 --only "$v"
+    done
+    grep -E "==PROF==|==ERROR|Kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|Stall|rc " "$OUT"/ncu_*.log | head -80
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
