@@ -453,19 +453,21 @@ elif [ "$part" = 43 ]; then    # v13, from part 42 (16- and 8-row blocks at Mixt
     logged "stages" 250 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 160 \
         --variants "wgmma=kernel:wgmma;st3=kernel:wgmma,stages:3;st4=kernel:wgmma,stages:4;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/stages.log"
-elif [ "$part" = 44 ]; then    # v13: what Mixtral's decode GEMMs wait on (Nsight Compute, if it reads the counters
-    # on this machine): GEMM1 in 8-row sfold blocks (16 tokens) and 32-row ws blocks (64 tokens); each streams
-    # the weights at 2.3–3 TB/s against 3.9 TB/s for the copy ring alone
+elif [ "$part" = 44 ]; then    # v13: what the wgmma GEMMs wait on (Nsight Compute reads the counters on this
+    # machine: part 44's first run): Mixtral's GEMM1 in 8-row sfold blocks (16 tokens) and 32-row ws blocks (64
+    # tokens), which stream the weights at 2.3–3 TB/s against 3.9 TB/s for the copy ring alone, and Qwen3's
+    # GEMM1 in the 48-row, 2-stage blocks of 512 tokens (its GEMMs at 1.66 TB/s)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
-    for spec in "8|bn128 st2 kpb2 wide shift32 sfold s1" "32|bn128 st3 kpb2 wide shift32 ws s1"; do
-        bm=${spec%%|*}; v=${spec#*|}
-        # the Mosaic GPU kernels are named <body>_mosaic_gpu…; part 44's first run filtered on 'mosaic|kernel'
-        # and profiled cuBLAS's reference GEMMs instead (their names end in _kernel)
-        logged "ncu_bm${bm}" 100 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
-            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m "$bm" --reps 1 --only "$v"
+    for spec in "mixtral1|8|bn128 st2 kpb2 wide shift32 sfold s1" "mixtral1|32|bn128 st3 kpb2 wide shift32 ws s1" \
+                "qwen3_1|48|bn128 st2 kpb2 wide shift32 s1"; do
+        g=${spec%%|*}; rest=${spec#*|}; bm=${rest%%|*}; v=${rest#*|}
+        # the Mosaic GPU host function is <body>_mosaic_gpu and its device kernel is outlined under that name;
+        # the first run's filter, 'mosaic|kernel', profiled cuBLAS's reference GEMMs (names ending in _kernel)
+        logged "ncu_${g}_bm${bm}" 100 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
+            python3 benchmarks/gemm_kernels.py --gemms "$g" --block-m "$bm" --reps 1 --only "$v"
     done
-    grep -E "==PROF==|==ERROR|Kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|Stall|rc " "$OUT"/ncu_*.log | head -80
+    grep -E "==PROF==|==ERROR|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|Stall|rc " "$OUT"/ncu_*.log | head -90
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

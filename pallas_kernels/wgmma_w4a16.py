@@ -925,7 +925,10 @@ def _run_into(body, init, operands, mesh_kw):
     whose output starts as ``init`` (its buffer updated in place: the custom call aliases it),
     for kernels that accumulate into their output. ``plgpu.kernel`` has no such argument;
     ``pl.core_map`` under ``pl.run_state`` is how it is built (``core_map`` warns of its
-    deprecation from jax 0.11 on, where ``plgpu.kernel`` no longer goes through it)."""
+    deprecation from jax 0.11 on, where ``plgpu.kernel`` no longer goes through it; the form that
+    replaces it there — ``init`` as a ``jax.new_ref`` operand of ``plgpu.kernel``, then
+    ``jax.freeze`` — lowers to the same aliased call on jax 0.11.2 but has not run on the GPU,
+    this one has: part 41)."""
     import warnings
 
     from jax.experimental import pallas as pl
