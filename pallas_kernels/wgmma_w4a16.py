@@ -358,7 +358,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``stages`` is the depth of that one ring). Items run up to the last block with an expert
     (found by XLA before the kernel); each program writes zeros over its share of the blocks
     after it. Right on the H200 (GPU cases, part 40) but slower than one program per item:
-    Qwen3 512 tokens 256 vs 216–234 µs, Qwen3 4096 1611 vs 794–843 (no ``ws``), Qwen3 1 token
+    Qwen3 512 tokens 256 vs 234–238 µs, Qwen3 4096 1611 vs 835–843 (no ``ws``), Qwen3 1 token
     24 vs 21–23 (NOTES.md v13).
     ``dest`` (``[M]`` int32, with ``tout`` and ``split_k=1``) and ``dest_rows``: the output is
     ``[dest_rows, N]`` instead — zeros, into which every row ``r`` with ``dest[r] >= 0`` is
@@ -1221,7 +1221,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
     ``persistent`` (off by default: right on the H200, but slower, NOTES.md v13 — Qwen3 512
-    tokens 256 vs 216–234 µs, 4096 tokens 1611 vs 794–843, 1 token 24 vs 21–23): every
+    tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1 token 24 vs 21–23): every
     GEMM without ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over all
     (block, column tile, K split) items instead of one program per item, without ``ws``.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
