@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from wna16_jax.errors import ConfigError, DTypeError, ShapeError
 
 from .wgmma_w4a16 import (BLOCK_K, GATED_ACTIVATIONS, IDS_PAD, SMEM_LIMIT, TRANSPOSED_STORE, _nibble_planes,
-                          act_pair, magic_value)
+                          act_pair, magic_value, smem_load)
 
 ROWS = 8              # rows per pair block (the pair schedule)
 TILE = 128            # output columns per item (GEMM1: 64 gate + 64 up columns)
@@ -177,19 +177,19 @@ def wgmma_decode_layer(a, experts, w13_words, w13_scales, w13_zeros, w2_words, w
         def step(_, w_smem, x_smem, s_smem, *rest):
             z_smem, acc = (rest[0] if has_zp else None), rest[-1]
             xt = transposed(x_smem)
-            whole = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA) if kpb == 2 else None
+            whole = smem_load(w_smem, layout=plgpu.Layout.WGMMA) if kpb == 2 else None
             acc_ref[...] = acc
             for q in range(kpb):
                 g = 0 if channelwise else q
 
                 def rows(ref):
-                    return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(dtype),
+                    return jax.lax.broadcast_in_dim(smem_load(ref.at[g], layout=row).astype(dtype),
                                                     (TILE, 16), (0,))
                 sc = rows(s_smem)
                 zc = rows(z_smem) if has_zp else jnp.asarray(zero_point, dtype)
                 for u in range(2):
                     tile = (whole[:, 32 * q + 16 * u: 32 * q + 16 * u + 16] if whole is not None else
-                            plgpu.load(w_smem.at[:, pl.ds(32 * q + 16 * u, 16)], (), layout=plgpu.Layout.WGMMA))
+                            smem_load(w_smem.at[:, pl.ds(32 * q + 16 * u, 16)], layout=plgpu.Layout.WGMMA))
                     for t, v in enumerate(planes(tile)):
                         plgpu.wgmma(acc_ref, (v - zc) * sc, xt.at[pl.ds(BLOCK_K * q + 64 * u + 16 * t, 16)])
             plgpu.wgmma_wait(0)

@@ -62,6 +62,21 @@ BLOCK_K = 128         # one K-block: 16 words × 8 slots
 IDS_PAD = 32          # TMA copies whole multiples of 128 bytes: the block → expert ids are padded
 
 
+@functools.cache
+def _load_needs_index() -> bool:
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def smem_load(ref, *, layout):
+    """``plgpu.load`` of a whole (already indexed) shared-memory ref into registers: jax 0.10
+    needs an explicit empty index, jax 0.11 deprecates passing one."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.load(ref, (), layout=layout) if _load_needs_index() else plgpu.load(ref, layout=layout)
+
+
 def magic(dtype):
     """Bit pattern ``m`` with ``bits(m | c) == m + c`` for a 4-bit ``c`` in ``dtype``: bf16 128, fp16 1024."""
     return 0x4300 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 0x6400
@@ -487,7 +502,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         """``val [rows, bm]`` with each column (an output row) times its ``row_scale``."""
         if not has_rs:
             return val
-        r = plgpu.load(rs_smem.at[0, pl.ds(0, bm)], (), layout=col)
+        r = smem_load(rs_smem.at[0, pl.ds(0, bm)], layout=col)
         return val * jax.lax.broadcast_in_dim(r, val.shape, (1,))
 
     def row_types():
@@ -526,7 +541,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             g = 0 if channelwise else q
 
             def rows(ref, dt):
-                return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(dt), (bn, 16), (0,))
+                return jax.lax.broadcast_in_dim(smem_load(ref.at[g], layout=row).astype(dt), (bn, 16), (0,))
 
             def emit():
                 out = []
@@ -539,12 +554,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                         zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
                     if wide:
                         if not whole:
-                            whole.append(plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA))
+                            whole.append(smem_load(w_smem, layout=plgpu.Layout.WGMMA))
                         tile = whole[0][:, wcols * q + 16 * u: wcols * q + 16 * u + 16]
                     else:
                         src = (w_smem.at[pl.ds(bn * q, bn), pl.ds(16 * u, 16)] if tile_n else
                                w_smem.at[:, pl.ds(wcols * q + 16 * u, 16)])
-                        tile = plgpu.load(src, (), layout=plgpu.Layout.WGMMA)
+                        tile = smem_load(src, layout=plgpu.Layout.WGMMA)
                     if shift32:
                         vs = planes(tile)
                     else:
@@ -557,7 +572,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 else:                             # int32 words: 8 codes per word, slots 4u … 4u+3
                     sc = rows(s_smem, jnp.float32)
                     zc = rows(z_smem, jnp.float32) if has_zp else 8.0
-                    tile = plgpu.load(w_smem.at[:, pl.ds(wcols * q, 16)], (), layout=plgpu.Layout.WGMMA)
+                    tile = smem_load(w_smem.at[:, pl.ds(wcols * q, 16)], layout=plgpu.Layout.WGMMA)
                     for t in range(4 * u, 4 * u + 4):
                         codes = jax.lax.shift_right_logical(tile, jnp.int32(4 * t)) & 15
                         out.append((BLOCK_K * q + 16 * t, ((codes.astype(jnp.float32) - zc) * sc).astype(dtype)))
@@ -619,7 +634,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             g = 0 if channelwise else q
 
             def cols(ref):
-                return jax.lax.broadcast_in_dim(plgpu.load(ref.at[g], (), layout=row).astype(jnp.float32),
+                return jax.lax.broadcast_in_dim(smem_load(ref.at[g], layout=row).astype(jnp.float32),
                                                 (bn, bm), (0,))
             acc_ref[...] = zero()
             for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
@@ -630,7 +645,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 continue
             zb = cols(z_smem) if has_zp else jnp.float32(magic_value(dtype) + 8.0)
             xrow = jax.lax.broadcast_in_dim(
-                plgpu.load(xs_smem.at[q, 0, pl.ds(0, bm)], (), layout=col), (bn, bm), (1,))
+                smem_load(xs_smem.at[q, 0, pl.ds(0, bm)], layout=col), (bn, bm), (1,))
             acc = acc + cols(s_smem) * (acc_ref[...] - zb * xrow)
         return acc
 
