@@ -847,6 +847,29 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
                                     f"static_sums={static} gather32={g32}")
 
 
+def test_fused_moe_wgmma_combine_add_errors_cpu(monkeypatch):
+    """``combine="add"`` where GEMM2 cannot add its rows into the output: a ConfigError naming why
+    (jax < 0.11, a K split, no 16-bit output tile, the router weights outside GEMM2); kernel
+    replaced by its jnp contract."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", _emulated_wgmma_gemm)
+    w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 4, 256, 512, 24, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+
+    def run(**kw):
+        return jax.jit(functools.partial(wgm.fused_moe_wgmma, schedule="blocked", combine="add", **kw))(x, tw, ids, wg)
+    monkeypatch.setattr(wgm, "TRANSPOSED_STORE", False)
+    with pytest.raises(ConfigError, match="combine='add'.*< 0.11"):
+        run()
+    monkeypatch.setattr(wgm, "TRANSPOSED_STORE", True)
+    for kw, why in ((dict(split2=2, wide=False), "a K split of 2"), (dict(out16=False), "out16=False"),
+                    (dict(tout=False), "tout=False"), (dict(weight_in_gemm2=False), "router weights")):
+        with pytest.raises(ConfigError, match=f"combine='add'.*{why}"):
+            run(**kw)
+    _layer_close(run(), _reference(w, x, tw, ids, None), what="combine=add")
+
+
 def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter):
     """Run ``fused_moe_wgmma`` with each case's options (24 tokens, top-2, AWQ), the kernel
     replaced by its jnp contract: the options it passes each GEMM (``pick(kwargs)``, GEMM1 then
