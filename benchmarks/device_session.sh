@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13); 32–34 and 45 are prepared (44 to rerun); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -468,6 +468,21 @@ elif [ "$part" = 44 ]; then    # v13: what the wgmma GEMMs wait on (Nsight Compu
             python3 benchmarks/gemm_kernels.py --gemms "$g" --block-m "$bm" --reps 1 --only "$v"
     done
     grep -E "==PROF==|==ERROR|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|Stall|rc " "$OUT"/ncu_*.log | head -90
+elif [ "$part" = 45 ]; then    # prepared in v13 for the next session, from benchmarks/wgmma_plan.py (no GPU): at
+    # Mixtral 512 tokens GEMM2 runs one ws program per SM, 128 of them when each expert fits one 144-row block,
+    # 144 when one expert needs two (32% of uniform routings: P(an expert's 512·¼ rows > 144) = 4.75%), so 12
+    # programs then run as a second wave. 160-row blocks need a second block in 0.5% of routings but pad 11%
+    # more rows. Prediction: bm160 within ±3% of bm144 on average (the wave saved against the padded MMA rows),
+    # and the run-to-run spread of Mixtral 512 (729–814 µs) smaller; split2 2 slower (float32 partials)
+    python3 benchmarks/wgmma_plan.py --rows mixtral:512 > "$OUT/plan.log" 2>&1
+    python3 benchmarks/wgmma_plan.py --rows mixtral:512 --set block_m:160 >> "$OUT/plan.log" 2>&1
+    logged "bm512" 330 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;bm160=kernel:wgmma,block_m:160;bm176=kernel:wgmma,block_m:176;split2 2=kernel:wgmma,split2:2;wgmma again=kernel:wgmma;bm160 again=kernel:wgmma,block_m:160"
+    # Mixtral 1 token's K splits again with 160 routings (part 35 at 40: split1 2 / 4 70.2 / 70.9 against 72.4–72.9)
+    logged "split1" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
+        --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;wgmma again=kernel:wgmma"
+    cat "$OUT/plan.log"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/bm512.log" "$OUT/split1.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

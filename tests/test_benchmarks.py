@@ -148,3 +148,30 @@ def test_differential_timing_leaves_out_the_fixed_cost(monkeypatch):
     assert timing.differential_us(build, (1.0,), 10, samples=3) == pytest.approx(1000.0)
     with pytest.raises(ValueError, match="reps"):
         timing.pair_timer(build, (1.0,), 0)
+
+
+def test_wgmma_plan_reports_the_layer_rules(capsys):
+    """``wgmma_plan.py`` traces the layer on abstract weights (nothing computed) and reports the
+    options its rules pick per GEMM: the pair schedule's K splits at Qwen3 1 token, two programs
+    per SM without ``ws`` in Qwen3 512's 48-row blocks, ``ws`` in Mixtral 64's 32-row blocks; the
+    programs follow from the grid (live ones from the expected blocks)."""
+    from benchmarks import wgmma_plan
+
+    assert wgmma_plan.main(["--rows", "qwen3:1,512", "mixtral:64"]) == 0
+    out = capsys.readouterr().out
+    rows = {}
+    for block in out.split("## ")[1:]:
+        head, *lines = block.strip().splitlines()
+        rows[head.split(":")[0]] = {ln.split()[0]: ln.split() for ln in lines if ln.strip().startswith("GEMM1")
+                                    or ln.strip().startswith("GEMM2")}
+    q1, q512, m64 = (rows[f"{name} T={t}"] for name, t in (("Qwen3-30B-A3B (128, 8, 2048, 768)", 1),
+                                                           ("Qwen3-30B-A3B (128, 8, 2048, 768)", 512),
+                                                           ("Mixtral (8, 2, 4096, 14336)", 64)))
+    # columns: GEMM bm blocks N K bn kpb st split steps programs live smem /SM waves MB flags...
+    assert q1["GEMM1"][1:3] == ["8", "8"] and q1["GEMM1"][8] == "2" and q1["GEMM2"][8] == "3"
+    assert q1["GEMM1"][10] == str(8 * 1536 // 128 * 2) and "sfold" in q1["GEMM1"][16:]
+    assert q512["GEMM1"][1] == "48" and q512["GEMM1"][7] == "2" and q512["GEMM1"][13] == "2"
+    assert "ws" not in q512["GEMM1"][16:] and "gated" in q512["GEMM1"][16:]
+    assert m64["GEMM1"][1] == "32" and "ws" in m64["GEMM1"][16:] and "ws" in m64["GEMM2"][16:]
+    assert m64["GEMM2"][10] == str(12 * 4096 // 256)                     # ws: two column tiles per program
+    assert "pair schedule, 8 pair blocks" in out and "blocked, 128.4 of 211 blocks live" in out

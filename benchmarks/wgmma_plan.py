@@ -1,0 +1,148 @@
+"""What the wgmma layer runs at each table row, per GEMM, without a GPU.
+
+    PYTHONPATH=$PWD python3 benchmarks/wgmma_plan.py [--rows qwen3:512 mixtral] [--sms 132] \\
+        [--set "persistent:1,combine:add"]
+
+The layer (:func:`pallas_kernels.wgmma_w4a16.fused_moe_wgmma`) is traced with
+:func:`jax.eval_shape` on abstract weights (AWQ, group 128), with the GPU's SM count patched in, and
+every :func:`~pallas_kernels.wgmma_w4a16.wgmma_grouped_gemm` call it makes is recorded. So the
+options shown are the ones the layer's own rules pick, not a copy of them. From those options
+follow the numbers a prediction starts from (``benchmarks/NOTES.md``, the device's METHOD.md):
+
+* ``programs``: the kernel's grid (blocks × column tiles × K splits; ``ws`` programs cover two
+  column tiles; ``persistent``: the programs it launches), and ``live``: those of blocks with an
+  expert (the rest end at once).
+* ``steps``: pipeline steps per program (per item with ``persistent``), each ``kpb`` K-blocks.
+* ``smem``: shared memory per program (:func:`~pallas_kernels.wgmma_w4a16.wgmma_smem_bytes`), and
+  ``/SM``: how many such programs fit on one SM by shared memory alone (registers and threads
+  can allow fewer).
+* ``waves``: live programs / (SMs × that count).
+* ``weights MB``: the weight words, scales and zero points the live blocks stream (an expert with
+  two blocks streams its weights twice).
+
+Blocks: the layer sizes its grid for the most blocks a routing can need (the alignment step's
+static bound). The live blocks are the expected number with an expert under uniform random
+routing (:func:`~pallas_kernels.wgmma_w4a16.expected_blocks`), or every routed pair in the pair
+schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.moe_engine import SHAPES, parse_rows, parse_variants
+
+SM_SMEM = 233472            # bytes of shared memory per H100/H200 SM (227 KB per block + 1 KB reserved)
+
+
+def abstract_weights(e, h, i, *, group=128, zeros=True, dtype=jnp.bfloat16):
+    """A :class:`~pallas_kernels.wgmma_w4a16.WgmmaWeights` of shapes only, as :func:`convert_wgmma`
+    lays out ``e`` experts of hidden size ``h`` and intermediate size ``i``."""
+    from pallas_kernels.wgmma_w4a16 import BLOCK_K, WgmmaWeights
+
+    s = jax.ShapeDtypeStruct
+    g1, g2 = (h // BLOCK_K, i // BLOCK_K) if group == BLOCK_K else (1, 1)
+    return WgmmaWeights(s((e, 2 * i, h // 4), jnp.int16), s((e, h, i // 4), jnp.int16),
+                        s((e, g1, 2 * i), dtype), s((e, g2, h), dtype),
+                        s((e, g1, 2 * i), dtype) if zeros else None, s((e, g2, h), dtype) if zeros else None,
+                        hidden_size=h, intermediate_size=i, w13_interleaved=i % 64 == 0)
+
+
+def layer_gemms(t, k, weights, sms=132, **opts):
+    """The ``(args, kwargs)`` of each GEMM the layer runs for ``t`` tokens, top-``k`` (abstract:
+    nothing is computed), with ``sms`` streaming multiprocessors."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+    import pallas_kernels.wna16_grouped_gemm as gg
+
+    calls = []
+    real = wgm.wgmma_grouped_gemm
+
+    def record(*args, **kw):
+        calls.append((args, kw))
+        return real(*args, **kw)
+
+    saved = wgm.wgmma_grouped_gemm, gg.num_sms
+    wgm.wgmma_grouped_gemm, gg.num_sms = record, lambda: sms
+    try:
+        s = jax.ShapeDtypeStruct
+        jax.eval_shape(functools.partial(wgm.fused_moe_wgmma, **opts), s((t, weights.hidden_size), jnp.bfloat16),
+                       s((t, k), jnp.float32), s((t, k), jnp.int32), weights)
+    finally:
+        wgm.wgmma_grouped_gemm, gg.num_sms = saved
+    return calls
+
+
+def describe(args, kw, live, sms=132):
+    """One GEMM call, ``live`` of whose blocks have an expert → a dict of what it runs (see the
+    module docstring)."""
+    from pallas_kernels.wgmma_w4a16 import BLOCK_K, _SMEM_ALIGN, wgmma_smem_bytes
+
+    a, ids, words, scales = args[:4]
+    zeros = args[4] if len(args) > 4 else kw.get("zeros")
+    m, kdim = a.shape
+    n = words.shape[1]
+    nb = ids.shape[0]
+    bm, bn, kpb = kw["block_m"], kw.get("block_n", 64), kw.get("kpb", 1)
+    split, ws, pers = kw.get("split_k", 1), kw.get("ws", False), kw.get("persistent", False)
+    steps = kdim // BLOCK_K // split // kpb
+    stages = kw.get("stages", 3)
+    rs = (args[5] if len(args) > 5 else kw.get("row_scale")) is not None
+    dest = (args[6] if len(args) > 6 else kw.get("dest")) is not None
+    need = wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=stages if pers else min(stages, steps),
+                            n_blocks=nb, ws=ws, tout=kw.get("tout", False), gated=kw.get("gated") is not None,
+                            has_zp=zeros is not None, zfold=kw.get("zfold", False),
+                            channelwise=kw.get("group_size", 128) == -1, row_scale=rs, persistent=pers, dest=dest)
+    per_sm = max(1, SM_SMEM // (need + _SMEM_ALIGN))
+    items = nb * (n // bn) * split
+    programs = (min(kw.get("programs") or sms * min(4, per_sm), items) if pers else
+                items // 2 if ws else items)
+    live_programs = programs if pers else programs * live / nb
+    words_bytes = live * n * kdim / 2
+    meta = live * n * scales.shape[1] * 2 * (2 if zeros is not None else 1)
+    flags = [f for f in ("ws", "sfold", "zfold", "overlap", "tout", "persistent") if kw.get(f)]
+    flags += ["o16"] if jnp.dtype(kw.get("out_dtype", jnp.float32)).itemsize == 2 else []
+    flags += [f"gated {kw['gated']}"] if kw.get("gated") else []
+    flags += ["row_scale"] * rs + ["dest"] * dest
+    return dict(bm=bm, blocks=nb, n=n, k=kdim, bn=bn, kpb=kpb, stages=min(stages, steps) if not pers else stages,
+                split=split, steps=steps, programs=programs, live_programs=live_programs, smem_kb=need / 1024,
+                per_sm=per_sm, waves=live_programs / (sms * per_sm), weights_mb=(words_bytes + meta) / 1e6,
+                flags=" ".join(flags))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="*", default=["mixtral", "qwen3", "dsv2lite"],
+                    help="shape[:tokens,...] as in moe_engine.py")
+    ap.add_argument("--sms", type=int, default=132, help="streaming multiprocessors (H200: 132)")
+    ap.add_argument("--set", default="", help="layer options 'key:value,...' (fused_moe_wgmma's)")
+    args = ap.parse_args(argv)
+    from pallas_kernels.wgmma_w4a16 import expected_blocks
+
+    opts = parse_variants(f"x={args.set}")["x"] if args.set else {}
+    for key, tokens in parse_rows(args.rows):
+        title, (e, k, h, i), _ = SHAPES[key]
+        weights = abstract_weights(e, h, i)
+        for t in tokens:
+            calls = layer_gemms(t, k, weights, sms=args.sms, **opts)
+            bm, nb = calls[0][1]["block_m"], calls[0][0][1].shape[0]
+            pair = bm == 8 and nb == t * k and "pair" == opts.get("schedule", "pair" if t * k <= e else "")
+            live = float(t * k) if pair else min(nb, expected_blocks(t * k, e, bm))
+            print(f"## {title} T={t}: " + (f"pair schedule, {t * k} pair blocks" if pair else
+                                           f"blocked, {live:.1f} of {nb} blocks live (expected)"))
+            print("  GEMM   bm blocks     N     K   bn kpb st split steps programs     live  smem KB /SM waves"
+                  " weights MB  flags")
+            for name, (a, kw) in zip(("GEMM1", "GEMM2"), calls):
+                d = describe(a, kw, live, args.sms)
+                print(f"  {name} {d['bm']:4d} {d['blocks']:6d} {d['n']:5d} {d['k']:5d} {d['bn']:4d} {d['kpb']:3d} "
+                      f"{d['stages']:2d} {d['split']:5d} {d['steps']:5d} {d['programs']:8d} {d['live_programs']:8.0f} "
+                      f"{d['smem_kb']:8.1f} {d['per_sm']:3d} {d['waves']:5.1f} {d['weights_mb']:10.1f}  {d['flags']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
