@@ -476,13 +476,17 @@ elif [ "$part" = 45 ]; then    # prepared in v13 for the next session, from benc
     # and the run-to-run spread of Mixtral 512 (729–814 µs) smaller; split2 2 slower (float32 partials)
     python3 benchmarks/wgmma_plan.py --rows mixtral:512 > "$OUT/plan.log" 2>&1
     python3 benchmarks/wgmma_plan.py --rows mixtral:512 --set block_m:160 >> "$OUT/plan.log" 2>&1
-    logged "bm512" 330 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
+    logged "bm512" 280 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;bm160=kernel:wgmma,block_m:160;bm176=kernel:wgmma,block_m:176;split2 2=kernel:wgmma,split2:2;wgmma again=kernel:wgmma;bm160 again=kernel:wgmma,block_m:160"
     # Mixtral 1 token's K splits again with 160 routings (part 35 at 40: split1 2 / 4 70.2 / 70.9 against 72.4–72.9)
-    logged "split1" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
+    logged "split1" 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
         --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;wgmma again=kernel:wgmma"
+    # Qwen3 4096 tokens: its 144-row ws programs stream 16 / 6 K-blocks, one per SM (wgmma_plan.py); without ws
+    # at 2 stages two fit per SM, the form that made Qwen3 512 faster (v12). Prediction: 3–8% faster
+    logged "q4096" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 40 \
+        --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;wgmma again=kernel:wgmma"
     cat "$OUT/plan.log"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/bm512.log" "$OUT/split1.log"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/bm512.log" "$OUT/split1.log" "$OUT/q4096.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
