@@ -476,11 +476,16 @@ elif [ "$part" = 45 ]; then    # prepared in v13 for the next session, from benc
     # and the run-to-run spread of Mixtral 512 (729–814 µs) smaller; split2 2 slower (float32 partials)
     python3 benchmarks/wgmma_plan.py --rows mixtral:512 > "$OUT/plan.log" 2>&1
     python3 benchmarks/wgmma_plan.py --rows mixtral:512 --set block_m:160 >> "$OUT/plan.log" 2>&1
-    logged "bm512" 280 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
-        --variants "wgmma=kernel:wgmma;bm160=kernel:wgmma,block_m:160;bm176=kernel:wgmma,block_m:176;split2 2=kernel:wgmma,split2:2;wgmma again=kernel:wgmma;bm160 again=kernel:wgmma,block_m:160"
-    # Mixtral 1 token's K splits again with 160 routings (part 35 at 40: split1 2 / 4 70.2 / 70.9 against 72.4–72.9)
-    logged "split1" 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
-        --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;wgmma again=kernel:wgmma"
+    logged "bm512" 240 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;bm160=kernel:wgmma,block_m:160;bm176=kernel:wgmma,block_m:176;split2 2=kernel:wgmma,split2:2;wgmma again=kernel:wgmma"
+    # 1-token GEMM1 K splits again with 160 routings: Mixtral's 448 programs put 4 on some SMs and 3 on others
+    # (3.39 per SM), Qwen3's 192 put 2 on 60 SMs and 1 on 72 (wgmma_plan.py); split1 2 / 4 (Mixtral) and 4 / 8
+    # (Qwen3) spread them within 3% of even. Part 35 at 40 routings: Mixtral split1 2 / 4 70.2 / 70.9 against
+    # 72.4–72.9, Qwen3 split1 4 22.9 against 19.7–20.7 (±5 µs then). Prediction: Mixtral split1 2 2–4 µs faster
+    # (~8 µs of GEMM1's imbalance saved, less the XLA kernel that sums the splits and applies the activation, which
+    # GEMM1 fuses at split 1); Qwen3 split1 4 / 8 1–2 µs faster (its default is split 2, already unfused)
+    logged "split1" 180 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 qwen3:1 --reps 160 \
+        --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;split1 8=kernel:wgmma,split1:8;wgmma again=kernel:wgmma"
     # Qwen3 4096 tokens: its 144-row ws programs stream 16 / 6 K-blocks, one per SM (wgmma_plan.py); without ws
     # at 2 stages two fit per SM, the form that made Qwen3 512 faster (v12). Prediction: 3–8% faster
     logged "q4096" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 40 \
