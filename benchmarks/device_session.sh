@@ -483,9 +483,10 @@ elif [ "$part" = 45 ]; then    # prepared in v13 for the next session, from benc
     # (Qwen3) spread them within 3% of even. Part 35 at 40 routings: Mixtral split1 2 / 4 70.2 / 70.9 against
     # 72.4–72.9, Qwen3 split1 4 22.9 against 19.7–20.7 (±5 µs then). Prediction: Mixtral split1 2 2–4 µs faster
     # (~8 µs of GEMM1's imbalance saved, less the XLA kernel that sums the splits and applies the activation, which
-    # GEMM1 fuses at split 1); Qwen3 split1 4 / 8 1–2 µs faster (its default is split 2, already unfused)
+    # GEMM1 fuses at split 1); Qwen3 split1 4 / 8 1–2 µs faster (its default is split 2, already unfused); Qwen3
+    # split1 1 (96 programs on 132 SMs, but the activation fused and no XLA kernel between the GEMMs) no faster
     logged "split1" 180 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 qwen3:1 --reps 160 \
-        --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;split1 8=kernel:wgmma,split1:8;wgmma again=kernel:wgmma"
+        --variants "wgmma=kernel:wgmma;split1 1=kernel:wgmma,split1:1;split1 2=kernel:wgmma,split1:2;split1 4=kernel:wgmma,split1:4;split1 8=kernel:wgmma,split1:8;wgmma again=kernel:wgmma"
     # Qwen3 4096 tokens: its 144-row ws programs stream 16 / 6 K-blocks, one per SM (wgmma_plan.py); without ws
     # at 2 stages two fit per SM, the form that made Qwen3 512 faster (v12). Prediction: 3–8% faster
     logged "q4096" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 40 \
