@@ -1469,6 +1469,16 @@ GPU_SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3": (128, 8, 2048, 768), "dsv
 GPU_TOKENS = {"mixtral": (1, 5), "qwen3": (1, 16), "dsv2lite": (1, 16)}
 
 
+def _routed_case(rng, w, t, k):
+    """Fresh layer inputs for ``t`` tokens on checkpoint weights ``w``: bf16 activations, top-``k``
+    routing of random logits with expert 0 never routed, and the float64 reference
+    (:func:`_fast_reference`) → ``(x, topk_weights, topk_ids, ref)``."""
+    x = jnp.asarray(rng.standard_normal((t, w.hidden_size)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((t, w.num_experts)), jnp.float32).at[:, 0].add(-100.0)
+    tw, ids = routing.fused_topk(logits, k, renormalize=True)
+    return x, tw, ids, _fast_reference(w, x, tw, ids)
+
+
 def _fast_reference(w, x, tw, ids):
     """Float64 reference for model-sized layers: each used expert dequantized exactly in float32
     on the device from the CHECKPOINT layout (independent of the tile conversion), products in
@@ -1501,10 +1511,7 @@ def test_fused_moe_gpu_shapes(shape, key):
     tiles = jax.jit(convert_tiles)(w)
     assert select_executor(tiles, jnp.bfloat16) == ("pallas", None)
     for t in GPU_TOKENS[shape]:
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
-        tw, ids = routing.fused_topk(logits, k, renormalize=True)
-        ref = _fast_reference(w, x, tw, ids)
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, tiles), ref, what=f"fused_moe T={t}")
         for over in (dict(mode="pair"), dict(mode="pair", dot="fma"), dict(mode="blocked"),
                      dict(mode="blocked", dot="swap")):
@@ -1529,10 +1536,8 @@ def test_wgmma_decode_layer_gpu(shape, key):
     wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
     layer = jax.jit(functools.partial(fused_moe_wgmma, one_kernel=True))
     for t in (1, 2, 1):
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
-        tw, ids = routing.fused_topk(logits, k, renormalize=True)
-        _layer_close(layer(x, tw, ids, wg), _fast_reference(w, x, tw, ids), what=f"one_kernel T={t}")
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        _layer_close(layer(x, tw, ids, wg), ref, what=f"one_kernel T={t}")
 
 
 @pytest.mark.gpu
@@ -1557,10 +1562,7 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
     wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)                    # what the table runs on the H200
     assert isinstance(wg, WgmmaWeights) and select_executor(wg, jnp.bfloat16) == ("pallas", None)
     for t in GPU_TOKENS[shape] + (300,):
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
-        tw, ids = routing.fused_topk(logits, k, renormalize=True)
-        ref = _fast_reference(w, x, tw, ids)
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe (wgmma) T={t}")   # defaults
         decode = (dict(schedule="pair", wide=False), dict(schedule="blocked", zfold=False, overlap=True),
                   dict(block_m=16, split1=2, split2=2, shift32=False, sfold=True),
@@ -1596,10 +1598,7 @@ def test_wgmma_pair_defaults_gpu(shape, key):
     w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
     wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
     for t in (1, 4 if shape == "mixtral" else 3):
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
-        tw, ids = routing.fused_topk(logits, k, renormalize=True)
-        ref = _fast_reference(w, x, tw, ids)
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
         for over in (dict(sfold=False), dict(static_sums=False), dict(sfold=True, split1=1)):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", **over))(x, tw, ids, wg)
@@ -1628,10 +1627,7 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
     w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
     wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
     for t in V12_TOKENS[shape]:
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
-        tw, ids = routing.fused_topk(logits, k, renormalize=True)
-        ref = _fast_reference(w, x, tw, ids)
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
         for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1)) if t <= 64 else
                      (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3))):
@@ -1660,10 +1656,7 @@ def test_wgmma_combine_add_gpu(shape, key):
     w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
     wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
     for t in ADD_TOKENS[shape]:
-        x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32).at[:, 0].add(-100.0)
-        tw, ids = routing.fused_topk(logits, k, renormalize=True)
-        ref = _fast_reference(w, x, tw, ids)
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
         for over in (dict(), dict(persistent=True)):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", combine="add", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"combine=add {over} T={t}")
