@@ -410,6 +410,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
         raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
                           f"words {words.dtype}{words.shape}")
+    if (dest is None) != (dest_rows is None) or dest is not None and (not tout or split_k != 1 or dest_rows < 1):
+        raise ConfigError(f"wgmma_grouped_gemm: dest and dest_rows (>= 1) come together, with tout=True and "
+                          f"split_k=1 (the rows are added from the output tile); got dest "
+                          f"{'given' if dest is not None else None}, dest_rows={dest_rows}, tout={tout}, "
+                          f"split_k={split_k}")
     if tout and not TRANSPOSED_STORE:
         raise ConfigError(f"wgmma_grouped_gemm: tout=True needs jax >= 0.11 (Mosaic GPU's transposed "
                           f"shared-memory store), this is jax {jax.__version__}")
@@ -430,11 +435,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes plain words, without ws, overlap or "
                           f"zfold; got ws={ws}, overlap={overlap}, zfold={zfold}, tile-major words: "
                           f"{tile_n is not None}")
-    if (dest is None) != (dest_rows is None) or dest is not None and (not tout or split_k != 1 or dest_rows < 1):
-        raise ConfigError(f"wgmma_grouped_gemm: dest and dest_rows (>= 1) come together, with tout=True and "
-                          f"split_k=1 (the rows are added from the output tile); got dest "
-                          f"{'given' if dest is not None else None}, dest_rows={dest_rows}, tout={tout}, "
-                          f"split_k={split_k}")
     if programs is not None and (not persistent or programs < 1):
         raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
     chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
