@@ -37,9 +37,6 @@ import jax.numpy as jnp
 
 from benchmarks.moe_engine import SHAPES, parse_rows, parse_variants
 
-SM_SMEM = 233472            # bytes of shared memory per H100/H200 SM (227 KB per block + 1 KB reserved)
-
-
 def abstract_weights(e, h, i, *, group=128, zeros=True, dtype=jnp.bfloat16):
     """A :class:`~pallas_kernels.wgmma_w4a16.WgmmaWeights` of shapes only, as :func:`convert_wgmma`
     lays out ``e`` experts of hidden size ``h`` and intermediate size ``i``."""
@@ -80,7 +77,7 @@ def layer_gemms(t, k, weights, sms=132, **opts):
 def describe(args, kw, live, sms=132):
     """One GEMM call, ``live`` of whose blocks have an expert → a dict of what it runs (see the
     module docstring)."""
-    from pallas_kernels.wgmma_w4a16 import BLOCK_K, _SMEM_ALIGN, wgmma_smem_bytes
+    from pallas_kernels.wgmma_w4a16 import _SMEM_ALIGN, BLOCK_K, SM_SMEM, wgmma_smem_bytes
 
     a, ids, words, scales = args[:4]
     zeros = args[4] if len(args) > 4 else kw.get("zeros")
