@@ -457,6 +457,10 @@ elif [ "$part" = 44 ]; then    # v13: what the wgmma GEMMs wait on (Nsight Compu
     # machine: part 44's first run): Mixtral's GEMM1 in 8-row sfold blocks (16 tokens) and 32-row ws blocks (64
     # tokens), which stream the weights at 2.3–3 TB/s against 3.9 TB/s for the copy ring alone, and Qwen3's
     # GEMM1 in the 48-row, 2-stage blocks of 512 tokens (its GEMMs at 1.66 TB/s)
+    # First (fifteenth session) the GPU layer tests since their inputs moved into one helper (_routed_case),
+    # one scheme per test function at the three shapes
+    gpu_tests 250 "(decode_layer_gpu and awq) or (pair_defaults_gpu and channel) or (blocked_defaults_gpu and actorder) or (combine_add_gpu and awq) or (fused_moe_gpu_shapes and gptq4_g64) or (wgmma_gpu_shapes and awq)"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -24
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
     for spec in "mixtral1|8|bn128 st2 kpb2 wide shift32 sfold s1" "mixtral1|32|bn128 st3 kpb2 wide shift32 ws s1" \
