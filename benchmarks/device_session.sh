@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13); 32–34 and 45 are prepared (44 to rerun); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–46 in the fifteenth (v14); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -497,6 +497,23 @@ elif [ "$part" = 45 ]; then    # prepared in v13 for the next session, from benc
         --variants "wgmma=kernel:wgmma;ws0 st2=kernel:wgmma,ws:0,stages:2;wgmma again=kernel:wgmma"
     cat "$OUT/plan.log"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/bm512.log" "$OUT/split1.log" "$OUT/q4096.log"
+elif [ "$part" = 46 ]; then    # v14 (fifteenth session), from parts 44/45: the pair schedule's GEMM1 now splits K
+    # to ~4 programs per SM with ≥ 4 steps each (Mixtral 1 token: split 2, 67.7 against 72.9–73.0 µs in part 45),
+    # GPU-tested here with the two layer tests part 44's time limit cut off
+    gpu_tests 200 "(fused_moe_wgmma_gpu_shapes and awq and mixtral) or (combine_add_gpu and awq and qwen3) or (pair_defaults_gpu and mixtral)"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
+    # Part 44's profile: the 8-row sfold GEMM issues 0.72 warp instructions per scheduler-cycle, ~840 per warp
+    # per 256-deep step, where the dequantization alone needs ~350 (PTX/SASS kept here, read on the CPU)
+    logged "ptx" 150 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 32 --keep "$OUT/ptx" \
+        --only "bn128 st2 kpb2 wide shift32 sfold" "bn128 st3 kpb2 wide shift32 ws"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptx.log" | head -20
+    # Mixtral 16 tokens: GEMM2 runs 256 live 8-row programs of 56 steps, ~2 per SM where 4–5 fit (wgmma_plan.py);
+    # the 8-row GEMM1 profile reached 71% of DRAM with 4 per SM. Prediction: split2 2 (512 programs, float32
+    # partials summed in the top-k combine) 5–15 µs faster at 16 tokens; at 64 tokens (32-row ws, one program per
+    # SM by registers) no faster
+    logged "split2" 220 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 160 \
+        --variants "wgmma=kernel:wgmma;split2 2=kernel:wgmma,split2:2;split2 4=kernel:wgmma,split2:4;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/split2.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -2,12 +2,13 @@
 
     PYTHONPATH=$PWD python3 benchmarks/ptxas_report.py [--gemm mixtral1] [--block-m 8 64] [--only NAME ...]
 
-Sets ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_TO`` (a temporary directory) before the
+Sets ``MOSAIC_GPU_DUMP_PTXAS=1``, ``MOSAIC_GPU_DUMP_PTX=1`` and ``MOSAIC_GPU_DUMP_TO`` (a temporary directory) before the
 first kernel compiles, runs each variant of ``benchmarks/gemm_kernels.py``'s ``WGMMA_VARIANTS``
 once (no timing), and prints only the ptxas summary lines and an opcode histogram of the PTX
 (and of the SASS where the CUDA toolkit has ``nvdisasm``; the device image does not) of the
 kernels each variant compiled — the dump itself is ~10 files per kernel, too many to bring back
-from the device.
+from the device. ``--keep DIR`` copies each variant's PTX (and ptxas) dumps there (``<gemm>_bm<rows>_<variant>__<file>``),
+to be assembled and disassembled where ``ptxas`` and ``nvdisasm`` are (``ptxas -arch=sm_90a``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import collections
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 
@@ -51,9 +53,11 @@ def main(argv=None):
     ap.add_argument("--gemm", default="mixtral1")
     ap.add_argument("--block-m", nargs="*", type=int, default=[8, 64])
     ap.add_argument("--only", nargs="*", default=None, help="only variants whose name contains one of these")
+    ap.add_argument("--keep", default=None, help="copy each variant's PTX into this directory")
     args = ap.parse_args(argv)
     dump = pathlib.Path(tempfile.mkdtemp(prefix="mosaic_dump_"))
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
     os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
 
     import jax
@@ -83,7 +87,14 @@ def main(argv=None):
                 print(f"{args.gemm} bm={bm} {lay} {name}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
                 continue
             print(f"{args.gemm} bm={bm} {lay} {name}:")
-            print("\n".join(summarize(set(dump.iterdir()) - before)), flush=True)
+            new = set(dump.iterdir()) - before
+            print("\n".join(summarize(new)), flush=True)
+            if args.keep:
+                keep = pathlib.Path(args.keep)
+                keep.mkdir(parents=True, exist_ok=True)
+                stem = f"{args.gemm}_bm{bm}_{lay}_{name.replace(' ', '_')}"
+                for f in sorted(p for p in new if "ptx" in p.name or p.suffix == ".sass"):
+                    shutil.copy(f, keep / f"{stem}__{f.name}")
     return 0
 
 

@@ -1285,7 +1285,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None):
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, pair1=False):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated)``: the kernel's
         own output without a K split (16-bit with ``out16``), else the float32 sum of the splits;
         with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination."""
@@ -1293,8 +1293,17 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
         steps = n_kb // kpb
-        want = split or (1 if dest is not None else
-                         choose_split(experts.shape[0] * (n // bn), n_kb, sms=num_sms(), waves=2))
+        tiles = experts.shape[0] * (n // bn)
+        if split or dest is not None:
+            want = split or 1
+        elif pair1:
+            # the pair schedule's GEMM1: about 4 programs per SM, each streaming at least 4 steps.
+            # Mixtral 1 token (448 tiles of 16 steps, 3–4 per SM unevenly) took 67.7 µs at split 2
+            # against 72.9–73.0 at 1 (part 45; 70.2 against 72.4–72.9 in part 35); Qwen3 and
+            # DeepSeek-V2-Lite (96 / 132 tiles of 8 steps) keep split 2 (split 4 no faster)
+            want = min(choose_split(tiles, n_kb, sms=num_sms(), waves=4), max(1, (n_kb // kpb) // 4))
+        else:
+            want = choose_split(tiles, n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
@@ -1402,7 +1411,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
-    h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None)
+    h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
+                    pair1=schedule == "pair")
     if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
         # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
         # GEMM2's input, with no XLA pass between the two kernels
