@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–46 in the fifteenth (v14); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–47 in the fifteenth (v14); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -514,6 +514,24 @@ elif [ "$part" = 46 ]; then    # v14 (fifteenth session), from parts 44/45: the 
     logged "split2" 220 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 160 \
         --variants "wgmma=kernel:wgmma;split2 2=kernel:wgmma,split2:2;split2 4=kernel:wgmma,split2:4;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/split2.log"
+elif [ "$part" = 47 ]; then    # v14: part 46's SASS (8/32-row sfold kernels, ptxas 13.0 here = the device's register
+    # counts) showed each nibble plane's and/or as two LOP3.LUT: 806 instructions per warp and 256-deep step, 258
+    # LOP3 + 97 SHF on the integer pipe (half rate), where the dequantization needs 128 LOP3 (one lop3.b32 per
+    # plane, now inline PTX: lop3, default on) + 96 SHF. The new defaults first (lop3 everywhere shift32 runs;
+    # GEMM1 split 2 at Mixtral 1 token, GEMM2 split 2 at Mixtral 16), against float64
+    gpu_tests 230 "(wgmma_grouped_gemm_gpu and shift32) or (blocked_defaults_gpu and (mixtral or (awq and qwen3))) or (pair_defaults_gpu and awq and (mixtral or qwen3)) or (decode_layer_gpu and awq and qwen3) or (fused_moe_wgmma_gpu_shapes and actorder and mixtral)"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
+    logged "ptx" 50 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 32 --keep "$OUT/ptx" \
+        --only "bn128 st2 kpb2 wide shift32 sfold"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptx.log" | head -8
+    # Prediction: the 8-row GEMMs (int pipe at 67%, issue 72% in part 44) 5–12% faster — Mixtral 16 tokens
+    # 234 → 210–222 µs, 1 token 68 → 62–65; Mixtral 64 (32-row ws, issue 55%) 0–5%; Qwen3 / DeepSeek-V2-Lite
+    # 1 token 0.5–1.5 µs; Qwen3 512 (48 rows, issue 46%) 0–5%
+    logged "lop3" 160 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,64 dsv2lite:1 --reps 160 \
+        --variants "wgmma=kernel:wgmma;lop3 0=kernel:wgmma,lop3:0"
+    logged "lop3_prefill" 80 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 mixtral:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;lop3 0=kernel:wgmma,lop3:0"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lop3.log" "$OUT/lop3_prefill.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -7,7 +7,7 @@ first kernel compiles, runs each variant of ``benchmarks/gemm_kernels.py``'s ``W
 once (no timing), and prints only the ptxas summary lines and an opcode histogram of the PTX
 (and of the SASS where the CUDA toolkit has ``nvdisasm``; the device image does not) of the
 kernels each variant compiled — the dump itself is ~10 files per kernel, too many to bring back
-from the device. ``--keep DIR`` copies each variant's PTX (and ptxas) dumps there (``<gemm>_bm<rows>_<variant>__<file>``),
+from the device. ``--keep DIR`` copies each variant's PTX (and SASS) dumps there (``<gemm>_bm<rows>_<variant>__<file>``),
 to be assembled and disassembled where ``ptxas`` and ``nvdisasm`` are (``ptxas -arch=sm_90a``).
 """
 
@@ -93,7 +93,7 @@ def main(argv=None):
                 keep = pathlib.Path(args.keep)
                 keep.mkdir(parents=True, exist_ok=True)
                 stem = f"{args.gemm}_bm{bm}_{lay}_{name.replace(' ', '_')}"
-                for f in sorted(p for p in new if "ptx" in p.name or p.suffix == ".sass"):
+                for f in sorted(p for p in new if p.suffix in (".ptx", ".sass")):
                     shutil.copy(f, keep / f"{stem}__{f.name}")
     return 0
 

@@ -86,17 +86,25 @@ def magic_value(dtype):
     return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
 
 
-def _nibble_planes(bn: int, dtype):
+LOP3_AND_OR = (0xF0 & 0xCC) | 0xAA      # lop3.b32's lookup table for (a & b) | c (a, b, c: 0xF0, 0xCC, 0xAA)
+
+
+def _nibble_planes(bn: int, dtype, lop3: bool = True):
     """Mosaic GPU function: a ``[bn, 16]`` int16 word tile in the WGMMA register layout → its four
     nibble planes as ``magic + c`` in ``dtype`` (the same values as ``bits(magic | (w >> 4t & 15))``),
     computed on each 32-bit register (two adjacent words) with one 32-bit shift and one
     and/or (``& 0x000F000F | magic·0x10001``) per plane — two codes per instruction, where the
-    same jnp ops on int16 lower to two scalar 16-bit shifts per register (PTX ``shr.u16``)."""
+    same jnp ops on int16 lower to two scalar 16-bit shifts per register (PTX ``shr.u16``).
+    ``lop3``: the and/or is one ``lop3.b32`` (inline PTX, lookup table ``0xea`` = ``(a & b) | c``).
+    Written as an ``and`` and an ``or``, ptxas emitted two ``LOP3.LUT`` per plane (SASS of the
+    8/32-row ``sfold`` kernels, part 46: 258 LOP3 + 97 SHF per warp and 256-deep step, 128 of the
+    LOP3 the second half of a pair), and the integer pipe they share ran at 67% of its rate in
+    the 8-row kernel's profile (part 44)."""
     import numpy as np
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, vector
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
 
     layout = plgpu.Layout.WGMMA
     magic32 = magic(dtype) * 0x10001
@@ -116,7 +124,11 @@ def _nibble_planes(bn: int, dtype):
                 x = vector.extract(vector.bitcast(one, r), dynamic_position=[], static_position=[0])
                 if t:
                     x = arith.shrui(x, arith.constant(i32, 4 * t))
-                x = arith.ori(arith.andi(x, mask), mg)
+                if lop3:
+                    x = llvm.inline_asm(i32, [x], f"lop3.b32 $0, $1, 0x000F000F, {magic32:#010x}, {LOP3_AND_OR:#x};",
+                                        "=r,r", asm_dialect=0)
+                else:
+                    x = arith.ori(arith.andi(x, mask), mg)
                 plane[idx] = vector.bitcast(out_ty, vector.broadcast(one, x))
             outs.append(mgpu.FragmentedArray(_registers=plane, _layout=words.layout, _is_signed=None))
         return tuple(outs)
@@ -314,13 +326,14 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
-                                             "gated", "persistent", "programs", "dest_rows"))
+                                             "gated", "persistent", "programs", "dest_rows", "lop3"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
-                       persistent: bool = False, programs: int | None = None, dest_rows: int | None = None):
+                       persistent: bool = False, programs: int | None = None, dest_rows: int | None = None,
+                       lop3: bool = True):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -337,7 +350,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
     ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
-    nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`).
+    nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
+    ``lop3``, default on: each mask-and-magic as one ``lop3.b32``).
     ``zfold`` (16-bit words): the wgmma
     takes the raw magic-number codes ``v = m + c`` and each K-block's partial ``P = Σ v·x`` (its own
     accumulator) is folded as ``acc += s ⊙ (P − (m + z) ⊗ Σx)``, with ``Σx`` per row and K-block
@@ -480,7 +494,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     wswz = 32 if w16 else 64                  # bytes per 16-word tile row
     channelwise = group_size == -1
 
-    planes = _nibble_planes(bn, dtype) if shift32 else None
+    planes = _nibble_planes(bn, dtype, lop3) if shift32 else None
     col = plgpu.Layout.WGMMA.reduce(0)
     xw = max(IDS_PAD, bm)                     # Σx rows padded to whole 128-byte TMA rows
     if zfold:                                 # Σx per K-block and row: [n_kb, blocks, xw] float32
@@ -1143,7 +1157,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
-                    persistent: bool = False):
+                    persistent: bool = False, lop3: bool = True):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1164,7 +1178,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     program fits the 227 KB of shared memory (:func:`wgmma_smem_bytes`): 3 at 128-row blocks
     with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no ``tout`` at
     128-row blocks with 256-deep steps. ``shift32`` (default on): the kernel's 32-bit nibble
-    extraction. ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
+    extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (NOTES.md
+    v14). ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
     576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
@@ -1285,7 +1300,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, pair1=False):
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated)``: the kernel's
         own output without a K split (16-bit with ``out16``), else the float32 sum of the splits;
         with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination."""
@@ -1296,11 +1311,15 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         tiles = experts.shape[0] * (n // bn)
         if split or dest is not None:
             want = split or 1
-        elif pair1:
-            # the pair schedule's GEMM1: about 4 programs per SM, each streaming at least 4 steps.
-            # Mixtral 1 token (448 tiles of 16 steps, 3–4 per SM unevenly) took 67.7 µs at split 2
-            # against 72.9–73.0 at 1 (part 45; 70.2 against 72.4–72.9 in part 35); Qwen3 and
-            # DeepSeek-V2-Lite (96 / 132 tiles of 8 steps) keep split 2 (split 4 no faster)
+        elif per_sm4:
+            # the pair schedule's GEMM1 and the blocked schedule's GEMM2 in fold blocks (≤ 16 rows,
+            # 4–5 programs fit per SM): about 4 programs per SM, each streaming at least 4 steps.
+            # The 8-row kernel's profile reached 71% of DRAM's rate with 4 per SM (part 44).
+            # Mixtral 1 token, GEMM1 (448 tiles of 16 steps, 3–4 per SM unevenly): split 2 67.7 µs
+            # against 72.9–73.0 at 1 (part 45; 70.2 against 72.4–72.9 in part 35). Mixtral 16
+            # tokens, GEMM2 (352 tiles of 56 steps, ~2 per SM): split 2 234.4 against 240.0–240.7
+            # (part 46). Qwen3 and DeepSeek-V2-Lite 1 token (96 / 132 tiles of 8 steps) keep split 2
+            # (split 4 no faster: parts 35, 45)
             want = min(choose_split(tiles, n_kb, sms=num_sms(), waves=4), max(1, (n_kb // kpb) // 4))
         else:
             want = choose_split(tiles, n_kb, sms=num_sms(), waves=2)
@@ -1346,7 +1365,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             if why:
                 raise ConfigError(f"combine='add': GEMM2 cannot add its rows into the output here: {why}")
         out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group,
-                                 split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32,
+                                 split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
                                  tout=tr, gated=gated, persistent=pers, dest_rows=None if dest is None else t)
@@ -1412,7 +1431,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
     h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
-                    pair1=schedule == "pair")
+                    per_sm4=schedule == "pair")
     if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
         # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
         # GEMM2's input, with no XLA pass between the two kernels
@@ -1446,7 +1465,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             w = on.astype(jnp.float32) if apply_router_weight_on_input else jnp.where(on, tw.reshape(t, k), 0.0)
             out = out + total(weights.w2_bias[jnp.maximum(local, 0)].astype(jnp.float32) * w[..., None], 1)
         return nan_bad(out).astype(cdt)
-    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs)[0]).astype(jnp.float32)
+    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs,
+                        per_sm4=schedule == "blocked" and bm <= 16)[0]).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if weights.w2_bias is not None:
         bias = weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)

@@ -309,8 +309,14 @@ def test_wgmma_shift32_bit_identity():
     """``shift32``'s register arithmetic: one 32-bit ``(w >> 4t) & 0x000F000F | magic·0x10001`` on
     two adjacent 16-bit words (little-endian: the first word in the low half, as a WGMMA-layout
     register holds them) is, half by half, the 16-bit ``(h >> 4t) & 15 | magic`` the kernel's
-    default path computes — for every word value, both dtypes' magic numbers."""
-    from pallas_kernels.wgmma_w4a16 import magic
+    default path computes — for every word value, both dtypes' magic numbers. With ``lop3`` the and/or
+    is PTX's ``lop3.b32`` with the kernel's lookup table, emulated here bit by bit from PTX's
+    definition (result bit = table bit number ``4a + 2b + c`` of the operands' bits)."""
+    from pallas_kernels.wgmma_w4a16 import LOP3_AND_OR, magic
+
+    def lop3(a, b, c, lut):
+        bits = [(a >> i & 1) * 4 + (b >> i & 1) * 2 + (c >> i & 1) for i in range(32)]
+        return sum(((np.uint32(lut) >> idx.astype(np.uint32)) & 1) << np.uint32(i) for i, idx in enumerate(bits))
 
     rng = np.random.default_rng()
     lo = np.arange(1 << 16, dtype=np.uint32)
@@ -322,6 +328,8 @@ def test_wgmma_shift32_bit_identity():
             got = ((pair >> (4 * t)) & 0x000F000F) | (m * 0x10001)
             np.testing.assert_array_equal(got & 0xFFFF, ((lo >> (4 * t)) & 15) | m)
             np.testing.assert_array_equal(got >> 16, ((hi >> (4 * t)) & 15) | m)
+            by_lop3 = lop3(pair >> (4 * t), np.uint32(0x000F000F), np.uint32(m * 0x10001), LOP3_AND_OR)
+            np.testing.assert_array_equal(by_lop3.astype(np.uint32), got)
 
 
 @pytest.mark.parametrize("tile_n", [64, 128])
@@ -347,7 +355,7 @@ def test_wgmma_tile_major_layout(tile_n):
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
 def test_wgmma_kernel_lowers_to_mosaic_gpu():
-    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
+    from pallas_kernels.wgmma_w4a16 import LOP3_AND_OR, TRANSPOSED_STORE, magic, wgmma_grouped_gemm
 
     s = jax.ShapeDtypeStruct
     for dt in (jnp.bfloat16, jnp.float16):
@@ -382,8 +390,12 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         for dt in (jnp.bfloat16, jnp.float16):
             sh = (s((48, 512), dt), s((3,), jnp.int32), s((4, 256, 128), jnp.int16), s((4, 4, 256), dt),
                   s((4, 4, 256), dt))
-            fn = functools.partial(wgmma_grouped_gemm, block_m=16, shift32=True, **opts)
-            assert "mosaic_gpu" in jax.jit(fn).trace(*sh).lower(lowering_platforms=("cuda",)).as_text()
+            for lop3 in (True, False):          # lop3: each plane's mask-and-magic as one inline lop3.b32
+                fn = functools.partial(wgmma_grouped_gemm, block_m=16, shift32=True, lop3=lop3, **opts)
+                text = jax.jit(fn).trace(*sh).lower(lowering_platforms=("cuda",)).as_text()
+                magic_hex = f"{magic(dt) * 0x10001:#010x}"
+                assert "mosaic_gpu" in text and (f"lop3.b32 $0, $1, 0x000F000F, {magic_hex}, 0xea" in text) == lop3
+                assert LOP3_AND_OR == 0xEA
     for opts in (dict(block_n=128), dict(block_n=64, kpb=2, wide=True, shift32=True, split_k=2)):   # zfold
         for gs, g in ((128, 4), (-1, 1)):
             zf = (s((24, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
@@ -546,6 +558,9 @@ _WGMMA_GPU_CASES = [
     # sfold: the scale-only fold (c − z into the wgmma, s per K-block partial)
     (True, 128, 8, 1, dict(block_n=128, sfold=True)), (False, -1, 16, 2, dict(sfold=True, stages=4)),
     (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048)),
+    # shift32's and/or as two instructions (lop3=False; every other shift32 case runs the default inline lop3.b32)
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048, lop3=False)),
+    (False, 128, 64, 1, dict(block_n=128, shift32=True, lop3=False)),
     # ws: two compute warpgroups (block_n columns each) and a copy warpgroup
     (True, 128, 64, 1, dict(block_n=64, ws=True)),
     (False, 128, 128, 2, dict(block_n=128, shift32=True, ws=True, k=2048)),
@@ -1584,7 +1599,8 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 def test_wgmma_pair_defaults_gpu(shape, key):
-    """The decode (pair) schedule's defaults since v11 — ``sfold``, ``static_sums`` — and the
+    """The decode (pair) schedule's defaults since v11 — ``sfold``, ``static_sums``; since v14
+    GEMM1's K split to ~4 programs per SM (Mixtral 1 token: 2) and ``lop3`` — and the
     v10 forms (``sfold=False``: zfold and XLA's Σx; ``static_sums=False``), through ``fused_moe``
     on the weights the table prepares, at 1 token and at 3 (Mixtral: 4, the most whose pairs its
     8 experts hold; the layer picks the pair schedule for both), expert 0 never routed, fresh
@@ -1614,7 +1630,8 @@ V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 def test_wgmma_blocked_defaults_gpu(shape, key):
     """The blocked schedule's defaults since v12 — ``sfold`` in 8-row blocks (Mixtral 16, Qwen3
-    64, DeepSeek-V2-Lite 16 tokens), no ``ws`` and 2 stages in 48-row blocks of short K streams
+    64, DeepSeek-V2-Lite 16 tokens; since v14 GEMM2 split to ~4 programs per SM there, 2 at
+    Mixtral 16), no ``ws`` and 2 stages in 48-row blocks of short K streams
     (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — the v11 forms (``sfold=False``, ``ws=True``),
     128-deep steps at 3 stages there, and the ``persistent`` GEMMs, through ``fused_moe`` on the weights the table prepares,
     expert 0 never routed, fresh inputs per call, against the float64 reference."""
