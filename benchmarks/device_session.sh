@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–47 in the fifteenth (v14); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -532,6 +532,10 @@ elif [ "$part" = 47 ]; then    # v14: part 46's SASS (8/32-row sfold kernels, pt
     logged "lop3_prefill" 80 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 mixtral:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;lop3 0=kernel:wgmma,lop3:0"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lop3.log" "$OUT/lop3_prefill.log"
+elif [ "$part" = 48 ]; then    # v14: the wgmma columns (AWQ / GPTQ) of the decode rows on the v14 defaults, 160
+    # routings (the session's last ~4 device minutes; rows print as they finish)
+    wgmma_table 200 mixtral:1,16,64 qwen3:1 dsv2lite:1 qwen3:64 dsv2lite:16 --reps 160
+    grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
