@@ -1250,6 +1250,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     the elements for XLA's gather, which at Qwen3 4096 tokens wrote its 134 MB at ~1 TB/s
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
+    ``split1`` / ``split2``: GEMM1's / GEMM2's K split (the largest divisor of its steps up to
+    the value); default: about 2 programs per SM, and about 4 with at least 4 steps each for the
+    pair schedule's GEMM1 and the blocked schedule's GEMM2 in blocks of up to 16 rows, whose
+    8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0 µs at split1 2 against 1;
+    Mixtral 16 tokens 234.4 vs 240.0–240.7 at split2 2 against 1; NOTES.md v14). A split > 1
+    gives up ``out16`` and the fused activation for that GEMM.
     ``persistent`` (off by default: right on the H200, but slower, NOTES.md v13 — Qwen3 512
     tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1 token 24 vs 21–23): every
     GEMM without ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over all
