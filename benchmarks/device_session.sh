@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14); 32–34 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -536,6 +536,24 @@ elif [ "$part" = 48 ]; then    # v14: the wgmma columns (AWQ / GPTQ) of the deco
     # routings (the session's last ~4 device minutes; rows print as they finish)
     wgmma_table 200 mixtral:1,16,64 qwen3:1 dsv2lite:1 qwen3:64 dsv2lite:16 --reps 160
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
+elif [ "$part" = 49 ]; then    # prepared in v14 for the next session: what the 8-row GEMMs wait on now that lop3
+    # took the issue rate out of the way (Mixtral 16 tokens did not move, part 47) — the warp stall reasons per
+    # issued instruction (Nsight Compute's WarpStateStats body), and the same for the 32-row ws and the 48-row
+    # Qwen3 GEMMs; then the 8-row decode GEMM1 at Mixtral 16 tokens with a K split (3584 programs of 8 steps:
+    # a smaller last wave than 1792 of 16, at the price of the fused activation) and with 3 stages
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --print-details all"
+    M="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+    for spec in "mixtral1|8|bn128 st2 kpb2 wide shift32 sfold s1" "mixtral1|32|bn128 st3 kpb2 wide shift32 ws s1" \
+                "qwen3_1|48|bn128 st2 kpb2 wide shift32 s1"; do
+        g=${spec%%|*}; rest=${spec#*|}; bm=${rest%%|*}; v=${rest#*|}
+        logged "ncu_${g}_bm${bm}" 100 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S $M \
+            python3 benchmarks/gemm_kernels.py --gemms "$g" --block-m "$bm" --reps 1 --only "$v"
+    done
+    grep -E "==PROF==|==ERROR|Duration|DRAM Throughput|Issued Warp|No Eligible|issue_stalled|Stall|rc " "$OUT"/ncu_*.log | head -120
+    logged "m16" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
+        --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;st3=kernel:wgmma,stages:3;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m16.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
