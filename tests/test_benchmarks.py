@@ -49,6 +49,36 @@ def test_ptxas_report_summary(tmp_path):
     assert "dumped files: kernel_3.mlir" in summarize({tmp_path / "kernel_3.mlir"})[0]
 
 
+def test_sass_loops_finds_the_k_loop():
+    """``sass_loops.py`` counts the instructions of the largest predicated backward branch's span
+    (the K loop) — not a forward branch's, and not the unpredicated jump back from a barrier
+    wait's slow path placed after the exit, which spans more but is no loop."""
+    from benchmarks.sass_loops import loops
+
+    def insn(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;"
+
+    sass = "\n".join([
+        ".L_x_0:",
+        insn(0x10, "MOV R1, R2"),
+        ".L_x_4:",                                   # the K loop: 5 instructions
+        insn(0x20, "LOP3.LUT R3, R4, 0xf000f, RZ, 0xc0, !PT"),
+        insn(0x30, "@!P1 BRA `(.L_x_9)"),            # forward: not a loop
+        insn(0x40, "HGMMA.64x8x16.F32.BF16 R8, R12, gdesc[UR4], R8"),
+        insn(0x50, "LOP3.LUT R3, R3, 0x43004300, RZ, 0xfc, !PT"),
+        insn(0x60, "@P0 BRA `(.L_x_4)"),
+        ".L_x_9:",
+        insn(0x70, "EXIT"),
+        ".L_x_7:",
+        insn(0x80, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5"),
+        insn(0x90, "@!P0 BRA `(.L_x_7)"),            # the slow path's own retry: 2 instructions
+        insn(0xa0, "BRA `(.L_x_0)"),                 # back into the code, unpredicated: no loop
+    ])
+    found = loops(sass)
+    assert [(label, n) for label, n, _ in found] == [(".L_x_4", 5), (".L_x_7", 2)]
+    assert found[0][2] == {"LOP3.LUT": 2, "BRA": 2, "HGMMA.64": 1}      # (opcodes up to the first lowercase)
+
+
 def test_stream_ceiling_probe_lowers():
     """The copy-ring probe's kernels (every mode, narrow / wide / flat copies) lower to Mosaic GPU
     on the CPU; registers cannot be loaded from the flat (unswizzled) buffer, which says so."""
