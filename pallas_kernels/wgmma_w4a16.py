@@ -388,7 +388,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     (found by XLA before the kernel); each program writes zeros over its share of the blocks
     after it. Right on the H200 (GPU cases, part 40) but slower than one program per item:
     Qwen3 512 tokens 256 vs 234–238 µs, Qwen3 4096 1611 vs 835–843 (no ``ws``), Qwen3 1 token
-    24 vs 21–23 (NOTES.md v13).
+    24 vs 21–23 (NOTES.md v13). ``persistent`` with ``ws`` (v14, never run on a GPU yet; no
+    ``row_scale`` or ``dest``; ``stages`` must divide an item's steps): one program per SM, and
+    one warp-specialized pipeline per item of ``2·block_n`` columns, the pipelines chained
+    (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so the copy warpgroup fetches
+    the next item while the compute warpgroups finish the current one; a dead block inside the
+    stream streams expert 0's weights and stores zeros (the chain needs every item's pipeline).
     ``dest`` (``[M]`` int32, with ``tout`` and ``split_k=1``) and ``dest_rows``: the output is
     ``[dest_rows, N]`` instead — zeros, into which every row ``r`` with ``dest[r] >= 0`` is
     added at row ``dest[r]`` by a TMA reduce-add from the output tile (one 1-row copy per row:
@@ -445,13 +450,17 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if odt != jnp.dtype(jnp.float32) and (odt != jnp.dtype(a.dtype) or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
                           f"activations' dtype) with split_k=1; got {odt.name} with split_k={split_k}")
-    if persistent and (ws or overlap or zfold or tile_n is not None):
-        raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes plain words, without ws, overlap or "
-                          f"zfold; got ws={ws}, overlap={overlap}, zfold={zfold}, tile-major words: "
-                          f"{tile_n is not None}")
+    if persistent and (overlap or zfold or tile_n is not None):
+        raise ConfigError(f"wgmma_grouped_gemm: persistent=True takes plain words, without overlap or "
+                          f"zfold; got overlap={overlap}, zfold={zfold}, tile-major words: {tile_n is not None}")
     if programs is not None and (not persistent or programs < 1):
         raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
     chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
+    if persistent and ws and (row_scale is not None or dest is not None or chunk % min(stages, chunk)):
+        raise ConfigError(f"wgmma_grouped_gemm: persistent=True with ws=True (one chained warp-specialized "
+                          f"pipeline per item) takes no row_scale or dest, and stages dividing the {chunk} steps "
+                          f"of an item; got row_scale {'given' if row_scale is not None else None}, dest "
+                          f"{'given' if dest is not None else None}, stages={stages}")
     need = wgmma_smem_bytes(block_m=block_m, block_n=bn, kpb=kpb, stages=max(2, min(stages, chunk)) if overlap
                             else stages if persistent else min(stages, chunk), n_blocks=expert_ids.shape[0],
                             ws=ws, tout=tout, gated=gated is not None, has_zp=zeros is not None, zfold=zfold,
@@ -477,8 +486,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         ids = ids.at[-1].set(live_blocks)
         if programs is None:                  # as many as fit on the SMs at once
             from .wna16_grouped_gemm import num_sms
-            programs = num_sms() * max(1, min(4, SM_SMEM // (need + _SMEM_ALIGN)))   # registers: ≤ 4
-        programs = max(1, min(programs, nb * (n // bn) * split_k))
+            # registers: ≤ 4 plain programs per SM, one ws program (384 threads × 168 registers)
+            programs = num_sms() * (1 if ws else max(1, min(4, SM_SMEM // (need + _SMEM_ALIGN))))
+        programs = max(1, min(programs, nb * (n // ((2 if ws else 1) * bn)) * split_k))
     ids = ids.reshape(rows_ids, IDS_PAD)
     has_zp = zeros is not None
     has_rs = row_scale is not None
@@ -933,9 +943,125 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       *([plgpu.SMEM((bm, bno), odt)] if tout else []))
 
+    def kernel_ws_stream(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
+        """``persistent`` with ``ws``: ``programs`` programs (one per SM), each running its share of
+        the (block, ``2·block_n`` column tile, K split) items as one warp-specialized pipeline per
+        item, the pipelines chained (``pipeline_state`` START / STEADY / STOP): the copy warpgroup
+        fetches the next item's first steps while the compute warpgroups finish the current one and
+        store its output, so no item starts with an empty ring. Items run up to the last block with
+        an expert; each program then writes zeros over its share of the rest."""
+        PipelinePipeline = plgpu.PipelinePipeline
+        z_gmem = rest[0] if has_zp else None
+        o_gmem = rest[-1]
+        p, wg = jax.lax.axis_index("p"), jax.lax.axis_index("wg")
+        nt = n // (2 * bn) * split_k            # items per block: column-pair tiles × K splits
+        nk = chunk * kpb
+        specs = [
+            plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
+            plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
+            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+            *[plgpu.BlockSpec((kpb, 2 * bn), lambda kb: (kb, 0))] * (2 if has_zp else 1)]
+
+        def item_of(t, lo):
+            """Item ``lo + t`` → (block, column-pair tile, K split)."""
+            item = lo + t
+            r = item % nt
+            return item // nt, r // split_k, r % split_k
+
+        def gmem_refs(ex, blk, j, sp):
+            kb0 = sp * nk
+            cols2 = pl.ds(j * 2 * bn, 2 * bn)
+            return (w_gmem.at[ex, cols2, pl.ds(kb0 * wcols, nk * wcols)],
+                    a_gmem.at[pl.ds(blk * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
+                    s_gmem.at[ex, pl.ds(kb0, nk), cols2], *([z_gmem.at[ex, pl.ds(kb0, nk), cols2]] if has_zp else []))
+
+        def pipeline(step, context, state=None):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(chunk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=min(stages, chunk), compute_context=context, pipeline_state=state)
+
+        def ignore(*_, **__):
+            return None
+
+        def dst_of(blk, j, sp):                 # this compute warpgroup's half of the item's columns
+            return window(o_gmem, sp, blk, pl.ds(j * 2 * bno + wg * bno, bno))
+
+        def body(ids_smem, ids_bar, allocs, *o_smem):
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            n_live = ids_smem[rows_ids - 1, IDS_PAD - 1] * nt          # items of blocks up to the last live one
+            lo, count = persistent_share(p, programs, n_live)
+            my_smem = o_smem[0].at[wg] if tout else None
+            acc_box = []
+
+            def step(_, w_smem, x_smem, s_smem, *rest):
+                mine = pl.ds(wg * bn, bn)
+                z_smem = rest[0].at[:, mine] if has_zp else None
+                ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
+                acc_ref = acc_box[-1]
+                acc_ref[...] = rest[-1]
+                for k0, w in ops:
+                    plgpu.wgmma(acc_ref, w, transposed(x_smem).at[pl.ds(k0, 16)])
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            def run_item(t, state):
+                blk, j, sp = item_of(t, lo)
+                ex = ids_smem[blk // IDS_PAD, blk % IDS_PAD]
+                dst = dst_of(blk, j, sp)
+
+                def context(run):
+                    def with_acc(acc_ref):
+                        acc_box.append(acc_ref)
+                        val = finish(run(zero()))
+
+                        @pl.when(ex >= 0)
+                        def _():
+                            store(val, dst, my_smem)
+
+                        @pl.when(ex < 0)                # a dead block inside the stream: its weights were
+                        def _():                        # streamed (expert 0's) to keep the chain, its output is 0
+                            store(zero(bno), dst, my_smem)
+                    pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
+
+                pipeline(step, context, state)(*gmem_refs(jnp.maximum(ex, 0), blk, j, sp), allocations=allocs)
+
+            @pl.when(count == 1)
+            def _():
+                run_item(0, None)
+
+            @pl.when(count > 1)
+            def _():
+                run_item(0, PipelinePipeline.START)
+
+                @pl.loop(1, count - 1)
+                def _(t):
+                    run_item(t, PipelinePipeline.STEADY)
+                run_item(count - 1, PipelinePipeline.STOP)
+
+            mine = persistent_tail(p, programs, n_live, nb * nt)       # items of the blocks after it: zeros
+
+            @pl.when(wg < 2)
+            def _():
+                @pl.loop(0, mine)
+                def _(r):
+                    blk, j, sp = item_of(p + r * programs, n_live)
+                    store(zero(bno), dst_of(blk, j, sp), my_smem)
+
+        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
+                      pipeline(ignore, ignore, PipelinePipeline.START).get_allocations(*gmem_refs(0, 0, 0, 0)),
+                      *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
+
     operands = (ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []),
                 *([rs] if has_rs else []), *([dst_rows] if has_dst else []))
-    if persistent:
+    if persistent and ws:
+        body, mesh = kernel_ws_stream, dict(grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg")
+    elif persistent:
         body, mesh = kernel_persistent, dict(grid=(programs,), grid_names=("p",))
     elif ws:
         body, mesh = kernel_ws, dict(grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
@@ -1259,7 +1385,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``persistent`` (off by default: right on the H200, but slower, NOTES.md v13 — Qwen3 512
     tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1 token 24 vs 21–23): every
     GEMM without ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over all
-    (block, column tile, K split) items instead of one program per item, without ``ws``.
+    (block, column tile, K split) items instead of one program per item; with ``ws`` where
+    ``ws`` applies (the kernel's chained warp-specialized stream, v14, untimed) unless the GEMM
+    has row scales (``weight_in_gemm2``) or destination rows (``combine="add"``), or no ring of
+    2+ stages divides an item's steps; else without ``ws``.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1342,7 +1471,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # NOTES v12)
         ws_default = ws is None
         want_ws = (bm >= 64 or (bm >= 32 and n_kb // s >= 32)) if ws_default else ws
-        wsp = want_ws and not pers and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+        ws_ok = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+        # persistent with ws: the chained warp-specialized stream (no row scales or dest rows; its ring
+        # depth must divide an item's steps, below); otherwise persistent runs without ws
+        pws = pers and ws_ok and rs is None and dest is None
+        wsp = ws_ok and (not pers or pws)
         if stages is not None:
             st = stages
         elif ws_default and bm > 32 and not want_ws:  # two programs per SM, each filling while the other computes
@@ -1360,6 +1493,13 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # with 256-deep steps (288 KB at 4 stages: part 16), none at 128-row ones (234.5 KB at 2)
         while st > 2 and smem(st, tr) > SMEM_LIMIT:
             st -= 1
+        if pws and (steps // s) % min(st, steps // s):
+            st = max(d for d in range(1, st + 1) if (steps // s) % d == 0)
+            if st < 2:                        # a 1-deep ring would stall every step: no ws then
+                pws = wsp = False
+                st = stages or 2
+                while st > 2 and smem(st, tr) > SMEM_LIMIT:
+                    st -= 1
         fits = smem(st, tr) <= SMEM_LIMIT
         if tr and not fits:
             tr = False

@@ -441,9 +441,25 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
         assert "mosaic_gpu" in jax.jit(fn).trace(*ps).lower(lowering_platforms=("cuda",)).as_text()
     fn = functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, split_k=2, sfold=True)
     assert "mosaic_gpu" in jax.jit(fn).trace(*ps).lower(lowering_platforms=("cuda",)).as_text()    # K splits
-    for bad in (dict(ws=True), dict(overlap=True), dict(zfold=True)):
+    for bad in (dict(ws=True), dict(overlap=True), dict(zfold=True)):     # (ps: with row scales)
         with pytest.raises(ConfigError, match="persistent=True"):
             jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, persistent=True, **bad)).trace(*ps)
+    # persistent with ws: one chained warp-specialized pipeline per item (no row scales, a ring depth
+    # dividing an item's steps)
+    for zp in (True, False):
+        pw = (s((3 * 48, 1024), jnp.bfloat16), s((3,), jnp.int32), s((4, 512, 256), jnp.int16),
+              s((4, 8, 512), jnp.bfloat16), s((4, 8, 512), jnp.bfloat16) if zp else None)
+        for opts in (dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, programs=5),
+                     dict(block_n=64, stages=4), dict(block_n=128, stages=2, split_k=2, programs=1)):
+            fn = functools.partial(wgmma_grouped_gemm, block_m=48, ws=True, persistent=True, **opts)
+            assert "mosaic_gpu" in jax.jit(fn).trace(*pw).lower(lowering_platforms=("cuda",)).as_text()
+        if TRANSPOSED_STORE:
+            fn = functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, ws=True, persistent=True, stages=2,
+                                   out_dtype=jnp.bfloat16, tout=True, gated="silu")
+            assert "mosaic_gpu" in jax.jit(fn).trace(*pw).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="stages dividing the 8 steps"):              # 8 steps, 3 stages
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, ws=True, persistent=True,
+                                  stages=3)).trace(*pw)
     with pytest.raises(ConfigError, match="programs=3 needs persistent"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=48, block_n=128, programs=3)).trace(*ps)
     for bm, opts in ((48, dict(kpb=2, wide=True, shift32=True, stages=2)), (64, dict(ws=True)),       # dest
@@ -610,6 +626,15 @@ _WGMMA_GPU_CASES = [
     (False, 128, 32, 1, dict(block_n=64, persistent=True, programs=1, rs=True)),
     (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, persistent=True, programs=5)),
     (True, 128, 8, 4, dict(block_n=64, persistent=True, rs=True)),
+    # persistent with ws: one chained warp-specialized pipeline per item (START / STEADY / STOP, or a lone
+    # one), the id -1 block in the stream or in the tail; 2·block_n column tiles, K splits, the gated
+    # 16-bit transposed epilogue
+    (True, 128, 48, 1, dict(block_n=128, ws=True, persistent=True, programs=3, stages=2, k=1024)),
+    (True, 128, 64, 2, dict(block_n=64, ws=True, persistent=True, programs=2, stages=2)),
+    (False, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, persistent=True, stages=2, out16=True, tout=True,
+                              gated="silu", k=1024)),
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, persistent=True, programs=1,
+                           stages=4, k=2048)),
     # dest: each row added into its destination row by a TMA reduce-add (the layer's top-k sum in
     # GEMM2) — the blocks of Qwen3 512 / 4096 and Mixtral 4096 tokens (plain, ws), a fold, persistent
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, out16=True, tout=True, stages=2, rs=True,
@@ -937,10 +962,16 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
 
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
     """``persistent=True`` reaches every GEMM without ``overlap`` or ``zfold`` (K splits and the
-    scale-only fold take it), always without ``ws``; the layer stays right (kernel replaced by its
-    jnp contract; the kernel itself is lowered in ``test_wgmma_kernel_lowers_to_mosaic_gpu``)."""
+    scale-only fold take it); with ``ws`` where ``ws`` applies and the GEMM has neither row scales
+    nor destination rows (the chained warp-specialized stream, v14: GEMM1 at 128-row blocks, and
+    GEMM2 too once the router weights leave it), else without; the layer stays right (kernel
+    replaced by its jnp contract; the kernel itself is lowered in
+    ``test_wgmma_kernel_lowers_to_mosaic_gpu``)."""
     one = dict(persistent=True, split1=1, split2=1)
-    cases = [(dict(block_m=48, **one), [(True, False)] * 2), (dict(block_m=128, **one), [(True, False)] * 2),
+    cases = [(dict(block_m=48, **one), [(True, True), (True, False)]),     # GEMM1: ws by default (32 K-blocks)
+             (dict(block_m=128, **one), [(True, True), (True, False)]),
+             (dict(block_m=128, weight_in_gemm2=False, **one), [(True, True)] * 2),
+             (dict(block_m=48, ws=True, weight_in_gemm2=False, **one), [(True, True)] * 2),
              (dict(block_m=48, persistent=True, split1=2, split2=1), [(True, False)] * 2),
              (dict(schedule="pair", persistent=True, split1=2, split2=2), [(True, False)] * 2),
              (dict(block_m=16, **one), [(True, False)] * 2),
@@ -948,6 +979,11 @@ def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
              (dict(block_m=64, overlap=True, **one), [(False, False)] * 2),
              (dict(block_m=128, split1=1, split2=1), [(False, True)] * 2)]
     _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"]), cases, 4, 4096, 256)
+    # the stream's ring depth divides an item's steps: GEMM1's 16 steps of 256 at 48 rows fit 3 stages
+    # with ws, so 2; stages=4 given: 4 would not fit, 3 does not divide 16, so 2 again
+    cases = [(dict(block_m=48, **one), [(True, True, 2), (True, False, 2)]),
+             (dict(block_m=48, stages=4, **one), [(True, True, 2), (True, False, 4)])]
+    _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"], kw["stages"]), cases, 4, 4096, 256)
 
 
 @pytest.mark.parametrize("schedule", ["pair", "blocked"])
@@ -1633,7 +1669,8 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
     64, DeepSeek-V2-Lite 16 tokens; since v14 GEMM2 split to ~4 programs per SM there, 2 at
     Mixtral 16), no ``ws`` and 2 stages in 48-row blocks of short K streams
     (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — the v11 forms (``sfold=False``, ``ws=True``),
-    128-deep steps at 3 stages there, and the ``persistent`` GEMMs, through ``fused_moe`` on the weights the table prepares,
+    128-deep steps at 3 stages there, and the ``persistent`` GEMMs (since v14 also the chained ``ws``
+    stream, with the router weights out of GEMM2), through ``fused_moe`` on the weights the table prepares,
     expert 0 never routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
     from wna16_jax.backends import TABLE, Backend
@@ -1647,7 +1684,8 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
         for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1)) if t <= 64 else
-                     (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3))):
+                     (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3),
+                      dict(persistent=True, ws=True, weight_in_gemm2=False))):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"blocked {over} T={t}")
 
