@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14); 32–34, 49 and 50 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -554,6 +554,20 @@ elif [ "$part" = 49 ]; then    # prepared in v14 for the next session: what the 
     logged "m16" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
         --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;st3=kernel:wgmma,stages:3;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m16.log"
+elif [ "$part" = 50 ]; then    # prepared in v14 for the next session (lowered on jax 0.10.2 / 0.11.2 on the CPU, never
+    # run on a GPU): persistent with ws — one program per SM, one warp-specialized pipeline per item of 2·block_n
+    # columns, the pipelines chained by pipeline_state so the copy warpgroup fetches the next item while the compute
+    # warpgroups finish the current one. First its kernel cases and the layer form against float64
+    gpu_tests 200 "(wgmma_grouped_gemm_gpu and persistent1 and ws1) or (blocked_defaults_gpu and (qwen3 or dsv2lite))"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    # Prediction: Qwen3 512 tokens (48-row blocks, today two non-ws programs per SM, each 128-column tile reading its
+    # block's token rows again: L2 at 80% in part 44) 10–25% faster (170–200 µs against ~223): the rows shared by
+    # two tiles, no item starting with an empty ring; Qwen3 4096 (144-row ws, 16 / 6 steps per item) 3–8%;
+    # Mixtral 512 (32 / 112 steps) within ±3%. "wig0" is the control: the router weights out of GEMM2 as the
+    # stream needs, without the stream
+    logged "wsstream" 330 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;wig0=kernel:wgmma,weight_in_gemm2:0;pers ws=kernel:wgmma,persistent:1,ws:1,weight_in_gemm2:0;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/wsstream.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
