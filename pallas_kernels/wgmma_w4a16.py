@@ -772,15 +772,19 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       *row_types())
 
-    def kernel_ws(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
-        """``ws``: warpgroups 0 and 1 compute ``block_n`` columns each, warpgroup 2 copies."""
-        z_gmem = rest[0] if has_zp else None
-        row_gmem, o_gmem = rest[int(has_zp):-1], rest[-1]
-        i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
-        wg = jax.lax.axis_index("wg")
-        kb0 = sp * chunk * kpb
-        nk = chunk * kpb
+    def ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, blk, j, sp):
+        """``ex → `` the ``ws`` pipeline's operands for block ``blk``'s column-pair tile ``j``
+        (``2·block_n`` columns of expert ``ex``) and K split ``sp``."""
+        kb0, nk = sp * chunk * kpb, chunk * kpb
         cols2 = pl.ds(j * 2 * bn, 2 * bn)
+        return lambda ex: (
+            w_gmem.at[ex, cols2, pl.ds(kb0 * wcols, nk * wcols)],
+            a_gmem.at[pl.ds(blk * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
+            s_gmem.at[ex, pl.ds(kb0, nk), cols2], *([z_gmem.at[ex, pl.ds(kb0, nk), cols2]] if has_zp else []))
+
+    def ws_pipeline(step, context, state=None):
+        """The warp-specialized pipeline over one item's ``chunk`` steps: compute warpgroups 0 and 1
+        (``block_n`` columns each), copy warpgroup 2; ``state``: its place in a chain of pipelines."""
         specs = [
             plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
@@ -789,19 +793,36 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
             *[plgpu.BlockSpec((kpb, 2 * bn), lambda kb: (kb, 0))] * (2 if has_zp else 1)]
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(chunk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=min(stages, chunk), compute_context=context,
+            **({} if state is None else dict(pipeline_state=state)))
 
-        def gmem_refs(ex):
-            return (w_gmem.at[ex, cols2, pl.ds(kb0 * wcols, nk * wcols)],
-                    a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
-                    s_gmem.at[ex, pl.ds(kb0, nk), cols2], *([z_gmem.at[ex, pl.ds(kb0, nk), cols2]] if has_zp else []))
+    def ws_step(wg, acc_box):
+        """The ``ws`` pipeline body of compute warpgroup ``wg``: its ``block_n`` columns of the step,
+        dequantized and multiplied into the accumulator ref ``acc_box[-1]`` (the current item's)."""
+        def step(_, w_smem, x_smem, s_smem, *rest):
+            mine = pl.ds(wg * bn, bn)
+            z_smem = rest[0].at[:, mine] if has_zp else None
+            ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
+            acc_ref = acc_box[-1]
+            acc_ref[...] = rest[-1]
+            for k0, w in ops:
+                plgpu.wgmma(acc_ref, w, transposed(x_smem).at[pl.ds(k0, 16)])
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+        return step
 
-        def pipeline(step, context):
-            return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(chunk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=min(stages, chunk), compute_context=context)
+    def ignore(*_, **__):
+        return None
 
-        def ignore(*_, **__):
-            return None
+    def kernel_ws(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
+        """``ws``: warpgroups 0 and 1 compute ``block_n`` columns each, warpgroup 2 copies."""
+        z_gmem = rest[0] if has_zp else None
+        row_gmem, o_gmem = rest[int(has_zp):-1], rest[-1]
+        i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        wg = jax.lax.axis_index("wg")
+        gmem_refs = ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, i, j, sp)
 
         def body(ids_smem, ids_bar, allocs, *scratch):
             nrow = 2 * (int(has_rs) + int(has_dst))
@@ -818,17 +839,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             my_smem = o_smem[0].at[wg] if tout else None
             acc_box = []
 
-            def step(_, w_smem, x_smem, s_smem, *rest):
-                mine = pl.ds(wg * bn, bn)
-                z_smem = rest[0].at[:, mine] if has_zp else None
-                ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
-                acc_ref = acc_box[0]
-                acc_ref[...] = rest[-1]
-                for k0, w in ops:
-                    plgpu.wgmma(acc_ref, w, transposed(x_smem).at[pl.ds(k0, 16)])
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
             def context(run):
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
@@ -837,7 +847,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
             @pl.when(ex >= 0)
             def _():
-                pipeline(step, context)(*gmem_refs(ex), allocations=allocs)
+                ws_pipeline(ws_step(wg, acc_box), context)(*gmem_refs(ex), allocations=allocs)
 
             if not has_dst:                           # (dest: nothing to add)
                 @pl.when((ex < 0) & (wg < 2))
@@ -845,7 +855,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                     store(zero(bno), dst, my_smem)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
-                      pipeline(ignore, ignore).get_allocations(*gmem_refs(0)), *row_types(),
+                      ws_pipeline(ignore, ignore).get_allocations(*gmem_refs(0)), *row_types(),
                       *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
 
     def kernel_persistent(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
@@ -955,15 +965,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         o_gmem = rest[-1]
         p, wg = jax.lax.axis_index("p"), jax.lax.axis_index("wg")
         nt = n // (2 * bn) * split_k            # items per block: column-pair tiles × K splits
-        nk = chunk * kpb
-        specs = [
-            plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
-                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
-            plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
-                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
-            plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
-                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
-            *[plgpu.BlockSpec((kpb, 2 * bn), lambda kb: (kb, 0))] * (2 if has_zp else 1)]
 
         def item_of(t, lo):
             """Item ``lo + t`` → (block, column-pair tile, K split)."""
@@ -972,19 +973,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             return item // nt, r // split_k, r % split_k
 
         def gmem_refs(ex, blk, j, sp):
-            kb0 = sp * nk
-            cols2 = pl.ds(j * 2 * bn, 2 * bn)
-            return (w_gmem.at[ex, cols2, pl.ds(kb0 * wcols, nk * wcols)],
-                    a_gmem.at[pl.ds(blk * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
-                    s_gmem.at[ex, pl.ds(kb0, nk), cols2], *([z_gmem.at[ex, pl.ds(kb0, nk), cols2]] if has_zp else []))
-
-        def pipeline(step, context, state=None):
-            return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(chunk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=min(stages, chunk), compute_context=context, pipeline_state=state)
-
-        def ignore(*_, **__):
-            return None
+            return ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, blk, j, sp)(ex)
 
         def dst_of(blk, j, sp):                 # this compute warpgroup's half of the item's columns
             return window(o_gmem, sp, blk, pl.ds(j * 2 * bno + wg * bno, bno))
@@ -998,17 +987,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             lo, count = persistent_share(p, programs, n_live)
             my_smem = o_smem[0].at[wg] if tout else None
             acc_box = []
-
-            def step(_, w_smem, x_smem, s_smem, *rest):
-                mine = pl.ds(wg * bn, bn)
-                z_smem = rest[0].at[:, mine] if has_zp else None
-                ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
-                acc_ref = acc_box[-1]
-                acc_ref[...] = rest[-1]
-                for k0, w in ops:
-                    plgpu.wgmma(acc_ref, w, transposed(x_smem).at[pl.ds(k0, 16)])
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
+            step = ws_step(wg, acc_box)
 
             def run_item(t, state):
                 blk, j, sp = item_of(t, lo)
@@ -1029,7 +1008,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                             store(zero(bno), dst, my_smem)
                     pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
-                pipeline(step, context, state)(*gmem_refs(jnp.maximum(ex, 0), blk, j, sp), allocations=allocs)
+                ws_pipeline(step, context, state)(*gmem_refs(jnp.maximum(ex, 0), blk, j, sp), allocations=allocs)
 
             @pl.when(count == 1)
             def _():
@@ -1054,7 +1033,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                     store(zero(bno), dst_of(blk, j, sp), my_smem)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
-                      pipeline(ignore, ignore, PipelinePipeline.START).get_allocations(*gmem_refs(0, 0, 0, 0)),
+                      ws_pipeline(ignore, ignore, PipelinePipeline.START).get_allocations(*gmem_refs(0, 0, 0, 0)),
                       *([plgpu.SMEM((2, bm, bno), odt)] if tout else []), collective_axes="wg")
 
     operands = (ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []),
