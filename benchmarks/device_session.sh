@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14); 32–34, 49 and 50 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–51 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -568,6 +568,19 @@ elif [ "$part" = 50 ]; then    # prepared in v14 for the next session (lowered o
     logged "wsstream" 330 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 --reps 40 \
         --variants "wgmma=kernel:wgmma;wig0=kernel:wgmma,weight_in_gemm2:0;pers ws=kernel:wgmma,persistent:1,ws:1,weight_in_gemm2:0;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/wsstream.log"
+elif [ "$part" = 51 ]; then    # v15 (sixteenth session), from part 50 (the chained ws stream right on the H200, 12
+    # tests; Qwen3 512 211.4 µs against 228.3–234.0, Qwen3 4096 and Mixtral 512 slower): the stream is now the
+    # default for 33–63-row blocks of short K streams (the v12 two-programs-per-SM form, now persistent=False),
+    # the router weights then in XLA. The layer tests on it (Qwen3 512, DeepSeek-V2-Lite 256 tokens: blocked
+    # defaults, with the v12 form), then the same-run timing, A B A B. Prediction: Qwen3 512 7–10% faster than
+    # v14 (as part 50); DeepSeek-V2-Lite 256 (GEMM1 streamed, GEMM2's 11 steps keep the v12 form) 2–6%
+    gpu_tests 220 "blocked_defaults_gpu and (qwen3 or dsv2lite)"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    logged "stream" 200 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 dsv2lite:256 --reps 40 \
+        --variants "wgmma=kernel:wgmma;v14=kernel:wgmma,persistent:0;wgmma again=kernel:wgmma;v14 again=kernel:wgmma,persistent:0"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/stream.log"
+    wgmma_table 120 qwen3:512 --reps 40
+    grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -1262,7 +1262,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
-                    persistent: bool = False, lop3: bool = True):
+                    persistent: bool | None = None, lop3: bool = True):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1414,10 +1414,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False):
-        """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated)``: the kernel's
-        own output without a K split (16-bit with ``out16``), else the float32 sum of the splits;
-        with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination."""
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, rs_optional=False):
+        """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated, rs applied)``: the
+        kernel's own output without a K split (16-bit with ``out16``), else the float32 sum of the
+        splits; with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination.
+        ``rs_optional``: the row scales may be left to the caller (the third value says whether
+        the kernel applied them), so that the default ``ws`` stream, which takes none, can run."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
@@ -1442,7 +1444,6 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         o16 = s == 1 and (True if out16 is None else bool(out16))
         tr = o16 and TRANSPOSED_STORE and ((bm >= 16 or dest is not None) if tout is None else bool(tout))
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
-        pers = bool(persistent) and not overlap and not (fold and not sfold)
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,
@@ -1450,36 +1451,60 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # NOTES v12)
         ws_default = ws is None
         want_ws = (bm >= 64 or (bm >= 32 and n_kb // s >= 32)) if ws_default else ws
-        ws_ok = want_ws and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+        chunk = steps // s                    # the K steps of one program (one item of the stream)
+
+        def smem(st, tr, pers, wsp, rs):
+            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=st if pers else min(st, chunk),
+                                    n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None,
+                                    has_zp=ops[2] is not None, zfold=fold and not sfold, channelwise=group == -1,
+                                    row_scale=rs is not None, persistent=pers, dest=dest is not None)
+
+        def fitted(st, **kw):
+            # shared memory (227 KB): fewer stages, down to 2 — e.g. 3 stages at 128-row blocks with
+            # the output tile (the measured default, NOTES v8), 2 at 64-row blocks with 256-deep steps
+            # (288 KB at 4 stages: part 16); below, none at 128-row ones (234.5 KB at 2)
+            while st > 2 and smem(st, tr, **kw) > SMEM_LIMIT:
+                st -= 1
+            return st
+        # v15 default: the medium blocks whose short K streams keep them off ws (two programs per SM,
+        # below) run as the chained ws stream instead — one program per SM, the copy warpgroup fetching
+        # the next item while the compute warpgroups finish this one (Qwen3 512 tokens, 48-row blocks
+        # of 8 / 3 steps: 211.4 µs against 228.3–234.0, part 50). Where it applies: no fold or overlap,
+        # group-128 scales, columns in 2·block_n, no dest rows, the row scales left to XLA (only where
+        # the caller allows it), and a ring of 2+ stages that fits and divides the item's steps (the
+        # deepest of 4, as for ws). Not at 64+-row ws blocks: Qwen3 4096 926 vs 799–823, Mixtral 512
+        # 790 vs 726–743 µs (part 50)
+        auto = (persistent is None and ws_default and bm > 32 and not want_ws and not fold and not overlap
+                and group == BLOCK_K and n % (2 * bn) == 0 and dest is None and (rs is None or rs_optional))
+        if auto:
+            d = fitted(stages or 4, pers=True, wsp=True, rs=None)
+            d = max(x for x in range(1, min(d, chunk) + 1) if chunk % x == 0)
+            auto = d >= 2 and smem(d, False, pers=True, wsp=True, rs=None) <= SMEM_LIMIT
+        if auto:
+            rs = None
+        pers = (auto or bool(persistent)) and not overlap and not (fold and not sfold)
+        ws_ok = (want_ws or auto) and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
         # persistent with ws: the chained warp-specialized stream (no row scales or dest rows; its ring
         # depth must divide an item's steps, below); otherwise persistent runs without ws
         pws = pers and ws_ok and rs is None and dest is None
         wsp = ws_ok and (not pers or pws)
-        if stages is not None:
+        if auto:
+            st = d
+        elif stages is not None:
             st = stages
         elif ws_default and bm > 32 and not want_ws:  # two programs per SM, each filling while the other computes
             st = 2
         else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
-            st = 2 if bm <= 32 and steps // s >= 8 else 4
-
-        def smem(st, tr):
-            return wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=st if pers else min(st, steps // s),
-                                    n_blocks=experts.shape[0], ws=wsp, tout=tr, gated=gated is not None,
-                                    has_zp=ops[2] is not None, zfold=fold and not sfold, channelwise=group == -1,
-                                    row_scale=rs is not None, persistent=pers, dest=dest is not None)
-        # shared memory (227 KB): fewer stages, down to 2, then no output tile — e.g. 3 stages at
-        # 128-row blocks with the output tile (the measured default, NOTES v8), 2 at 64-row blocks
-        # with 256-deep steps (288 KB at 4 stages: part 16), none at 128-row ones (234.5 KB at 2)
-        while st > 2 and smem(st, tr) > SMEM_LIMIT:
-            st -= 1
-        if pws and (steps // s) % min(st, steps // s):
-            st = max(d for d in range(1, st + 1) if (steps // s) % d == 0)
+            st = 2 if bm <= 32 and chunk >= 8 else 4
+        kw = dict(pers=pers, wsp=wsp, rs=rs)
+        st = fitted(st, **kw)
+        if pws and chunk % min(st, chunk):
+            st = max(d for d in range(1, st + 1) if chunk % d == 0)
             if st < 2:                        # a 1-deep ring would stall every step: no ws then
                 pws = wsp = False
-                st = stages or 2
-                while st > 2 and smem(st, tr) > SMEM_LIMIT:
-                    st -= 1
-        fits = smem(st, tr) <= SMEM_LIMIT
+                kw = dict(pers=pers, wsp=wsp, rs=rs)
+                st = fitted(stages or 2, **kw)
+        fits = smem(st, tr, **kw) <= SMEM_LIMIT
         if tr and not fits:
             tr = False
         if dest is not None:
@@ -1495,8 +1520,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
                                  tout=tr, gated=gated, persistent=pers, dest_rows=None if dest is None else t)
         if dest is not None:
-            return out, False
-        return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None
+            return out, False, rs is not None
+        return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None, rs is not None
 
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
@@ -1555,7 +1580,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
-    h, gated = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
+    h, gated, _ = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
                     per_sm4=schedule == "pair")
     if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
         # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
@@ -1590,8 +1615,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             w = on.astype(jnp.float32) if apply_router_weight_on_input else jnp.where(on, tw.reshape(t, k), 0.0)
             out = out + total(weights.w2_bias[jnp.maximum(local, 0)].astype(jnp.float32) * w[..., None], 1)
         return nan_bad(out).astype(cdt)
-    y = first_rows(gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs,
-                        per_sm4=schedule == "blocked" and bm <= 16)[0]).astype(jnp.float32)
+    # default weight_in_gemm2: the router weights may move to XLA where GEMM2 runs the ws stream
+    y, _, in_gemm2 = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, per_sm4=schedule == "blocked" and bm <= 16,
+                          rs_optional=weight_in_gemm2 is None)
+    y = first_rows(y).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if weights.w2_bias is not None:
         bias = weights.w2_bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)

@@ -948,15 +948,44 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
     and up always; 32- to 63-row blocks only where a program streams 32 or more K-blocks (here
     GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per
-    SM); an explicit ``ws=False`` keeps the stage rule of the blocks without it; the layer stays
-    right."""
+    SM; since v15 those with 2+ steps run as the chained ``ws`` stream by default, see
+    ``test_fused_moe_wgmma_ws_stream_default_cpu``); an explicit ``ws=False`` keeps the stage rule
+    of the blocks without it; the layer stays right."""
     # GEMM1: K = 4096, 16 steps of 256 (its ws programs fitted to shared memory at 3 stages); GEMM2:
-    # K = 256, one step (32-row blocks keep the rule of decode blocks: 4 stages below 8 steps)
+    # K = 256, one step (32-row blocks keep the rule of decode blocks: 4 stages below 8 steps); in
+    # 128-deep steps GEMM2's two steps take the ws stream unless persistent=False
     cases = [(dict(block_m=48), [(True, 3), (False, 2)]), (dict(block_m=64), [(True, 3), (True, 4)]),
              (dict(block_m=32), [(True, 2), (False, 4)]), (dict(block_m=48, ws=False), [(False, 4), (False, 4)]),
              (dict(block_m=48, stages=3), [(True, 3), (False, 3)]),
-             (dict(block_m=48, wide=False), [(True, 4), (False, 2)])]
+             (dict(block_m=48, wide=False, persistent=False), [(True, 4), (False, 2)]),
+             (dict(block_m=48, wide=False), [(True, 4), (True, 2)])]
     _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256)
+
+
+def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
+    """v15's default for medium blocks (33–63 rows) whose short K streams keep them off ``ws``:
+    the chained ``ws`` stream (``persistent`` and ``ws``), its ring the deepest of 4 that fits and
+    divides an item's steps, with the router weights moved from GEMM2's epilogue to XLA. Not with
+    ``persistent=False`` (the v12 form: no ``ws``, 2 stages, two programs per SM), an explicit
+    ``weight_in_gemm2=True`` (GEMM2 keeps its row scales, so it keeps the v12 form), ``ws=False``,
+    at 32 or 64 rows, or where an item is one step; the layer stays right (kernel replaced by its
+    jnp contract)."""
+    def pick(kw):
+        return kw["persistent"], kw["ws"], kw["stages"], kw.get("row_scale") is not None
+    # H = 1024: GEMM1 8 K-blocks, 4 steps of 256 (4 stages do not fit with ws at 48 rows, 3 do not
+    # divide 4: 2); I = 512: GEMM2 4 K-blocks, 2 steps (in 128-deep steps: 8 and 4 steps)
+    stream, v12 = (True, True, 2, False), (False, False, 2, False)
+    cases = [(dict(block_m=48), [stream, stream]),
+             (dict(block_m=48, persistent=False), [v12, (False, False, 2, True)]),
+             (dict(block_m=48, weight_in_gemm2=True), [stream, (False, False, 2, True)]),
+             (dict(block_m=48, weight_in_gemm2=False), [stream, stream]),
+             (dict(block_m=48, ws=False), [(False, False, 4, False), (False, False, 4, True)]),
+             (dict(block_m=48, wide=False), [(True, True, 4, False), (True, True, 4, False)]),
+             (dict(block_m=48, stages=2, wide=False), [(True, True, 2, False), (True, True, 2, False)]),
+             (dict(block_m=32), [(False, False, 4, False), (False, False, 4, True)]),
+             (dict(block_m=64), [(False, True, 3, False), (False, True, 4, True)]),
+             (dict(block_m=48, split2=2), [stream, (False, False, 2, True)])]
+    _check_layer_picks(monkeypatch, pick, cases, 4, 1024, 512)
 
 
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
@@ -1666,8 +1695,9 @@ V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
 def test_wgmma_blocked_defaults_gpu(shape, key):
     """The blocked schedule's defaults since v12 — ``sfold`` in 8-row blocks (Mixtral 16, Qwen3
     64, DeepSeek-V2-Lite 16 tokens; since v14 GEMM2 split to ~4 programs per SM there, 2 at
-    Mixtral 16), no ``ws`` and 2 stages in 48-row blocks of short K streams
-    (Qwen3 512, DeepSeek-V2-Lite 256 tokens) — the v11 forms (``sfold=False``, ``ws=True``),
+    Mixtral 16), in 48-row blocks of short K streams (Qwen3 512, DeepSeek-V2-Lite 256 tokens)
+    the chained ``ws`` stream since v15 (GEMM2 at DeepSeek-V2-Lite's 11 steps excepted) and the
+    v12 form there (``persistent=False``: no ``ws``, 2 stages) — the v11 forms (``sfold=False``, ``ws=True``),
     128-deep steps at 3 stages there, and the ``persistent`` GEMMs (since v14 also the chained ``ws``
     stream, with the router weights out of GEMM2), through ``fused_moe`` on the weights the table prepares,
     expert 0 never routed, fresh inputs per call, against the float64 reference."""
@@ -1684,7 +1714,7 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
         for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1)) if t <= 64 else
                      (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3),
-                      dict(persistent=True, ws=True, weight_in_gemm2=False))):
+                      dict(persistent=True, ws=True, weight_in_gemm2=False), dict(persistent=False))):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"blocked {over} T={t}")
 
