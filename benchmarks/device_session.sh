@@ -468,7 +468,7 @@ elif [ "$part" = 44 ]; then    # v13: what the wgmma GEMMs wait on (Nsight Compu
         g=${spec%%|*}; rest=${spec#*|}; bm=${rest%%|*}; v=${rest#*|}
         # the Mosaic GPU host function is <body>_mosaic_gpu and its device kernel is outlined under that name;
         # the first run's filter, 'mosaic|kernel', profiled cuBLAS's reference GEMMs (names ending in _kernel)
-        logged "ncu_${g}_bm${bm}" 100 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
+        logged "ncu_${g}_bm${bm}" 90 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
             python3 benchmarks/gemm_kernels.py --gemms "$g" --block-m "$bm" --reps 1 --only "$v"
     done
     grep -E "==PROF==|==ERROR|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issued Ipc|No Eligible|Warp Cycles Per Issued|Stall|rc " "$OUT"/ncu_*.log | head -90
@@ -547,13 +547,18 @@ elif [ "$part" = 49 ]; then    # prepared in v14 for the next session: what the 
     for spec in "mixtral1|8|bn128 st2 kpb2 wide shift32 sfold s1" "mixtral1|32|bn128 st3 kpb2 wide shift32 ws s1" \
                 "qwen3_1|48|bn128 st2 kpb2 wide shift32 s1"; do
         g=${spec%%|*}; rest=${spec#*|}; bm=${rest%%|*}; v=${rest#*|}
-        logged "ncu_${g}_bm${bm}" 100 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S $M \
+        logged "ncu_${g}_bm${bm}" 90 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S $M \
             python3 benchmarks/gemm_kernels.py --gemms "$g" --block-m "$bm" --reps 1 --only "$v"
     done
     grep -E "==PROF==|==ERROR|Duration|DRAM Throughput|Issued Warp|No Eligible|issue_stalled|Stall|rc " "$OUT"/ncu_*.log | head -120
-    logged "m16" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
+    logged "m16" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
         --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;st3=kernel:wgmma,stages:3;wgmma again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m16.log"
+    # v15: the chained ws stream at Mixtral 64 tokens' 32-row ws blocks (one program per SM today, 896 GEMM1
+    # programs of 16 steps, 6.8 waves, each filling its ring; 128 GEMM2 programs of 56). Prediction: within ±3%
+    # (part 50: slower at 144-row blocks; GEMM2 has no second wave to hide)
+    logged "m64" 110 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 160 \
+        --variants "wgmma=kernel:wgmma;pers ws=kernel:wgmma,persistent:1,ws:1,weight_in_gemm2:0;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m16.log" "$OUT/m64.log"
 elif [ "$part" = 50 ]; then    # prepared in v14 for the next session (lowered on jax 0.10.2 / 0.11.2 on the CPU, never
     # run on a GPU): persistent with ws — one program per SM, one warp-specialized pipeline per item of 2·block_n
     # columns, the pipelines chained by pipeline_state so the copy warpgroup fetches the next item while the compute

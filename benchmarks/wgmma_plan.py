@@ -14,8 +14,9 @@ follow the numbers a prediction starts from (``benchmarks/NOTES.md``, the device
   expert (the rest end at once).
 * ``steps``: pipeline steps per program (per item with ``persistent``), each ``kpb`` K-blocks.
 * ``smem``: shared memory per program (:func:`~pallas_kernels.wgmma_w4a16.wgmma_smem_bytes`), and
-  ``/SM``: how many such programs fit on one SM by shared memory alone (registers and threads
-  can allow fewer).
+  ``/SM``: how many such programs fit on one SM by shared memory, and one for ``ws`` (its 384
+  threads × 168 registers fill the register file; plain programs' registers can allow fewer
+  than shared memory does).
 * ``waves``: live programs / (SMs × that count).
 * ``weights MB``: the weight words, scales and zero points the live blocks stream (an expert with
   two blocks streams its weights twice).
@@ -94,10 +95,10 @@ def describe(args, kw, live, sms=132):
                             n_blocks=nb, ws=ws, tout=kw.get("tout", False), gated=kw.get("gated") is not None,
                             has_zp=zeros is not None, zfold=kw.get("zfold", False),
                             channelwise=kw.get("group_size", 128) == -1, row_scale=rs, persistent=pers, dest=dest)
-    per_sm = max(1, SM_SMEM // (need + _SMEM_ALIGN))
-    items = nb * (n // bn) * split
-    programs = (min(kw.get("programs") or sms * min(4, per_sm), items) if pers else
-                items // 2 if ws else items)
+    # registers: one ws program per SM (384 threads × 168 registers), as the kernel's own default
+    per_sm = 1 if ws else max(1, SM_SMEM // (need + _SMEM_ALIGN))
+    items = nb * (n // ((2 if ws else 1) * bn)) * split       # a ws program covers 2·block_n columns
+    programs = min(kw.get("programs") or sms * min(4, per_sm), items) if pers else items
     live_programs = programs if pers else programs * live / nb
     words_bytes = live * n * kdim / 2
     meta = live * n * scales.shape[1] * 2 * (2 if zeros is not None else 1)

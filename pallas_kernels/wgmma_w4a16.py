@@ -1336,7 +1336,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fusion that sums the top-k rows; default: on for the blocked schedule, off for the pair
     schedule, where laying the weights out for the kernel is one more XLA kernel (Qwen3 1 token:
     9 kernels and 25.1 µs of device span against 8 and 23.7, NOTES v11) and the XLA multiply
-    rides in the top-k sum for free. Never
+    rides in the top-k sum for free; left to XLA by default also where GEMM2 runs the default
+    ``ws`` stream (``persistent``), which takes no row scales. Never
     with the router weight on the input (GEMM2's rows are then already weighted).
     ``static_sums`` (default on): the K splits' sum, the pair schedule's top-k sum and the
     any-invalid-id test as unrolled elementwise adds / ors over their small static axes instead of
@@ -1361,13 +1362,19 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0 µs at split1 2 against 1;
     Mixtral 16 tokens 234.4 vs 240.0–240.7 at split2 2 against 1; NOTES.md v14). A split > 1
     gives up ``out16`` and the fused activation for that GEMM.
-    ``persistent`` (off by default: right on the H200, but slower, NOTES.md v13 — Qwen3 512
-    tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1 token 24 vs 21–23): every
-    GEMM without ``overlap`` or ``zfold`` runs as the kernel's ``persistent`` stream over all
-    (block, column tile, K split) items instead of one program per item; with ``ws`` where
-    ``ws`` applies (the kernel's chained warp-specialized stream, v14, untimed) unless the GEMM
-    has row scales (``weight_in_gemm2``) or destination rows (``combine="add"``), or no ring of
-    2+ stages divides an item's steps; else without ``ws``.
+    ``persistent``: ``True``: every GEMM without ``overlap`` or ``zfold`` runs as the kernel's
+    ``persistent`` stream over all (block, column tile, K split) items instead of one program per
+    item; with ``ws`` where ``ws`` applies (the kernel's chained warp-specialized stream, v14)
+    unless the GEMM has row scales (``weight_in_gemm2``) or destination rows (``combine="add"``),
+    or no ring of 2+ stages divides an item's steps; else without ``ws`` (right on the H200, but
+    slower, NOTES.md v13 — Qwen3 512 tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1
+    token 24 vs 21–23). ``None`` (default, v15): the chained ``ws`` stream only for the GEMMs in
+    33–63-row blocks whose short K streams keep them off ``ws`` (the two-programs-per-SM form
+    above), where it applies — group-128 scales, no fold or overlap, no destination rows, items of
+    2+ steps under a ring of 2+ stages (the deepest of 4 that fits and divides them), the router
+    weights moved to XLA unless ``weight_in_gemm2=True`` (Qwen3 512 tokens 211.4 vs 228.3–234.0
+    µs; at 64+-row ``ws`` blocks it was slower: Qwen3 4096 926 vs 799–823, Mixtral 512 790 vs
+    726–743; NOTES.md v15). ``False``: never.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
