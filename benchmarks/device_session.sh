@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–51 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–52 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -586,6 +586,24 @@ elif [ "$part" = 51 ]; then    # v15 (sixteenth session), from part 50 (the chai
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/stream.log"
     wgmma_table 120 qwen3:512 --reps 40
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
+elif [ "$part" = 52 ]; then    # v15, from part 51 (5 of the 6 layer tests passed before its limit; Qwen3 512 224.4 / 209.9
+    # µs against v14's 232.0 / 239.2; the DeepSeek-V2-Lite row cut off): the sixth test, DeepSeek-V2-Lite 256 tokens
+    # (GEMM1 streamed, GEMM2's 11 steps keep the v12 form; prediction 2–6% faster), Mixtral 64 tokens' 32-row ws
+    # blocks as the stream (prediction within ±3%), and the 8-row decode GEMM's warp stall reasons (part 49's first)
+    gpu_tests 180 "blocked_defaults_gpu and gptq4_g128_actorder and qwen3"
+    grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -6
+    logged "dsv2" 110 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:256 --reps 20 \
+        --variants "wgmma=kernel:wgmma;v14=kernel:wgmma,persistent:0"
+    logged "m64" 110 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 80 \
+        --variants "wgmma=kernel:wgmma;pers ws=kernel:wgmma,persistent:1,ws:1,weight_in_gemm2:0"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/dsv2.log" "$OUT/m64.log"
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    logged "ncu_mixtral1_bm8" 90 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --print-details all \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 --reps 1 --only "bn128 st2 kpb2 wide shift32 sfold s1"
+    grep -E "==ERROR|Duration|DRAM Throughput|No Eligible|issue_stalled|rc " "$OUT/ncu_mixtral1_bm8.log" | \
+        awk '$NF+0 >= 0.05 || !/issue_stalled/' | head -40
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
