@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–52 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–53 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -604,6 +604,18 @@ elif [ "$part" = 52 ]; then    # v15, from part 51 (5 of the 6 layer tests passe
         python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 8 --reps 1 --only "bn128 st2 kpb2 wide shift32 sfold s1"
     grep -E "==ERROR|Duration|DRAM Throughput|No Eligible|issue_stalled|rc " "$OUT/ncu_mixtral1_bm8.log" | \
         awk '$NF+0 >= 0.05 || !/issue_stalled/' | head -40
+elif [ "$part" = 53 ]; then    # v15, from part 52 (the 8-row GEMM1 of Mixtral 16 tokens alone: 136.5 µs at 77% of DRAM,
+    # its stalls mostly long-scoreboard, i.e. waiting on memory — near the copy ceiling, yet the layer is 1.4× its
+    # floor): where a Mixtral decode layer's time goes, GEMM by GEMM, in the layer itself — Nsight Compute on the
+    # first two Mosaic GPU kernels (GEMM1, GEMM2) of the layer's first call. Prediction: at 16 tokens GEMM2
+    # (split 2, 8-row blocks, ~1 wave of 28-step programs) well below GEMM1's DRAM rate, ≥ 75 µs against its 58
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for t in 16 64 1; do
+        logged "ncu_layer_mixtral$t" 85 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 2 \
+            --section SpeedOfLight --section LaunchStats python3 benchmarks/moe_engine.py --sweep --rows mixtral:$t \
+            --reps 1 --variants "wgmma=kernel:wgmma"
+        grep -E "mosaic_gpu_kernel|Duration|DRAM Throughput|Grid Size|Registers|rc " "$OUT/ncu_layer_mixtral$t.log"
+    done
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
