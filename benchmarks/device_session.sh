@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–53 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–54 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -616,6 +616,17 @@ elif [ "$part" = 53 ]; then    # v15, from part 52 (the 8-row GEMM1 of Mixtral 1
             --reps 1 --variants "wgmma=kernel:wgmma"
         grep -E "mosaic_gpu_kernel|Duration|DRAM Throughput|Grid Size|Registers|rc " "$OUT/ncu_layer_mixtral$t.log"
     done
+elif [ "$part" = 54 ]; then    # v15, from part 53 (Nsight Compute segfaulted over moe_engine.py, all three rows): Mixtral's
+    # GEMM2 alone instead, in 8-row sfold blocks (16 tokens' form, K unsplit), timed and under Nsight Compute, beside
+    # GEMM1's 136.5 µs / 77% of DRAM (part 52). Prediction: well below GEMM1's DRAM rate, ≥ 75 µs against its 58
+    V="bn128 st2 kpb2 wide shift32 sfold s1"
+    logged "gemm2" 80 python3 benchmarks/gemm_kernels.py --gemms mixtral2 mixtral1 --block-m 8 --reps 20 --only "$V"
+    grep -E "^\| m|rc |rror" "$OUT/gemm2.log"
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    logged "ncu_mixtral2_bm8" 100 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 \
+        --section SpeedOfLight --section SchedulerStats --section LaunchStats \
+        python3 benchmarks/gemm_kernels.py --gemms mixtral2 --block-m 8 --reps 1 --only "$V"
+    grep -E "==ERROR|Duration|DRAM Throughput|L2 Cache Throughput|No Eligible|Grid Size|Registers Per|rc " "$OUT/ncu_mixtral2_bm8.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
