@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–54 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -627,6 +627,12 @@ elif [ "$part" = 54 ]; then    # v15, from part 53 (Nsight Compute segfaulted ov
         --section SpeedOfLight --section SchedulerStats --section LaunchStats \
         python3 benchmarks/gemm_kernels.py --gemms mixtral2 --block-m 8 --reps 1 --only "$V"
     grep -E "==ERROR|Duration|DRAM Throughput|L2 Cache Throughput|No Eligible|Grid Size|Registers Per|rc " "$OUT/ncu_mixtral2_bm8.log"
+elif [ "$part" = 55 ]; then    # v15, from part 54 (alone, Mixtral's 8-row GEMM1 144.2 µs and GEMM2 74.1: 218 µs of the
+    # 16-token layer's 234–243, both at 1.24–1.28× their bytes' time): the rest of the layer, kernel by kernel (JAX
+    # profiler), at Mixtral 16 tokens and Qwen3 1 token. Prediction: Mixtral 16 tokens 15–25 µs outside the GEMMs
+    logged "profile" 150 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:16 qwen3:1 --reps 10 \
+        --variants "wgmma=kernel:wgmma"
+    grep -vE "^#|Warning|warn|^ *ref =|^\s*$" "$OUT/profile.log" | head -60
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
