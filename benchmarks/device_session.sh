@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15); 32–34, 49 and 56 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -633,6 +633,20 @@ elif [ "$part" = 55 ]; then    # v15, from part 54 (alone, Mixtral's 8-row GEMM1
     logged "profile" 150 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:16 qwen3:1 --reps 10 \
         --variants "wgmma=kernel:wgmma"
     grep -vE "^#|Warning|warn|^ *ref =|^\s*$" "$OUT/profile.log" | head -60
+elif [ "$part" = 56 ]; then    # prepared in v15 for the next session, from part 55's profiles: (a) the timed loop's own
+    # cost per iteration — per 1-token call two D2D copies and 5–7 µs of idle beside 17.6 µs of kernels (Qwen3),
+    # which a model's layers, back to back in one program, do not pay per layer: the same rows with 8 calls per
+    # loop iteration (--unroll 8). Prediction: 1-token rows 3–5 µs lower (Qwen3 ~17–18 µs), Mixtral 16 tokens 2–5.
+    # (b) Mixtral 16 tokens' glue (22 µs in 14 kernels beside 220 µs of GEMMs): GEMM1's [N, M] output transposed
+    # by XLA (2.8 µs) — the kernel's transposed store at 8-row blocks (tout, v8: slower under the old timing),
+    # and GEMM2 unsplit with it (no float32 partials to sum and transpose in the 4.3 µs combine)
+    for u in 1 8; do
+        logged "unroll$u" 200 python3 benchmarks/moe_engine.py --sweep --unroll $u --rows qwen3:1 dsv2lite:1 \
+            mixtral:1,16 --reps 160 --variants "wgmma=kernel:wgmma"
+    done
+    logged "m16glue" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
+        --variants "wgmma=kernel:wgmma;tout=kernel:wgmma,tout:1;tout s2 1=kernel:wgmma,tout:1,split2:1;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/unroll*.log "$OUT/m16glue.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -70,6 +70,7 @@ def floor_us(ids_all, h, i, t, k, group=128, zeros=True):
 
 
 TIMING = "loop"
+UNROLL = 1          # --unroll: calls per fori_loop iteration
 
 
 def timed(layer, x, tw_all, ids_all, operands, reps):
@@ -90,7 +91,7 @@ def program(layer, calls):
             y = layer(c, tw_all[r % n], ids_all[r % n], *operands)
             return x + y.astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
         if TIMING == "loop":
-            return jax.lax.fori_loop(0, calls, body, x)
+            return jax.lax.fori_loop(0, calls, body, x, unroll=max(1, min(UNROLL, calls)))
         c = x
         for r in range(calls):
             c = body(r, c)
@@ -217,13 +218,19 @@ def main(argv=None):
     ap.add_argument("--timing", choices=("loop", "unrolled", "calls"), default="loop",
                     help="the timed program: a fori_loop of calls (default), straight-line calls, or one "
                     "jitted call per layer dispatched from Python")
+    ap.add_argument("--unroll", type=int, default=1, help="with --timing loop: calls per loop iteration "
+                    "(the fori_loop's unroll). Each iteration of the loop costs something of its own on the "
+                    "device (part 55: two D2D copies and 5–7 µs of idle per 1-token call), which a model's "
+                    "forward pass, its layers back to back, does not pay per layer")
     ap.add_argument("--skip", default="", help="comma-separated alternatives not to time")
     ap.add_argument("--append", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None, metavar="PATH", help="append one record per row to this results.json")
     args = ap.parse_args(argv)
-    global INTERPRET, TIMING
-    INTERPRET, TIMING = args.interpret, args.timing
+    global INTERPRET, TIMING, UNROLL
+    INTERPRET, TIMING, UNROLL = args.interpret, args.timing, args.unroll
+    if UNROLL < 1:
+        raise SystemExit(f"--unroll: expected at least 1, got {UNROLL}")
     rng = np.random.default_rng(0)
     alts = ["engine AWQ", "engine GPTQ", "wgmma AWQ", "wgmma GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
     skip = set(filter(None, args.skip.split(",")))
@@ -353,7 +360,8 @@ def main(argv=None):
                         "W4A16 group 128 (AWQ with zero points unless the column says GPTQ), random weights, "
                         f"random routing per call, bf16 activations; µs per layer ({TIMING} timing: "
                         + ("one jitted call per layer from Python, median of 5 runs" if TIMING == "calls" else
-                           "the 2R-call program's time less the R-call program's, / R, median of 5 pairs")
+                           "the 2R-call program's time less the R-call program's, / R, median of 5 pairs"
+                           + (f", {UNROLL} calls per loop iteration" if TIMING == "loop" and UNROLL > 1 else ""))
                         + ", the alternatives' runs interleaved). rel err: the engine's output vs a float32 XLA evaluation.", table)
     return 0
 

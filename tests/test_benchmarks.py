@@ -121,7 +121,8 @@ def test_call_timeline_gaps():
 
 def test_timed_program_uses_routings_in_turn():
     """The timed program of ``calls`` layer calls routes call ``r`` by routing ``r % R`` (the
-    differential timing runs R and 2R calls on the same R routings), in a loop or straight-line."""
+    differential timing runs R and 2R calls on the same R routings), in a loop (also with several
+    calls per iteration, ``--unroll``, 7 calls in iterations of 3) or straight-line."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -138,17 +139,17 @@ def test_timed_program_uses_routings_in_turn():
     for r in range(7):                      # 7 calls over 3 routings: 0 1 2 0 1 2 0
         y = c * 0.5 + float(tw_all[r % 3].sum()) * 1.7 + float(ids_all[r % 3].sum())
         c = np.asarray(x, np.float64) + y * 1e-3
-    old = moe_engine.TIMING
+    old = moe_engine.TIMING, moe_engine.UNROLL
     try:
-        for timing in ("loop", "unrolled"):
-            moe_engine.TIMING = timing
+        for timing, unroll in (("loop", 1), ("loop", 3), ("unrolled", 1)):
+            moe_engine.TIMING, moe_engine.UNROLL = timing, unroll
             got = jax.jit(moe_engine.program(layer, 7))(x, tw_all, ids_all, (scale,))
-            np.testing.assert_allclose(np.asarray(got), c, rtol=1e-5, err_msg=timing)
-        moe_engine.TIMING = "loop"
+            np.testing.assert_allclose(np.asarray(got), c, rtol=1e-5, err_msg=f"{timing} {unroll}")
+        moe_engine.TIMING, moe_engine.UNROLL = "loop", 3
         once = moe_engine.runner(layer, x, tw_all, ids_all, (scale,), 3)
         assert np.isfinite(once())
     finally:
-        moe_engine.TIMING = old
+        moe_engine.TIMING, moe_engine.UNROLL = old
 
 
 def test_differential_timing_leaves_out_the_fixed_cost(monkeypatch):
@@ -182,8 +183,10 @@ def test_differential_timing_leaves_out_the_fixed_cost(monkeypatch):
 
 def test_wgmma_plan_reports_the_layer_rules(capsys):
     """``wgmma_plan.py`` traces the layer on abstract weights (nothing computed) and reports the
-    options its rules pick per GEMM: the pair schedule's K splits at Qwen3 1 token, two programs
-    per SM without ``ws`` in Qwen3 512's 48-row blocks, ``ws`` in Mixtral 64's 32-row blocks; the
+    options its rules pick per GEMM: the pair schedule's K splits at Qwen3 1 token, the chained
+    ``ws`` stream in Qwen3 512's 48-row blocks (v15: one program per SM, 3 stages for GEMM2's 3
+    steps, the router weights out of GEMM2) and two programs per SM without ``ws`` there with
+    ``persistent:0`` (v12), ``ws`` in Mixtral 64's 32-row blocks (one program per SM); the
     programs follow from the grid (live ones from the expected blocks)."""
     from benchmarks import wgmma_plan
 
@@ -200,8 +203,13 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     # columns: GEMM bm blocks N K bn kpb st split steps programs live smem /SM waves MB flags...
     assert q1["GEMM1"][1:3] == ["8", "8"] and q1["GEMM1"][8] == "2" and q1["GEMM2"][8] == "3"
     assert q1["GEMM1"][10] == str(8 * 1536 // 128 * 2) and "sfold" in q1["GEMM1"][16:]
-    assert q512["GEMM1"][1] == "48" and q512["GEMM1"][7] == "2" and q512["GEMM1"][13] == "2"
-    assert "ws" not in q512["GEMM1"][16:] and "gated" in q512["GEMM1"][16:]
+    assert q512["GEMM1"][1] == "48" and q512["GEMM1"][7] == "2" and q512["GEMM1"][13] == "1"
+    assert q512["GEMM2"][7] == "3" and q512["GEMM1"][10] == q512["GEMM2"][10] == "132"
+    assert {"ws", "persistent", "gated"} <= set(q512["GEMM1"][16:]) and "row_scale" not in q512["GEMM2"][16:]
     assert m64["GEMM1"][1] == "32" and "ws" in m64["GEMM1"][16:] and "ws" in m64["GEMM2"][16:]
-    assert m64["GEMM2"][10] == str(12 * 4096 // 256)                     # ws: two column tiles per program
+    assert m64["GEMM2"][10] == str(12 * 4096 // 256) and m64["GEMM2"][13] == "1"   # ws: two column tiles
     assert "pair schedule, 8 pair blocks" in out and "blocked, 128.4 of 211 blocks live" in out
+    assert wgmma_plan.main(["--rows", "qwen3:512", "--set", "persistent:0"]) == 0
+    v12 = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GEMM")}
+    assert v12["GEMM1"][7] == "2" and v12["GEMM1"][13] == "2" and "ws" not in v12["GEMM1"][16:]
+    assert "row_scale" in v12["GEMM2"][16:]
