@@ -986,6 +986,24 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
              (dict(block_m=64), [(False, True, 3, False), (False, True, 4, True)]),
              (dict(block_m=48, split2=2), [stream, (False, False, 2, True)])]
     _check_layer_picks(monkeypatch, pick, cases, 4, 1024, 512)
+    # with biases (w13's keeps the activation out of GEMM1) and an expert map: the router weights
+    # GEMM2 leaves to XLA still scale its bias, as in the reference
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(pick(kw))
+        return _emulated_wgmma_gemm(*args, **kw)
+
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    rng = np.random.default_rng()
+    w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES["gptq4_g128_actorder"], 4, 1024, 512, 24, 2, bias=True,
+                                    map_=True)
+    got = jax.jit(functools.partial(wgm.fused_moe_wgmma, block_m=48))(x, tw, ids, wgm.convert_wgmma(w.to_jax()),
+                                                                       expert_map=em)
+    assert seen == [stream, stream], seen
+    _layer_close(got, _reference(w, x, tw, ids, em), what="ws stream default, biases and an expert map")
 
 
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
