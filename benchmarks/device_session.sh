@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15); 32–34, 49 and 56 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15); 32–34, 49, 56 and 57 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -647,6 +647,15 @@ elif [ "$part" = 56 ]; then    # prepared in v15 for the next session, from part
     logged "m16glue" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
         --variants "wgmma=kernel:wgmma;tout=kernel:wgmma,tout:1;tout s2 1=kernel:wgmma,tout:1,split2:1;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/unroll*.log "$OUT/m16glue.log"
+elif [ "$part" = 57 ]; then    # prepared in v15 for the next session: the ws stream one GEMM at a time (persistent as a
+    # pair, GEMM1's and GEMM2's). Part 50 streamed both GEMMs at Qwen3 4096 (144-row ws blocks) and lost (926 vs
+    # 799–823 µs); its GEMM2 runs 2071 live programs of 6 steps, one per SM, 15.7 waves each filling a 4-deep ring —
+    # the short items the stream won with at 512 tokens. Prediction: GEMM2 alone as the stream 2–5% faster (770–790,
+    # ≥ 61% of the dense rate), so GEMM1's long items were the loss. At Qwen3 512: which GEMM the v15 gain came from
+    # (prediction: mostly GEMM2, 3-step items)
+    logged "pergemm" 450 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096,512 --reps 40 \
+        --variants "wgmma=kernel:wgmma;wig0=kernel:wgmma,weight_in_gemm2:0;stream2=kernel:wgmma,persistent:-/1,weight_in_gemm2:0;stream 1 only=kernel:wgmma,persistent:-/0;stream 2 only=kernel:wgmma,persistent:0/-;wgmma again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/pergemm.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

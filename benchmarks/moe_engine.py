@@ -183,14 +183,18 @@ def sweep_variants(key, t, k, e):
 
 
 def parse_variants(spec):
-    """``"name=key:value,key:value;name2=..."`` → {name: overrides} (values int where they parse)."""
+    """``"name=key:value,key:value;name2=..."`` → {name: overrides} (values int where they parse;
+    ``a/b`` a pair, ``-`` in it None: ``persistent:-/1`` → ``(None, 1)``, one value per GEMM)."""
+    def value(val):
+        return int(val) if val.lstrip("-").isdigit() else None if val == "-" else val
+
     out = {}
     for item in filter(None, spec.split(";")):
         name, _, body = item.partition("=")
         over = {}
         for kv in filter(None, body.split(",")):
             key, _, val = kv.partition(":")
-            over[key] = int(val) if val.lstrip("-").isdigit() else val
+            over[key] = tuple(value(v) for v in val.split("/")) if "/" in val else value(val)
         out[name.strip()] = over
     return out
 

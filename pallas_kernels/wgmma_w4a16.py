@@ -1262,7 +1262,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
-                    persistent: bool | None = None, lop3: bool = True):
+                    persistent: bool | None | tuple = None, lop3: bool = True):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1374,7 +1374,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     2+ steps under a ring of 2+ stages (the deepest of 4 that fits and divides them), the router
     weights moved to XLA unless ``weight_in_gemm2=True`` (Qwen3 512 tokens 211.4 vs 228.3–234.0
     µs; at 64+-row ``ws`` blocks it was slower: Qwen3 4096 926 vs 799–823, Mixtral 512 790 vs
-    726–743; NOTES.md v15). ``False``: never.
+    726–743; NOTES.md v15). ``False``: never. A pair ``(GEMM1's, GEMM2's)`` of these values sets
+    the two GEMMs apart (e.g. ``(None, True)``: only GEMM2 as a ``persistent`` stream).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1421,12 +1422,14 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, rs_optional=False):
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, rs_optional=False,
+             persistent=None):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated, rs applied)``: the
         kernel's own output without a K split (16-bit with ``out16``), else the float32 sum of the
         splits; with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination.
         ``rs_optional``: the row scales may be left to the caller (the third value says whether
-        the kernel applied them), so that the default ``ws`` stream, which takes none, can run."""
+        the kernel applied them), so that the default ``ws`` stream, which takes none, can run.
+        ``persistent``: this GEMM's share of the layer's option."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
@@ -1530,6 +1533,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             return out, False, rs is not None
         return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None, rs is not None
 
+    pers_of = tuple(persistent) if isinstance(persistent, (tuple, list)) else (persistent, persistent)
+    if len(pers_of) != 2 or any(p not in (None, True, False) for p in pers_of):
+        raise ConfigError(f"persistent: expected True, False, None or a pair of them (GEMM1, GEMM2), got {persistent!r}")
+    pers_of = tuple(None if p is None else bool(p) for p in pers_of)
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
     if one_kernel:
@@ -1588,7 +1595,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         expert_of_row = row_expert
     a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
     h, gated, _ = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
-                    per_sm4=schedule == "pair")
+                       per_sm4=schedule == "pair", persistent=pers_of[0])
     if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
         # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
         # GEMM2's input, with no XLA pass between the two kernels
@@ -1615,8 +1622,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         if not (in_gemm2 or apply_router_weight_on_input):
             raise ConfigError("combine='add' sums GEMM2's rows as the kernel writes them: the router weights must "
                               "be applied in GEMM2 (weight_in_gemm2 not False) or on the input")
-        out = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs,
-                   dest=jnp.where(live, tok, -1).astype(jnp.int32))[0].astype(jnp.float32)
+        out = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, dest=jnp.where(live, tok, -1).astype(jnp.int32),
+                   persistent=pers_of[1])[0].astype(jnp.float32)
         if weights.w2_bias is not None:                 # Σ_j w_j · b[e_j] over each token's routed pairs
             on = local >= 0
             w = on.astype(jnp.float32) if apply_router_weight_on_input else jnp.where(on, tw.reshape(t, k), 0.0)
@@ -1624,7 +1631,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         return nan_bad(out).astype(cdt)
     # default weight_in_gemm2: the router weights may move to XLA where GEMM2 runs the ws stream
     y, _, in_gemm2 = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, per_sm4=schedule == "blocked" and bm <= 16,
-                          rs_optional=weight_in_gemm2 is None)
+                          rs_optional=weight_in_gemm2 is None, persistent=pers_of[1])
     y = first_rows(y).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if weights.w2_bias is not None:

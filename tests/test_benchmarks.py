@@ -213,3 +213,11 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     v12 = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GEMM")}
     assert v12["GEMM1"][7] == "2" and v12["GEMM1"][13] == "2" and "ws" not in v12["GEMM1"][16:]
     assert "row_scale" in v12["GEMM2"][16:]
+
+
+def test_parse_variants_values():
+    """``--variants``: ints where they parse (negative too), strings otherwise, and ``a/b`` a pair
+    with ``-`` for None (``persistent:-/1``: one value per GEMM)."""
+    got = moe_engine.parse_variants("a=kernel:wgmma,persistent:-/1,weight_in_gemm2:0;b=stages:-3,x:1/0;c=")
+    assert got == {"a": {"kernel": "wgmma", "persistent": (None, 1), "weight_in_gemm2": 0},
+                   "b": {"stages": -3, "x": (1, 0)}, "c": {}}

@@ -968,8 +968,11 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
     divides an item's steps, with the router weights moved from GEMM2's epilogue to XLA. Not with
     ``persistent=False`` (the v12 form: no ``ws``, 2 stages, two programs per SM), an explicit
     ``weight_in_gemm2=True`` (GEMM2 keeps its row scales, so it keeps the v12 form), ``ws=False``,
-    at 32 or 64 rows, or where an item is one step; the layer stays right (kernel replaced by its
-    jnp contract)."""
+    at 32 or 64 rows, or where an item is one step; a pair sets the two GEMMs apart; the layer
+    stays right (kernel replaced by its jnp contract), with biases and an expert map too; a bad
+    ``persistent`` is a ConfigError."""
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE
+
     def pick(kw):
         return kw["persistent"], kw["ws"], kw["stages"], kw.get("row_scale") is not None
     # H = 1024: GEMM1 8 K-blocks, 4 steps of 256 (4 stages do not fit with ws at 48 rows, 3 do not
@@ -978,13 +981,17 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
     cases = [(dict(block_m=48), [stream, stream]),
              (dict(block_m=48, persistent=False), [v12, (False, False, 2, True)]),
              (dict(block_m=48, weight_in_gemm2=True), [stream, (False, False, 2, True)]),
-             (dict(block_m=48, weight_in_gemm2=False), [stream, stream]),
              (dict(block_m=48, ws=False), [(False, False, 4, False), (False, False, 4, True)]),
              (dict(block_m=48, wide=False), [(True, True, 4, False), (True, True, 4, False)]),
-             (dict(block_m=48, stages=2, wide=False), [(True, True, 2, False), (True, True, 2, False)]),
              (dict(block_m=32), [(False, False, 4, False), (False, False, 4, True)]),
              (dict(block_m=64), [(False, True, 3, False), (False, True, 4, True)]),
-             (dict(block_m=48, split2=2), [stream, (False, False, 2, True)])]
+             (dict(block_m=48, split2=2), [stream, (False, False, 2, True)]),
+             # one value per GEMM
+             (dict(block_m=48, persistent=(False, None)), [v12, stream]),
+             (dict(block_m=48, persistent=(None, False)), [stream, (False, False, 2, True)]),
+             # GEMM2's 2-step items at 64 rows: 3 stages fit, 2 with the output tile (jax >= 0.11)
+             (dict(block_m=64, persistent=(None, True), weight_in_gemm2=False),
+              [(False, True, 3, False), (True, True, 2 if TRANSPOSED_STORE else 3, False)])]
     _check_layer_picks(monkeypatch, pick, cases, 4, 1024, 512)
     # with biases (w13's keeps the activation out of GEMM1) and an expert map: the router weights
     # GEMM2 leaves to XLA still scale its bias, as in the reference
@@ -1004,6 +1011,9 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
                                                                        expert_map=em)
     assert seen == [stream, stream], seen
     _layer_close(got, _reference(w, x, tw, ids, em), what="ws stream default, biases and an expert map")
+    for bad in ((True,), (None, True, False), 2, "gemm2"):
+        with pytest.raises(ConfigError, match="persistent"):
+            wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), expert_map=em, persistent=bad)
 
 
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
