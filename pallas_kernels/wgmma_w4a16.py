@@ -1386,6 +1386,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         raise ConfigError(f"combine: expected 'scatter', 'gather' or 'add', got {combine!r}")
     if align not in ALIGN_METHODS:
         raise ConfigError(f"align: expected one of {ALIGN_METHODS}, got {align!r}")
+    pers_of = tuple(persistent) if isinstance(persistent, (tuple, list)) else (persistent, persistent)
+    if len(pers_of) != 2 or any(p not in (None, True, False) for p in pers_of):
+        raise ConfigError(f"persistent: expected True, False, None or a pair of them (GEMM1, GEMM2), got {persistent!r}")
+    pers_of = tuple(None if p is None else bool(p) for p in pers_of)
     t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
                                                     global_num_experts)
     if t == 0:
@@ -1533,10 +1537,6 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             return out, False, rs is not None
         return (out[0] if s == 1 else total(out.astype(jnp.float32))), gated is not None, rs is not None
 
-    pers_of = tuple(persistent) if isinstance(persistent, (tuple, list)) else (persistent, persistent)
-    if len(pers_of) != 2 or any(p not in (None, True, False) for p in pers_of):
-        raise ConfigError(f"persistent: expected True, False, None or a pair of them (GEMM1, GEMM2), got {persistent!r}")
-    pers_of = tuple(None if p is None else bool(p) for p in pers_of)
     ops1 = operands(weights.w13_words, weights.w13_scales, weights.w13_zeros)
     ops2 = operands(weights.w2_words, weights.w2_scales, weights.w2_zeros)
     if one_kernel:
