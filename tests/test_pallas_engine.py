@@ -909,10 +909,12 @@ def test_fused_moe_wgmma_combine_add_errors_cpu(monkeypatch):
     _layer_close(run(), _reference(w, x, tw, ids, None), what="combine=add")
 
 
-def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter):
+def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter, close=None):
     """Run ``fused_moe_wgmma`` with each case's options (24 tokens, top-2, AWQ), the kernel
     replaced by its jnp contract: the options it passes each GEMM (``pick(kwargs)``, GEMM1 then
-    GEMM2) must be the case's, and the layer must match the float64 reference."""
+    GEMM2) must be the case's, and the layer must match the float64 reference — in every case,
+    or only in the cases whose indices ``close`` lists (the others are traced, not compiled: the
+    contract ignores the kernel options, so their numbers differ only where the glue does)."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     seen = []
@@ -925,11 +927,14 @@ def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter):
     w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], experts, hidden, inter, 24, 2)
     wg = wgm.convert_wgmma(w.to_jax())
     ref = _reference(w, x, tw, ids, None)
-    for over, want in cases:
+    for n, (over, want) in enumerate(cases):
         seen.clear()
-        got = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg)
+        layer = jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))
+        if close is None or n in close:
+            _layer_close(layer(x, tw, ids, wg), ref, what=str(over))
+        else:
+            jax.eval_shape(layer, x, tw, ids, wg)
         assert seen == want, (over, seen)
-        _layer_close(got, ref, what=str(over))
 
 
 def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
@@ -959,7 +964,7 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
              (dict(block_m=48, stages=3), [(True, 3), (False, 3)]),
              (dict(block_m=48, wide=False, persistent=False), [(True, 4), (False, 2)]),
              (dict(block_m=48, wide=False), [(True, 4), (True, 2)])]
-    _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256)
+    _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256, close={0, 6})
 
 
 def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
@@ -992,7 +997,8 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
              # GEMM2's 2-step items at 64 rows: 3 stages fit, 2 with the output tile (jax >= 0.11)
              (dict(block_m=64, persistent=(None, True), weight_in_gemm2=False),
               [(False, True, 3, False), (True, True, 2 if TRANSPOSED_STORE else 3, False)])]
-    _check_layer_picks(monkeypatch, pick, cases, 4, 1024, 512)
+    # the numbers where the glue differs: the router weights left to XLA (the stream), in GEMM2 (v12)
+    _check_layer_picks(monkeypatch, pick, cases, 4, 1024, 512, close={0, 1})
     # with biases (w13's keeps the activation out of GEMM1) and an expert map: the router weights
     # GEMM2 leaves to XLA still scale its bias, as in the reference
     import pallas_kernels.wgmma_w4a16 as wgm
@@ -1034,12 +1040,13 @@ def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
              (dict(block_m=16, sfold=False, **one), [(False, False)] * 2),
              (dict(block_m=64, overlap=True, **one), [(False, False)] * 2),
              (dict(block_m=128, split1=1, split2=1), [(False, True)] * 2)]
-    _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"]), cases, 4, 4096, 256)
+    _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"]), cases, 4, 4096, 256, close={0, 2, 5})
     # the stream's ring depth divides an item's steps: GEMM1's 16 steps of 256 at 48 rows fit 3 stages
     # with ws, so 2; stages=4 given: 4 would not fit, 3 does not divide 16, so 2 again
     cases = [(dict(block_m=48, **one), [(True, True, 2), (True, False, 2)]),
              (dict(block_m=48, stages=4, **one), [(True, True, 2), (True, False, 4)])]
-    _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"], kw["stages"]), cases, 4, 4096, 256)
+    _check_layer_picks(monkeypatch, lambda kw: (kw["persistent"], kw["ws"], kw["stages"]), cases, 4, 4096, 256,
+                       close=())
 
 
 @pytest.mark.parametrize("schedule", ["pair", "blocked"])
