@@ -536,7 +536,8 @@ elif [ "$part" = 48 ]; then    # v14: the wgmma columns (AWQ / GPTQ) of the deco
     # routings (the session's last ~4 device minutes; rows print as they finish)
     wgmma_table 200 mixtral:1,16,64 qwen3:1 dsv2lite:1 qwen3:64 dsv2lite:16 --reps 160
     grep -E "^\| |rc |rror" "$OUT/table_wgmma.log"
-elif [ "$part" = 49 ]; then    # prepared in v14 for the next session: what the 8-row GEMMs wait on now that lop3
+elif [ "$part" = 49 ]; then    # prepared in v14 (its 8-row stall reasons and Mixtral 64 as the ws stream ran in part 52,
+    # v15; the rest is still to run): what the 8-row GEMMs wait on now that lop3
     # took the issue rate out of the way (Mixtral 16 tokens did not move, part 47) — the warp stall reasons per
     # issued instruction (Nsight Compute's WarpStateStats body), and the same for the 32-row ws and the 48-row
     # Qwen3 GEMMs; then the 8-row decode GEMM1 at Mixtral 16 tokens with a K split (3584 programs of 8 steps:
@@ -553,12 +554,7 @@ elif [ "$part" = 49 ]; then    # prepared in v14 for the next session: what the 
     grep -E "==PROF==|==ERROR|Duration|DRAM Throughput|Issued Warp|No Eligible|issue_stalled|Stall|rc " "$OUT"/ncu_*.log | head -120
     logged "m16" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 --reps 160 \
         --variants "wgmma=kernel:wgmma;split1 2=kernel:wgmma,split1:2;st3=kernel:wgmma,stages:3;wgmma again=kernel:wgmma"
-    # v15: the chained ws stream at Mixtral 64 tokens' 32-row ws blocks (one program per SM today, 896 GEMM1
-    # programs of 16 steps, 6.8 waves, each filling its ring; 128 GEMM2 programs of 56). Prediction: within ±3%
-    # (part 50: slower at 144-row blocks; GEMM2 has no second wave to hide)
-    logged "m64" 110 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 160 \
-        --variants "wgmma=kernel:wgmma;pers ws=kernel:wgmma,persistent:1,ws:1,weight_in_gemm2:0;wgmma again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m16.log" "$OUT/m64.log"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m16.log"
 elif [ "$part" = 50 ]; then    # prepared in v14 for the next session (lowered on jax 0.10.2 / 0.11.2 on the CPU, never
     # run on a GPU): persistent with ws — one program per SM, one warp-specialized pipeline per item of 2·block_n
     # columns, the pipelines chained by pipeline_state so the copy warpgroup fetches the next item while the compute
