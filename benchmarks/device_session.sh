@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15); 32–34, 49, 56 and 57 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–58 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -652,6 +652,20 @@ elif [ "$part" = 57 ]; then    # prepared in v15 for the next session: the ws st
     logged "pergemm" 450 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096,512 --reps 40 \
         --variants "wgmma=kernel:wgmma;wig0=kernel:wgmma,weight_in_gemm2:0;stream2=kernel:wgmma,persistent:-/1,weight_in_gemm2:0;stream 1 only=kernel:wgmma,persistent:-/0;stream 2 only=kernel:wgmma,persistent:0/-;wgmma again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/pergemm.log"
+elif [ "$part" = 58 ]; then    # v16, from part 56 (Mixtral 16 tokens: tout at 8-row blocks 227.0 µs, with GEMM2 unsplit
+    # too 216.2, against 236.0–236.4): the new defaults (tout wherever the output is 16-bit; the blocked schedule's
+    # GEMM2 unsplit in blocks of up to 16 rows) at every decode row they change, A B A against v15's forms (tout:0,
+    # split2:2 gives v15's picks at these 8-row rows; at Mixtral 32, 16-row blocks, split2:2 alone). Prediction:
+    # Mixtral 16 −15–20 µs, Mixtral 32 −5–15, Qwen3 16 / 64 and DeepSeek-V2-Lite 16 (GEMM2 already unsplit, so
+    # the XLA transposes go) −2–6 µs each. Then the new kernel cases (8-row sfold with tout) and the
+    # blocked-defaults layer test at Mixtral (16 tokens: the default, and the v15 form), AWQ
+    logged "v16" 260 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16 qwen3:16,64 dsv2lite:16 --reps 160 \
+        --variants "v16=kernel:wgmma;v15=kernel:wgmma,tout:0,split2:2;v16 again=kernel:wgmma"
+    logged "v16m32" 100 python3 benchmarks/moe_engine.py --sweep --rows mixtral:32 --reps 160 \
+        --variants "v16=kernel:wgmma;v15=kernel:wgmma,split2:2;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/v16.log" "$OUT/v16m32.log"
+    gpu_tests 200 "(bm8 and sfold1 and tout1) or (blocked_defaults and awq and mixtral)"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

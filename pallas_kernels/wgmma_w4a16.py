@@ -1307,11 +1307,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
     6359 µs, 64 tokens 453 vs 526; Qwen3 4096 tokens 1687 vs 1869; NOTES.md v7). ``tout``: those
     GEMMs also write ``[M, N]`` through shared memory (a transposed store in the kernel) instead of
-    ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on for blocks of 16 rows or more
-    (Qwen3 512 tokens 534 vs 573 µs, Mixtral 64 tokens 439 vs 453; at 128-row blocks, with one
-    pipeline stage fewer for the output tile, Qwen3 4096 tokens 1198 vs 1692–1822 µs and Mixtral
-    4096 tokens 5527 vs 6003–6026; NOTES.md v8; at 8 rows the GEMM was slower, 325 vs 291 µs);
-    never at 128-row blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory
+    ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on (Qwen3 512 tokens 534 vs
+    573 µs, Mixtral 64 tokens 439 vs 453; at 128-row blocks, with one pipeline stage fewer for the
+    output tile, Qwen3 4096 tokens 1198 vs 1692–1822 µs and Mixtral 4096 tokens 5527 vs
+    6003–6026; NOTES.md v8; since v16 at 8-row blocks too: Mixtral 16 tokens 227.0 vs
+    236.0–236.4, NOTES.md v16 — v8's 325 vs 291 there was the old timing); never at 128-row blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory
     for the output tile.
     ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"gather"`` (each
     token gathers its k rows through the inverse of the row order; default since v9: Qwen3 4096
@@ -1357,11 +1357,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
     ``split1`` / ``split2``: GEMM1's / GEMM2's K split (the largest divisor of its steps up to
-    the value); default: about 2 programs per SM, and about 4 with at least 4 steps each for the
-    pair schedule's GEMM1 and the blocked schedule's GEMM2 in blocks of up to 16 rows, whose
-    8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0 µs at split1 2 against 1;
-    Mixtral 16 tokens 234.4 vs 240.0–240.7 at split2 2 against 1; NOTES.md v14). A split > 1
-    gives up ``out16`` and the fused activation for that GEMM.
+    the value); default: about 2 programs per SM; about 4 with at least 4 steps each for the
+    pair schedule's GEMM1, whose 8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0
+    µs at split1 2 against 1; NOTES.md v14); none for the blocked schedule's GEMM2 in blocks of
+    up to 16 rows since v16, whose unsplit 16-bit ``tout`` output leaves XLA no float32 partials
+    to sum (Mixtral 16 tokens 216.2 vs 227.0 at split2 2, NOTES.md v16). A split > 1 gives up
+    ``out16`` and the fused activation for that GEMM.
     ``persistent``: ``True``: every GEMM without ``overlap`` or ``zfold`` runs as the kernel's
     ``persistent`` stream over all (block, column tile, K split) items instead of one program per
     item; with ``ws`` where ``ws`` applies (the kernel's chained warp-specialized stream, v14)
@@ -1426,37 +1427,40 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
-    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, rs_optional=False,
-             persistent=None):
+    def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, whole=False,
+             rs_optional=False, persistent=None):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated, rs applied)``: the
         kernel's own output without a K split (16-bit with ``out16``), else the float32 sum of the
         splits; with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination.
         ``rs_optional``: the row scales may be left to the caller (the third value says whether
         the kernel applied them), so that the default ``ws`` stream, which takes none, can run.
-        ``persistent``: this GEMM's share of the layer's option."""
+        ``persistent``: this GEMM's share of the layer's option. ``whole``: no K split unless one is
+        asked for (the 16-bit ``tout`` output, no float32 partials for XLA to sum)."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
         steps = n_kb // kpb
         tiles = experts.shape[0] * (n // bn)
-        if split or dest is not None:
+        if split or dest is not None or whole:
             want = split or 1
         elif per_sm4:
-            # the pair schedule's GEMM1 and the blocked schedule's GEMM2 in fold blocks (≤ 16 rows,
-            # 4–5 programs fit per SM): about 4 programs per SM, each streaming at least 4 steps.
-            # The 8-row kernel's profile reached 71% of DRAM's rate with 4 per SM (part 44).
-            # Mixtral 1 token, GEMM1 (448 tiles of 16 steps, 3–4 per SM unevenly): split 2 67.7 µs
-            # against 72.9–73.0 at 1 (part 45; 70.2 against 72.4–72.9 in part 35). Mixtral 16
-            # tokens, GEMM2 (352 tiles of 56 steps, ~2 per SM): split 2 234.4 against 240.0–240.7
-            # (part 46). Qwen3 and DeepSeek-V2-Lite 1 token (96 / 132 tiles of 8 steps) keep split 2
-            # (split 4 no faster: parts 35, 45)
+            # the pair schedule's GEMM1 (8-row blocks, 4–5 programs fit per SM): about 4 programs
+            # per SM, each streaming at least 4 steps. The 8-row kernel's profile reached 71% of
+            # DRAM's rate with 4 per SM (part 44). Mixtral 1 token (448 tiles of 16 steps, 3–4 per
+            # SM unevenly): split 2 67.7 µs against 72.9–73.0 at 1 (part 45; 70.2 against
+            # 72.4–72.9 in part 35). Qwen3 and DeepSeek-V2-Lite 1 token (96 / 132 tiles of 8 steps)
+            # keep split 2 (split 4 no faster: parts 35, 45). (v14–v15 split the blocked schedule's
+            # GEMM2 in fold blocks the same way — Mixtral 16 tokens 234.4 against 240.0–240.7 at 1,
+            # part 46, when its output was still transposed by XLA; unsplit with tout since v16.)
             want = min(choose_split(tiles, n_kb, sms=num_sms(), waves=4), max(1, (n_kb // kpb) // 4))
         else:
             want = choose_split(tiles, n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
         gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
-        tr = o16 and TRANSPOSED_STORE and ((bm >= 16 or dest is not None) if tout is None else bool(tout))
+        # tout by default wherever the output is 16-bit, 8-row blocks too since v16 (Mixtral 16 tokens
+        # 227.0 µs against 236.0–236.4 without it, part 56; v8's "slower at 8 rows" was the old timing)
+        tr = o16 and TRANSPOSED_STORE and (True if tout is None else bool(tout))
         fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
@@ -1630,7 +1634,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             out = out + total(weights.w2_bias[jnp.maximum(local, 0)].astype(jnp.float32) * w[..., None], 1)
         return nan_bad(out).astype(cdt)
     # default weight_in_gemm2: the router weights may move to XLA where GEMM2 runs the ws stream
-    y, _, in_gemm2 = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, per_sm4=schedule == "blocked" and bm <= 16,
+    # GEMM2 in the blocked schedule's fold blocks (≤ 16 rows) runs unsplit since v16: its 16-bit [M, N]
+    # tiles (tout) leave XLA no float32 partials to sum and transpose (Mixtral 16 tokens 216.2 µs
+    # against 227.0 at split 2, both with tout; 236.0–236.4 for v15: part 56)
+    y, _, in_gemm2 = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, whole=schedule == "blocked" and bm <= 16,
                           rs_optional=weight_in_gemm2 is None, persistent=pers_of[1])
     y = first_rows(y).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows

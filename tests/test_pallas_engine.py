@@ -587,6 +587,11 @@ _WGMMA_GPU_CASES = [
     (True, 128, 16, 1, dict(block_n=128, shift32=True, out16=True, tout=True)),
     (False, -1, 64, 1, dict(out16=True, tout=True, stages=4)),
     (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True, out16=True, tout=True)),
+    # the v16 default at 8-row blocked GEMMs: sfold with the [M, N] store (GEMM1 gated, GEMM2 row scales)
+    (True, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                           gated="silu", k=2048)),
+    (False, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True, rs=True,
+                            k=2048)),
     (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True)),
     (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048)),
     (False, 128, 32, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=2, out16=True, tout=True,
@@ -1022,6 +1027,29 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
             wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), expert_map=em, persistent=bad)
 
 
+def test_fused_moe_wgmma_split_defaults_cpu(monkeypatch):
+    """GEMM2's K split by default on an H200's 132 SMs (v16): the blocked schedule's GEMM2 in fold
+    blocks (up to 16 rows) runs unsplit, its output 16-bit and, with jax >= 0.11, ``[M, N]``
+    tiles (``tout``, 8-row blocks too) — v14–v15 split it to about 4 programs per SM (here 2 of
+    its 8 steps); a given ``split2`` still splits (float32 partials, no ``tout``); 32-row blocks
+    keep about 2 programs per SM; GEMM1 keeps its rule; the layer stays right (kernel replaced by
+    its jnp contract)."""
+    import pallas_kernels.wna16_grouped_gemm as gg
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE as tr
+
+    monkeypatch.setattr(gg, "num_sms", lambda: 132)
+
+    def pick(kw):
+        return kw["block_m"], kw["split_k"], jnp.dtype(kw["out_dtype"]).name, kw["tout"]
+    # H = I = 2048: 8 steps of 256 per GEMM, few tiles (4 experts, 24 tokens)
+    cases = [(dict(block_m=8), [(8, 1, "bfloat16", tr), (8, 1, "bfloat16", tr)]),
+             (dict(block_m=16), [(16, 2, "float32", False), (16, 1, "bfloat16", tr)]),
+             (dict(block_m=8, split2=2), [(8, 1, "bfloat16", tr), (8, 2, "float32", False)]),
+             (dict(block_m=8, tout=False), [(8, 1, "bfloat16", False), (8, 1, "bfloat16", False)]),
+             (dict(block_m=32), [(32, 2, "float32", False), (32, 2, "float32", False)])]
+    _check_layer_picks(monkeypatch, pick, cases, 4, 2048, 2048, close={0})
+
+
 def test_fused_moe_wgmma_persistent_cpu(monkeypatch):
     """``persistent=True`` reaches every GEMM without ``overlap`` or ``zfold`` (K splits and the
     scale-only fold take it); with ``ws`` where ``ws`` applies and the GEMM has neither row scales
@@ -1256,7 +1284,8 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     assert not o["tout"] and o["stages"] == 4
     o = picks(block_m=128, wide=True, tout=True)[2048]             # 2 stages of 256-deep steps: no room
     assert o["kpb"] == 2 and o["stages"] == 2 and not o["tout"]
-    assert picks(block_m=8, split1=1)[2048]["out_dtype"] == jnp.bfloat16 and not picks(block_m=8, split1=1)[2048]["tout"]
+    o = picks(block_m=8, split1=1)[2048]                           # 8-row blocks too since v16
+    assert o["out_dtype"] == jnp.bfloat16 and o["tout"] == tr and not picks(block_m=8, split1=1, tout=False)[2048]["tout"]
     o = picks(block_m=8, split1=4)[2048]                           # split partials stay float32
     assert o["split_k"] == 4 and o["out_dtype"] == jnp.float32 and not picks(block_m=8, split1=4, tout=True)[2048]["tout"]
     assert picks(block_m=32, out16=False)[2048]["out_dtype"] == jnp.float32 and not picks(block_m=32, out16=False)[2048]["tout"]
@@ -1729,8 +1758,8 @@ V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 def test_wgmma_blocked_defaults_gpu(shape, key):
     """The blocked schedule's defaults since v12 — ``sfold`` in 8-row blocks (Mixtral 16, Qwen3
-    64, DeepSeek-V2-Lite 16 tokens; since v14 GEMM2 split to ~4 programs per SM there, 2 at
-    Mixtral 16), in 48-row blocks of short K streams (Qwen3 512, DeepSeek-V2-Lite 256 tokens)
+    64, DeepSeek-V2-Lite 16 tokens; since v16 both GEMMs unsplit there with ``[M, N]`` tiles, v14–v15
+    split GEMM2 at Mixtral 16 — ``split2=2`` below), in 48-row blocks of short K streams (Qwen3 512, DeepSeek-V2-Lite 256 tokens)
     the chained ``ws`` stream since v15 (GEMM2 at DeepSeek-V2-Lite's 11 steps excepted) and the
     v12 form there (``persistent=False``: no ``ws``, 2 stages) — the v11 forms (``sfold=False``, ``ws=True``),
     128-deep steps at 3 stages there, and the ``persistent`` GEMMs (since v14 also the chained ``ws``
@@ -1747,7 +1776,8 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
     for t in V12_TOKENS[shape]:
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1)) if t <= 64 else
+        for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1), dict(split2=2, tout=False))
+                     if t <= 64 else
                      (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3),
                       dict(persistent=True, ws=True, weight_in_gemm2=False), dict(persistent=False))):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
