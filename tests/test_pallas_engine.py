@@ -1784,6 +1784,34 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
             _layer_close(got, ref, what=f"blocked {over} T={t}")
 
 
+V16_TOKENS = {"mixtral": (16, 32), "qwen3": (16, 64), "dsv2lite": (16,)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_v16_defaults_gpu(shape, key):
+    """The decode rows v16's defaults change — ``[M, N]`` tiles (``tout``) at 8-row blocks and the
+    blocked schedule's GEMM2 unsplit in blocks of up to 16 rows: Mixtral 16 / 32 tokens (8- / 16-row
+    blocks), Qwen3 16 (the pair schedule, both GEMMs unsplit) and 64, DeepSeek-V2-Lite 16 — through
+    ``fused_moe`` on the weights the table prepares, and v15's forms (``tout=False, split2=2``),
+    expert 0 never routed, fresh inputs per call, against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    from wna16_jax.backends import TABLE, Backend
+    from wna16_jax.moe import fused_moe
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    for t in V16_TOKENS[shape]:
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
+        got = jax.jit(functools.partial(fused_moe_wgmma, tout=False, split2=2))(x, tw, ids, wg)
+        _layer_close(got, ref, what=f"v15 form (tout=False, split2=2) T={t}")
+
+
 ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}
 
 
