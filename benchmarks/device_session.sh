@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–59 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–60 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -666,13 +666,18 @@ elif [ "$part" = 58 ]; then    # v16, from part 56 (Mixtral 16 tokens: tout at 8
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/v16.log" "$OUT/v16m32.log"
     gpu_tests 200 "(bm8 and sfold1 and tout1) or (blocked_defaults and awq and mixtral)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
-elif [ "$part" = 59 ]; then    # v16: the GPU tests of v16's defaults at every decode row they change, every format
-    # (test_wgmma_v16_defaults_gpu: Mixtral 16 / 32, Qwen3 16 / 64, DeepSeek-V2-Lite 16 tokens; default and v15's form),
-    # and DeepSeek-V2-Lite 1 token, whose GEMM2 (11 steps, unsplit: no divisor of 11 up to its split) now writes
-    # [M, N] tiles too (the pair-defaults test, and the row timed against v15's form). Prediction: −1–3 µs
-    logged "dsv2_1" 90 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:1 --reps 160 \
-        --variants "v16=kernel:wgmma;v15=kernel:wgmma,tout:0;v16 again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/dsv2_1.log"
+elif [ "$part" = 59 ]; then    # v16: the 1-token rows now that 8-row GEMMs write [M, N] tiles (tout). Unsplit GEMMs
+    # then leave XLA nothing between the two kernels (GEMM1's act(gate)·up rows are GEMM2's input as they are)
+    # and a 16-bit [M, N] output to sum: split1 1 / split2 1 lost at 1 token while XLA still transposed (part 35:
+    # Qwen3 23.4 / 21.8 against 19.7–20.7 µs). DeepSeek-V2-Lite's GEMM2 (11 steps) is already unsplit, so v16
+    # changes it (v15: tout:0). Prediction: Qwen3 and DeepSeek-V2-Lite split1 1 + split2 1 1–3 µs faster than
+    # the default; Mixtral (GEMM2 at split 1 would be 64 programs of 56 steps) no better
+    logged "decode1" 250 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 160 \
+        --variants "v16=kernel:wgmma;v15=kernel:wgmma,tout:0;s1 1=kernel:wgmma,split1:1;s2 1=kernel:wgmma,split2:1;s1 1 s2 1=kernel:wgmma,split1:1,split2:1;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/decode1.log"
+elif [ "$part" = 60 ]; then    # v16: the GPU tests of v16's defaults at every decode row they change, every format
+    # (test_wgmma_v16_defaults_gpu: Mixtral 16 / 32, Qwen3 16 / 64, DeepSeek-V2-Lite 16 tokens; default and v15's
+    # form), and DeepSeek-V2-Lite 1 token, whose unsplit GEMM2 now writes [M, N] tiles (the pair-defaults test)
     gpu_tests 420 "v16_defaults_gpu or (pair_defaults_gpu and dsv2lite)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -16
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
