@@ -672,9 +672,15 @@ elif [ "$part" = 59 ]; then    # v16: the 1-token rows now that 8-row GEMMs writ
     # Qwen3 23.4 / 21.8 against 19.7–20.7 µs). DeepSeek-V2-Lite's GEMM2 (11 steps) is already unsplit, so v16
     # changes it (v15: tout:0). Prediction: Qwen3 and DeepSeek-V2-Lite split1 1 + split2 1 1–3 µs faster than
     # the default; Mixtral (GEMM2 at split 1 would be 64 programs of 56 steps) no better
-    logged "decode1" 250 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 160 \
-        --variants "v16=kernel:wgmma;v15=kernel:wgmma,tout:0;s1 1=kernel:wgmma,split1:1;s2 1=kernel:wgmma,split2:1;s1 1 s2 1=kernel:wgmma,split1:1,split2:1;v16 again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/decode1.log"
+    logged "decode1" 200 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 160 \
+        --variants "v16=kernel:wgmma;v15=kernel:wgmma,tout:0;s2 1=kernel:wgmma,split2:1;s1 1 s2 1=kernel:wgmma,split1:1,split2:1;v16 again=kernel:wgmma"
+    # and the alignment by comparing all pairs (align="compare", new: counts, ranks, a cumulative sum and the
+    # inverse as reductions — no sort, scatters or search — and each pair's row for the top-k gather, so no
+    # scatter there either) at the blocked decode rows. Prediction: 3–5 µs less each (~8 of Mixtral 16 tokens'
+    # 14 small XLA kernels were the alignment's and the gather's inverse, part 55)
+    logged "align" 170 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64 dsv2lite:16 --reps 160 \
+        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/decode1.log" "$OUT/align.log"
 elif [ "$part" = 60 ]; then    # v16: the GPU tests of v16's defaults at every decode row they change, every format
     # (test_wgmma_v16_defaults_gpu: Mixtral 16 / 32, Qwen3 16 / 64, DeepSeek-V2-Lite 16 tokens; default and v15's
     # form), and DeepSeek-V2-Lite 1 token, whose unsplit GEMM2 now writes [M, N] tiles (the pair-defaults test)

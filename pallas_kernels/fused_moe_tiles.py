@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError
 from wna16_jax.moe import check_activation, default_block_m
-from wna16_jax.routing import moe_align_block_size
+from wna16_jax.routing import _moe_align
 from wna16_jax.weights import ExpertsMixin, LogicalQuant, pytree_dataclass
 
 from .wna16_grouped_gemm import (FUSED_ACTIVATIONS, choose_split, grouped_gemm, grouped_gemm_t, num_sms,
@@ -246,17 +246,19 @@ def _local(topk_ids, expert_map, gne, e):
 def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, method="auto"):
     """The routed pairs sorted by expert into ``bm``-row blocks, keeping only the blocks that can
     be non-empty. Returns ``(nb, block_expert [nb], row_expert [nb·bm], valid, flat pair id,
-    token)`` per row (``valid`` false on padding rows; ids out of range count as expert 0 and the
-    caller NaNs their tokens)."""
+    token, pair_rows)`` per row (``valid`` false on padding rows; ids out of range count as expert
+    0 and the caller NaNs their tokens); ``pair_rows [T·k]``: the row of each pair (``nb·bm`` or
+    more where it has none) where the alignment ``method`` gives them for free (``"compare"``),
+    else ``None``."""
     t, k = topk_ids.shape
-    aligned = moe_align_block_size(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
-                                   ignore_invalid_experts=True, method=method)
+    aligned, rows = _moe_align(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
+                               ignore_invalid_experts=True, method=method, with_rows=True)
     nb = min(max_blocks(t * k, bm, e), aligned.expert_ids.shape[0])
     ids = aligned.sorted_token_ids[:nb * bm]
     experts = aligned.expert_ids[:nb]
     valid = ids < t * k
     flat = jnp.where(valid, ids, 0)
-    return nb, experts, jnp.repeat(experts, bm), valid, flat, flat // k
+    return nb, experts, jnp.repeat(experts, bm), valid, flat, flat // k, rows
 
 
 def _layer_inputs(hidden_states, topk_ids, weights, expert_map, global_num_experts):
@@ -328,7 +330,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
         out = y.sum(0).reshape(t, k, h_dim).sum(1)
     else:
         bm = cfg.block_m
-        nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+        nb, experts, row_expert, valid, flat, tok, _ = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
         a1 = _permute_cols(jnp.where(valid[:, None], x[tok], 0).astype(cdt), weights.w13_perm, row_expert)
         tw_rows = jnp.where(valid, tw.reshape(-1)[flat], 0.0)
         fuse = cfg.split1 == 1 and act_name in FUSED_ACTIVATIONS
@@ -425,7 +427,7 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
                                                     global_num_experts)
     bm = _pow2(max(16, block_m or default_block_m(t, k, e)))      # Triton: power-of-two blocks
     _, bad = _local(topk_ids, expert_map, gne, e)
-    nb, experts, row_expert, valid, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+    nb, experts, row_expert, valid, flat, tok, _ = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
     live = valid & (row_expert >= 0)
     w_rows = jnp.where(live, topk_weights.astype(jnp.float32).reshape(-1)[flat], 0.0)
     kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, block_m=bm)

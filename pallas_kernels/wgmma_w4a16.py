@@ -1311,8 +1311,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     573 µs, Mixtral 64 tokens 439 vs 453; at 128-row blocks, with one pipeline stage fewer for the
     output tile, Qwen3 4096 tokens 1198 vs 1692–1822 µs and Mixtral 4096 tokens 5527 vs
     6003–6026; NOTES.md v8; since v16 at 8-row blocks too: Mixtral 16 tokens 227.0 vs
-    236.0–236.4, NOTES.md v16 — v8's 325 vs 291 there was the old timing); never at 128-row blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory
-    for the output tile.
+    236.0–236.4, NOTES.md v16 — v8's 325 vs 291 there was the old timing); never at 128-row
+    blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory for the output
+    tile.
     ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"gather"`` (each
     token gathers its k rows through the inverse of the row order; default since v9: Qwen3 4096
     tokens 1072–1150 vs 1256–1268 µs with GEMM2 writing ``[M, N]`` tiles, Qwen3 512 and Mixtral
@@ -1324,8 +1325,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     back; needs jax >= 0.11, GEMM2 without a K split and with its 16-bit output tile, and the
     router weights in GEMM2 or on the input, else :class:`ConfigError` says which).
     ``align`` (blocked schedule): how the routed pairs are sorted by expert
-    (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"`` or
-    ``"auto"``, the same order).
+    (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"``,
+    ``"compare"`` or ``"auto"``, the same order; ``"compare"`` also gives each pair's row, so the
+    top-k sum's ``"gather"`` needs no scatter to invert the row order).
     ``one_kernel`` (pair schedule; off by default until timed on the GPU): GEMM1, the activation
     and GEMM2 in one persistent kernel (:func:`pallas_kernels.wgmma_decode.wgmma_decode_layer`),
     where the fused activation applies (``fuse_act``), without act-order permutations, a ``w2``
@@ -1581,7 +1583,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         expert_of_row = experts
     else:
         bm = block_m or wgmma_block_m(t * k, e)
-        _, experts, row_expert, live, flat, tok = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, align)
+        _, experts, row_expert, live, flat, tok, pair_rows = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e,
+                                                                            align)
         tw_rows = jnp.where(live, tw[flat], 0.0)
 
         def spread(rows):
@@ -1650,8 +1653,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         out = total(y.reshape(t, k, h_dim), 1)
     elif combine == "gather":                 # row of each routed pair (r: none — a zero row)
         r = y.shape[0]
-        pos = jnp.full((t * k + 1,), r, jnp.int32).at[jnp.where(live, flat, t * k)].set(
-            jnp.arange(r, dtype=jnp.int32))[:t * k]
+        if pair_rows is not None:             # the alignment's own (align="compare"): no scatter
+            pos = jnp.minimum(pair_rows, r)
+        else:
+            pos = jnp.full((t * k + 1,), r, jnp.int32).at[jnp.where(live, flat, t * k)].set(
+                jnp.arange(r, dtype=jnp.int32))[:t * k]
         # a plain sum: XLA already fuses this gather and its top-k reduction into one loop fusion
         # (part 22: 43 µs at Qwen3 4096 tokens), and unrolled slices might make it materialize the rows
         out = jnp.where((pos < r)[:, None], y[jnp.minimum(pos, r - 1)], 0.0).reshape(t, k, h_dim).sum(1)

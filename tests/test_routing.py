@@ -8,6 +8,7 @@ float64 reference up to a tiny tolerance, and weights are compared per chosen ex
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -22,6 +23,7 @@ from wna16_jax.routing import (
     AlignedBlocks,
     BatchedTokens,
     _counting_order,
+    _moe_align,
     batched_moe_align_block_size,
     batched_overflow,
     combine_batched,
@@ -289,7 +291,7 @@ def check_blocks_belong(aligned: AlignedBlocks, flat_owner, n, bs):
     mode=st.sampled_from(["none", "legacy", "ignore"]),
     skew=st.booleans(),
     seed=SEEDS,
-    method=st.sampled_from(["auto", "sort", "count"]),
+    method=st.sampled_from(["auto", "sort", "count", "compare"]),
 )
 def test_moe_align_matches_brute_force(cfg, mode, skew, seed, method):
     T, k, E, bs = cfg
@@ -353,6 +355,31 @@ def test_counting_order_is_a_stable_argsort(n, num_keys, skew, seed):
     np.testing.assert_array_equal(got, np.argsort(keys, kind="stable"))
 
 
+_J_ROWS = jax.jit(functools.partial(_moe_align, method="compare", with_rows=True),
+                 static_argnames=("block_size", "num_experts", "ignore_invalid_experts"))
+
+
+@given(cfg=st.sampled_from(ALIGN_CONFIGS), ignore=st.booleans(), bad=st.booleans(), seed=SEEDS)
+def test_moe_align_compare_rows_invert_the_order(cfg, ignore, bad, seed):
+    """``method="compare"`` also returns each routed slot's padded row: exactly the inverse of
+    ``sorted_token_ids`` on the slots that have a row, ``max_padded`` on the others (ids out of
+    range under jit, non-local experts in ``ignore`` mode); the other methods return none."""
+    T, k, E, bs = cfg
+    rng = np.random.default_rng(seed)
+    ids = random_topk_ids(rng, T, k, E, False)
+    if bad:
+        ids[rng.random((T, k)) < 0.2] = E + 3
+    em = random_expert_map(rng, E)[1] if ignore else None
+    out, rows = _J_ROWS(jnp.asarray(ids), block_size=bs, num_experts=E, expert_map=em, ignore_invalid_experts=ignore)
+    sid, rows, n = np.asarray(out.sorted_token_ids), np.asarray(rows), T * k
+    assert rows.shape == (n,) and rows.dtype == np.int32
+    want = np.full(n, out.max_padded)
+    hit = np.nonzero(sid < n)[0]
+    want[sid[hit]] = hit
+    np.testing.assert_array_equal(rows, want)
+    assert _moe_align(jnp.asarray(np.clip(ids, 0, E - 1)), bs, E, method="sort", with_rows=True)[1] is None
+
+
 def test_moe_align_is_a_pytree():
     ids = np.random.default_rng().integers(0, 8, (5, 2)).astype(np.int32)
     out = J_ALIGN(ids, block_size=4, num_experts=8)
@@ -367,7 +394,7 @@ def test_moe_align_is_a_pytree():
 def test_moe_align_out_of_range_under_jit_is_skipped():
     rng = np.random.default_rng()
     T, k, E, bs = 16, 4, 8, 4
-    for mode, method in [(m, a) for m in ("none", "legacy", "ignore") for a in ("sort", "count")]:
+    for mode, method in [(m, a) for m in ("none", "legacy", "ignore") for a in ("sort", "count", "compare")]:
         ids = random_topk_ids(rng, T, k, E, False)
         bad = rng.random((T, k)) < 0.2
         ids[bad] = rng.choice([-3, -1, E, E + 5, 1000], size=int(bad.sum()))

@@ -325,7 +325,7 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
     return -(-size // block_size) * block_size
 
 
-ALIGN_METHODS = ("auto", "sort", "count")
+ALIGN_METHODS = ("auto", "sort", "count", "compare")
 COUNT_MIN_PAIRS = 1024      # "auto" counts from this many routed pairs on (sorts below)
 _COUNT_CHUNK = 256
 
@@ -356,17 +356,52 @@ def _counting_order(k, num_keys: int):
     return order[:n]
 
 
+def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
+    """:func:`_align_sorted` by comparing all pairs, for a few hundred positions: each position's
+    rank among its bucket's (an ``n × n`` compare-and-count), the buckets' counts (``n × buckets``),
+    their blocks' starts (a cumulative sum over the buckets), each position's padded row from
+    those, and the padded list as the inverse of the rows (``rows × n`` compares) — reductions
+    and elementwise work only, no sort, scatter or search (each of which is a GPU kernel of its
+    own: the sort method's alignment took ~8 of a Mixtral 16-token layer's 14 small XLA
+    kernels, NOTES v15). ``k``: keys with ``num_buckets`` for invalid positions. Also returns the
+    padded row of each position (``max_padded`` for invalid ones)."""
+    n = k.shape[0]
+    max_blocks = max_padded // block_size
+    i = jnp.arange(n, dtype=jnp.int32)
+    counts = (k[None, :] == jnp.arange(num_buckets, dtype=jnp.int32)[:, None]).sum(1, dtype=jnp.int32)
+    rank = ((k[None, :] == k[:, None]) & (i[None, :] < i[:, None])).sum(1, dtype=jnp.int32)
+    nblocks = (counts + (block_size - 1)) // block_size
+    cum_blocks = jnp.cumsum(nblocks)
+    total_blocks = cum_blocks[-1]
+    first_block = cum_blocks - nblocks
+    row = jnp.where(k < num_buckets, first_block[jnp.minimum(k, num_buckets - 1)] * block_size + rank,
+                    max_padded).astype(jnp.int32)
+    r = jnp.arange(max_padded, dtype=jnp.int32)
+    sorted_ids = sentinel + jnp.where(row[None, :] == r[:, None], i[None, :] - sentinel, 0).sum(1, dtype=jnp.int32)
+    # a block's first row always holds a position (blocks are whole runs of one bucket)
+    b = jnp.arange(max_blocks, dtype=jnp.int32)
+    first = sorted_ids[b * block_size]
+    block_expert = jnp.where(b < total_blocks, k[jnp.clip(first, 0, n - 1)], -1).astype(jnp.int32)
+    post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
+    return sorted_ids.astype(jnp.int32), block_expert, post, row
+
+
 def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: int, sentinel: int,
-                  method: str = "auto"):
+                  method: str = "auto", with_rows: bool = False):
     """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad.
 
     Written for the GPU's few-launch needs: one int32 sort (no payload) or, with ``method``
     ``"count"`` (``"auto"``: from :data:`COUNT_MIN_PAIRS` positions on), :func:`_counting_order`
     — the same order —, gathers instead of a scatter for the padded list, and a compare-all
-    ``searchsorted`` (the default binary search is a loop of small launches)."""
+    ``searchsorted`` (the default binary search is a loop of small launches); ``"compare"``:
+    :func:`_align_compare`. ``with_rows``: also each position's padded row (``max_padded`` for
+    invalid ones) where the method has it for free (``"compare"``), else ``None``."""
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
+    if method == "compare" and n:
+        out = _align_compare(k, num_buckets, block_size, max_padded, sentinel)
+        return out if with_rows else out[:3]
     counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)[:num_buckets]
     nblocks = (counts + (block_size - 1)) // block_size
     cum_blocks = jnp.cumsum(nblocks)
@@ -374,8 +409,9 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     b = jnp.arange(max_blocks, dtype=jnp.int32)
     block_expert = jnp.searchsorted(cum_blocks, b, side="right", method="compare_all").astype(jnp.int32)
     post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
+    rows = (None,) if with_rows else ()
     if n == 0:
-        return jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post
+        return (jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post) + rows
     if method == "count" or (method == "auto" and n >= COUNT_MIN_PAIRS):
         order = _counting_order(k, num_buckets + 1)
     elif (num_buckets + 1) * n < 2 ** 31:    # stable order from one sort of unique keys
@@ -390,7 +426,7 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     ok = (r < total_blocks * block_size) & (rank < counts[e_r])
     sorted_ids = jnp.where(ok, order[jnp.clip(raw_start[e_r] + rank, 0, n - 1)], sentinel).astype(jnp.int32)
     block_expert = jnp.where(b < total_blocks, block_expert, -1)
-    return sorted_ids, block_expert, post
+    return (sorted_ids, block_expert, post) + rows
 
 
 def moe_align_block_size(
@@ -420,9 +456,19 @@ def moe_align_block_size(
     they are skipped (never counted, never listed) in both modes.
 
     ``method`` (the same result either way): ``"sort"`` — one int32 sort; ``"count"`` — a
-    counting sort in chunks (:func:`_counting_order`); ``"auto"`` — counting from
-    :data:`COUNT_MIN_PAIRS` routed pairs on.
+    counting sort in chunks (:func:`_counting_order`); ``"compare"`` — all pairs of routed
+    slots compared (:func:`_align_compare`: ``(T·k)²`` work, for a few hundred slots); ``"auto"``
+    — counting from :data:`COUNT_MIN_PAIRS` routed pairs on, sorting below.
     """
+    return _moe_align(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=ignore_invalid_experts,
+                      method=method)[0]
+
+
+def _moe_align(topk_ids, block_size, num_experts, expert_map=None, *, ignore_invalid_experts=False, method="auto",
+               with_rows=False):
+    """:func:`moe_align_block_size` → ``(AlignedBlocks, rows)``: ``rows [T·k]`` the padded row of
+    each routed slot (``max_padded`` where it has none) with ``with_rows`` and ``method="compare"``,
+    else ``None``."""
     if method not in ALIGN_METHODS:
         raise ConfigError(f"method: expected one of {ALIGN_METHODS}, got {method!r}")
     topk_ids = _as_array("topk_ids", topk_ids)
@@ -446,19 +492,20 @@ def moe_align_block_size(
         local = expert_map[jnp.clip(flat, 0, num_experts - 1)]
         valid = valid & (local >= 0) & (local < num_experts)
         keys = local
-    sorted_ids, block_expert, post = _align_sorted(
-        keys, valid, num_experts, block_size, max_padded, n, method
+    sorted_ids, block_expert, post, rows = _align_sorted(
+        keys, valid, num_experts, block_size, max_padded, n, method, with_rows=True
     )
     if expert_map is not None and not ignore_invalid_experts:
         mapped = expert_map[jnp.clip(block_expert, 0, num_experts - 1)]
         block_expert = jnp.where((block_expert >= 0) & (mapped >= 0), mapped, -1)
-    return AlignedBlocks(
+    aligned = AlignedBlocks(
         sorted_token_ids=sorted_ids,
         expert_ids=block_expert,
         num_tokens_post_padded=post,
         block_size=block_size,
         num_valid_tokens=n,
     )
+    return aligned, rows if with_rows else None
 
 
 # --------------------------------------------------------------------------------------------
