@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–60 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–61 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -686,6 +686,16 @@ elif [ "$part" = 60 ]; then    # v16: the GPU tests of v16's defaults at every d
     # form), and DeepSeek-V2-Lite 1 token, whose unsplit GEMM2 now writes [M, N] tiles (the pair-defaults test)
     gpu_tests 420 "v16_defaults_gpu or (pair_defaults_gpu and dsv2lite)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -16
+elif [ "$part" = 61 ]; then    # v16, from part 59 (align="compare": Qwen3 64 tokens 110.9 µs against 124.8–125.2,
+    # DeepSeek-V2-Lite 16 96.4 against 107.2–107.4, Mixtral 16 219.5 against 223.7–224.5): "auto" now compares up
+    # to 512 routed pairs. The new default against the sorted alignment (align:sort) at DeepSeek-V2-Lite 64 tokens
+    # (384 pairs, not timed before) and again at Qwen3 64 and Mixtral 16. Prediction: DeepSeek-V2-Lite 64 −8–14 µs.
+    # Then the v16-defaults GPU tests, whose blocked rows now align by comparing
+    logged "auto" 150 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:64 qwen3:64 mixtral:16 --reps 160 \
+        --variants "v16=kernel:wgmma;sort=kernel:wgmma,align:sort;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/auto.log"
+    gpu_tests 220 "v16_defaults_gpu"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
