@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–61 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -696,6 +696,16 @@ elif [ "$part" = 61 ]; then    # v16, from part 59 (align="compare": Qwen3 64 to
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/auto.log"
     gpu_tests 220 "v16_defaults_gpu"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
+elif [ "$part" = 62 ]; then    # v16, the session's last ~5 device minutes: (a) Mixtral 1 token with GEMM1 unsplit
+    # (split1:1: with v16's tout no XLA pass between the GEMMs; part 45 measured it 5 µs slower while XLA still
+    # transposed). Prediction: within ±2 µs. (b) The compared alignment beyond "auto"'s 512 pairs: DeepSeek-V2-Lite
+    # 128 tokens (768 pairs, sorted by default) and Qwen3 128 (1024, counted). Prediction: compare 5–10 µs faster
+    # at 768 pairs, even at 1024
+    logged "m1" 90 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
+        --variants "v16=kernel:wgmma;s1 1=kernel:wgmma,split1:1;v16 again=kernel:wgmma"
+    logged "cmp128" 130 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:128 qwen3:128 --reps 80 \
+        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m1.log" "$OUT/cmp128.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
