@@ -380,6 +380,22 @@ def test_moe_align_compare_rows_invert_the_order(cfg, ignore, bad, seed):
     assert _moe_align(jnp.asarray(np.clip(ids, 0, E - 1)), bs, E, method="sort", with_rows=True)[1] is None
 
 
+def test_moe_align_auto_compares_where_timed():
+    """``"auto"`` compares (its rows come back) up to 1024 routed pairs while the inverse's padded
+    rows × pairs stay within ``COMPARE_MAX_WORK`` — Qwen3 128 tokens in 16-row blocks (1024 pairs,
+    2944 rows), the largest case timed — and beyond either bound sorts or counts."""
+    from wna16_jax.routing import COMPARE_MAX_WORK
+
+    def rows(t, k, e, bs):
+        ids = jnp.asarray(np.random.default_rng().integers(0, e, (t, k)), jnp.int32)
+        return jax.eval_shape(lambda i: _moe_align(i, bs, e, with_rows=True)[1], ids)
+
+    assert rows(128, 8, 128, 16) is not None and rows(4, 2, 8, 8) is not None
+    assert rows(129, 8, 128, 16) is None                       # 1032 pairs: counted
+    # 1024 pairs on 256 experts in 128-row blocks: 33 536 padded rows
+    assert (1024 + 256 * 127) * 1024 > COMPARE_MAX_WORK and rows(128, 8, 256, 128) is None
+
+
 def test_moe_align_is_a_pytree():
     ids = np.random.default_rng().integers(0, 8, (5, 2)).astype(np.int32)
     out = J_ALIGN(ids, block_size=4, num_experts=8)

@@ -326,12 +326,15 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
 
 
 ALIGN_METHODS = ("auto", "sort", "count", "compare")
-COUNT_MIN_PAIRS = 1024      # "auto" counts from this many routed pairs on
-# "auto" compares all pairs up to this many routed pairs (sorts between): on the H200 the wgmma
-# layer with the compared alignment, same run, Qwen3 64 tokens (512 pairs) 110.9 µs against
-# 124.8–125.2 sorted, DeepSeek-V2-Lite 16 tokens 96.4 against 107.2–107.4, Mixtral 16 tokens
-# 219.5 against 223.7–224.5 (NOTES v16)
-COMPARE_MAX_PAIRS = 512
+COUNT_MIN_PAIRS = 1024      # "auto" counts from this many routed pairs on, above COMPARE_MAX_PAIRS
+# "auto" compares all pairs up to this many routed pairs: on the H200 the wgmma layer with the
+# compared alignment, same runs (NOTES v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
+# 124.8–125.2 sorted, DeepSeek-V2-Lite 16 tokens 96.4 against 107.2–107.4, DeepSeek-V2-Lite 128
+# tokens (768 pairs) 145.3 against 171.6–171.7, Qwen3 128 tokens (1024 pairs) 133.0 against
+# 146.8–150.1 counted (its inverse: 2944 padded rows × 1024 pairs); not timed beyond, so "auto"
+# also keeps the inverse's padded rows × pairs within COMPARE_MAX_WORK (many experts in large blocks)
+COMPARE_MAX_PAIRS = 1024
+COMPARE_MAX_WORK = 1 << 22
 _COUNT_CHUNK = 256
 
 
@@ -397,16 +400,19 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad.
 
     Written for the GPU's few-launch needs: one int32 sort (no payload) or, with ``method``
-    ``"count"`` (``"auto"``: from :data:`COUNT_MIN_PAIRS` positions on), :func:`_counting_order`
+    ``"count"`` (``"auto"``: from :data:`COUNT_MIN_PAIRS` positions on, where it does not
+    compare), :func:`_counting_order`
     — the same order —, gathers instead of a scatter for the padded list, and a compare-all
     ``searchsorted`` (the default binary search is a loop of small launches); ``"compare"``
-    (``"auto"``: up to :data:`COMPARE_MAX_PAIRS` positions): :func:`_align_compare`.
+    (``"auto"``: up to :data:`COMPARE_MAX_PAIRS` positions, and padded rows × positions up to
+    :data:`COMPARE_MAX_WORK`): :func:`_align_compare`.
     ``with_rows``: also each position's padded row (``max_padded`` for invalid ones) where the
     method has it for free (``"compare"``), else ``None``."""
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
-    if n and (method == "compare" or (method == "auto" and n <= COMPARE_MAX_PAIRS)):
+    if n and (method == "compare" or (method == "auto" and n <= COMPARE_MAX_PAIRS
+                                      and max_padded * n <= COMPARE_MAX_WORK)):
         out = _align_compare(k, num_buckets, block_size, max_padded, sentinel)
         return out if with_rows else out[:3]
     counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)[:num_buckets]
@@ -465,8 +471,9 @@ def moe_align_block_size(
     ``method`` (the same result either way): ``"sort"`` — one int32 sort; ``"count"`` — a
     counting sort in chunks (:func:`_counting_order`); ``"compare"`` — all pairs of routed
     slots compared (:func:`_align_compare`: ``(T·k)²`` work, for a few hundred slots); ``"auto"``
-    — comparing up to :data:`COMPARE_MAX_PAIRS` routed pairs, counting from
-    :data:`COUNT_MIN_PAIRS` on, sorting between.
+    — comparing up to :data:`COMPARE_MAX_PAIRS` routed pairs (while the padded rows × pairs stay
+    within :data:`COMPARE_MAX_WORK`), else counting from :data:`COUNT_MIN_PAIRS` pairs on and
+    sorting below.
     """
     return _moe_align(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=ignore_invalid_experts,
                       method=method)[0]
