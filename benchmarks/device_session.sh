@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16); 32–34 and 49 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16); 32–34, 49 and 63 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -706,6 +706,11 @@ elif [ "$part" = 62 ]; then    # v16, the session's last ~5 device minutes: (a) 
     logged "cmp128" 130 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:128 qwen3:128 --reps 80 \
         --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;v16 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m1.log" "$OUT/cmp128.log"
+elif [ "$part" = 63 ]; then    # prepared in v16 for the next session: the v16-defaults GPU test, extended to Qwen3 and
+    # DeepSeek-V2-Lite 128 tokens (1024 / 768 routed pairs: the compared alignment that "auto" took over from the
+    # count and the sort, GPU-timed in part 62 but not yet GPU-tested), every format
+    gpu_tests 300 "v16_defaults_gpu and (qwen3 or dsv2lite)"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -120,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--set", default="", help="layer options 'key:value,...' (fused_moe_wgmma's)")
     args = ap.parse_args(argv)
     from pallas_kernels.wgmma_w4a16 import expected_blocks
+    from wna16_jax.routing import align_method
 
     opts = parse_variants(f"x={args.set}")["x"] if args.set else {}
     for key, tokens in parse_rows(args.rows):
@@ -131,7 +132,8 @@ def main(argv=None):
             pair = bm == 8 and nb == t * k and "pair" == opts.get("schedule", "pair" if t * k <= e else "")
             live = float(t * k) if pair else min(nb, expected_blocks(t * k, e, bm))
             print(f"## {title} T={t}: " + (f"pair schedule, {t * k} pair blocks" if pair else
-                                           f"blocked, {live:.1f} of {nb} blocks live (expected)"))
+                                           f"blocked, {live:.1f} of {nb} blocks live (expected), aligned by "
+                                           f"{align_method(t * k, bm, e, opts.get('align', 'auto'))}"))
             print("  GEMM   bm blocks     N     K   bn kpb st split steps programs     live  smem KB /SM waves"
                   " weights MB  flags")
             for name, (a, kw) in zip(("GEMM1", "GEMM2"), calls):

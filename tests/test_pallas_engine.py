@@ -1785,7 +1785,7 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
             _layer_close(got, ref, what=f"blocked {over} T={t}")
 
 
-V16_TOKENS = {"mixtral": (16, 32), "qwen3": (16, 64), "dsv2lite": (16,)}
+V16_TOKENS = {"mixtral": (16, 32), "qwen3": (16, 64, 128), "dsv2lite": (16, 128)}
 
 
 @pytest.mark.gpu
@@ -1795,9 +1795,12 @@ V16_TOKENS = {"mixtral": (16, 32), "qwen3": (16, 64), "dsv2lite": (16,)}
 def test_wgmma_v16_defaults_gpu(shape, key):
     """The decode rows v16's defaults change — ``[M, N]`` tiles (``tout``) at 8-row blocks and the
     blocked schedule's GEMM2 unsplit in blocks of up to 16 rows: Mixtral 16 / 32 tokens (8- / 16-row
-    blocks), Qwen3 16 (the pair schedule, both GEMMs unsplit) and 64, DeepSeek-V2-Lite 16 — through
-    ``fused_moe`` on the weights the table prepares, and v15's forms (``tout=False, split2=2``),
-    expert 0 never routed, fresh inputs per call, against the float64 reference."""
+    blocks), Qwen3 16 (the pair schedule, both GEMMs unsplit) and 64, DeepSeek-V2-Lite 16 — and the
+    alignment by comparing all pairs that "auto" picks since v16 up to 1024 routed pairs (every
+    blocked row here; at 128 tokens, 768 / 1024 pairs, the sizes it took over from the sort and
+    the count), through ``fused_moe`` on the weights the table prepares, and v15's forms
+    (``tout=False, split2=2``; at 128 tokens the sorted alignment instead), expert 0 never
+    routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
     from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe
@@ -1809,8 +1812,9 @@ def test_wgmma_v16_defaults_gpu(shape, key):
     for t in V16_TOKENS[shape]:
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        got = jax.jit(functools.partial(fused_moe_wgmma, tout=False, split2=2))(x, tw, ids, wg)
-        _layer_close(got, ref, what=f"v15 form (tout=False, split2=2) T={t}")
+        over = dict(align="sort") if t >= 128 else dict(tout=False, split2=2)
+        got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
+        _layer_close(got, ref, what=f"{over} T={t}")
 
 
 ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}

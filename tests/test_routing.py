@@ -24,6 +24,7 @@ from wna16_jax.routing import (
     BatchedTokens,
     _counting_order,
     _moe_align,
+    align_method,
     batched_moe_align_block_size,
     batched_overflow,
     combine_batched,
@@ -394,6 +395,11 @@ def test_moe_align_auto_compares_where_timed():
     assert rows(129, 8, 128, 16) is None                       # 1032 pairs: counted
     # 1024 pairs on 256 experts in 128-row blocks: 33 536 padded rows
     assert (1024 + 256 * 127) * 1024 > COMPARE_MAX_WORK and rows(128, 8, 256, 128) is None
+    assert [align_method(n, bs, e) for n, bs, e in ((1024, 16, 128), (1032, 16, 128), (1024, 128, 256), (1000, 128, 256))
+            ] == ["compare", "count", "count", "sort"]
+    assert align_method(8, 8, 8, "sort") == "sort"
+    with pytest.raises(ConfigError, match="radix"):
+        align_method(8, 8, 8, "radix")
 
 
 def test_moe_align_is_a_pytree():

@@ -39,6 +39,7 @@ __all__ = [
     "fused_topk",
     "grouped_topk",
     "moe_align_block_size",
+    "align_method",
     "max_padded_size",
     "dispatch_batched",
     "combine_batched",
@@ -395,6 +396,22 @@ def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentin
     return sorted_ids.astype(jnp.int32), block_expert, post, row
 
 
+def _resolve_method(n: int, max_padded: int, method: str) -> str:
+    if method != "auto":
+        return method
+    if 0 < n <= COMPARE_MAX_PAIRS and max_padded * n <= COMPARE_MAX_WORK:
+        return "compare"
+    return "count" if n >= COUNT_MIN_PAIRS else "sort"
+
+
+def align_method(num_pairs: int, block_size: int, num_experts: int, method: str = "auto") -> str:
+    """The method :func:`moe_align_block_size` runs for ``num_pairs`` routed pairs (``"auto"``
+    resolved: ``"compare"``, ``"sort"`` or ``"count"``)."""
+    if method not in ALIGN_METHODS:
+        raise ConfigError(f"method: expected one of {ALIGN_METHODS}, got {method!r}")
+    return _resolve_method(num_pairs, max_padded_size(num_pairs, block_size, num_experts), method)
+
+
 def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: int, sentinel: int,
                   method: str = "auto", with_rows: bool = False):
     """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad.
@@ -411,8 +428,8 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
-    if n and (method == "compare" or (method == "auto" and n <= COMPARE_MAX_PAIRS
-                                      and max_padded * n <= COMPARE_MAX_WORK)):
+    method = _resolve_method(n, max_padded, method)
+    if n and method == "compare":
         out = _align_compare(k, num_buckets, block_size, max_padded, sentinel)
         return out if with_rows else out[:3]
     counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)[:num_buckets]
@@ -425,7 +442,7 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     rows = (None,) if with_rows else ()
     if n == 0:
         return (jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post) + rows
-    if method == "count" or (method == "auto" and n >= COUNT_MIN_PAIRS):
+    if method == "count":
         order = _counting_order(k, num_buckets + 1)
     elif (num_buckets + 1) * n < 2 ** 31:    # stable order from one sort of unique keys
         order = (jnp.sort(k * n + jnp.arange(n, dtype=jnp.int32)) % n).astype(jnp.int32)
