@@ -711,6 +711,12 @@ elif [ "$part" = 63 ]; then    # prepared in v16 for the next session: the v16-d
     # count and the sort, GPU-timed in part 62 but not yet GPU-tested), every format
     gpu_tests 300 "v16_defaults_gpu and (qwen3 or dsv2lite)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
+    # and the compared alignment past "auto"'s cap (COMPARE_MAX_WORK = 4.2 M padded rows × pairs): DeepSeek-V2-Lite
+    # 256 tokens (1536 pairs, 7.0 M) and Qwen3 512 (4096 pairs, 41 M), both counted by default. Prediction: faster at
+    # 1536 pairs (5–15 µs), no better at 4096 (the inverse's 41 M compares against the count's ~8 small kernels)
+    logged "cmp_big" 200 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:256 qwen3:512 --reps 40 \
+        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/cmp_big.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
