@@ -395,8 +395,8 @@ def test_moe_align_auto_compares_where_timed():
     assert rows(129, 8, 128, 16) is None                       # 1032 pairs: counted
     # 1024 pairs on 256 experts in 128-row blocks: 33 536 padded rows
     assert (1024 + 256 * 127) * 1024 > COMPARE_MAX_WORK and rows(128, 8, 256, 128) is None
-    assert [align_method(n, bs, e) for n, bs, e in ((1024, 16, 128), (1032, 16, 128), (1024, 128, 256), (1000, 128, 256))
-            ] == ["compare", "count", "count", "sort"]
+    cases = ((1024, 16, 128), (1032, 16, 128), (1024, 128, 256), (1000, 128, 256))
+    assert [align_method(n, bs, e) for n, bs, e in cases] == ["compare", "count", "count", "sort"]
     assert align_method(8, 8, 8, "sort") == "sort"
     with pytest.raises(ConfigError, match="radix"):
         align_method(8, 8, 8, "radix")

@@ -366,15 +366,16 @@ def _counting_order(k, num_keys: int):
 
 
 def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
-    """:func:`_align_sorted` by comparing all pairs, for a few hundred positions: each position's
-    rank among its bucket's (an ``n × n`` compare-and-count), the buckets' counts (``n × buckets``),
-    their blocks' starts (a cumulative sum over the buckets), each position's padded row from
-    those, and the padded list as the inverse of the rows (``rows × n`` compares) — reductions
-    and elementwise work only, no sort, scatter or search (each of which is a GPU kernel of its
-    own: with the sort, the alignment and the inverse of its order were about 8 of a Mixtral
-    16-token layer's 14 small XLA kernels; compared, the wgmma layer at Qwen3 64 tokens took
-    110 µs against 125, NOTES v16). ``k``: keys with ``num_buckets`` for invalid positions. Also returns the
-    padded row of each position (``max_padded`` for invalid ones)."""
+    """:func:`_align_sorted` by comparing all pairs, for up to about a thousand positions: each
+    position's rank among its bucket's (an ``n × n`` compare-and-count), the buckets' counts
+    (``n × buckets``), their blocks' starts (a cumulative sum over the buckets), each position's
+    padded row from those, and the padded list as the inverse of the rows (``rows × n``
+    compares) — reductions and elementwise work only, no sort, scatter or search (each of which
+    is a GPU kernel of its own: with the sort, the alignment and the inverse of its order were
+    about 8 of a Mixtral 16-token layer's 14 small XLA kernels; compared, the wgmma layer at
+    Qwen3 64 tokens took 110 µs against 125, NOTES v16). ``k``: keys, ``num_buckets`` for
+    invalid positions. Also returns the padded row of each position (``max_padded`` for invalid
+    ones)."""
     n = k.shape[0]
     max_blocks = max_padded // block_size
     i = jnp.arange(n, dtype=jnp.int32)
@@ -487,7 +488,7 @@ def moe_align_block_size(
 
     ``method`` (the same result either way): ``"sort"`` — one int32 sort; ``"count"`` — a
     counting sort in chunks (:func:`_counting_order`); ``"compare"`` — all pairs of routed
-    slots compared (:func:`_align_compare`: ``(T·k)²`` work, for a few hundred slots); ``"auto"``
+    slots compared (:func:`_align_compare`: ``(T·k)²`` work, for up to about a thousand slots); ``"auto"``
     — comparing up to :data:`COMPARE_MAX_PAIRS` routed pairs (while the padded rows × pairs stay
     within :data:`COMPARE_MAX_WORK`), else counting from :data:`COUNT_MIN_PAIRS` pairs on and
     sorting below.
