@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16); 32–34, 49 and 63 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16); 32–34, 49, 63 and 64 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -711,12 +711,21 @@ elif [ "$part" = 63 ]; then    # prepared in v16 for the next session: the v16-d
     # count and the sort, GPU-timed in part 62 but not yet GPU-tested), every format
     gpu_tests 300 "v16_defaults_gpu and (qwen3 or dsv2lite)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
-    # and the compared alignment past "auto"'s cap (COMPARE_MAX_WORK = 4.2 M padded rows × pairs): DeepSeek-V2-Lite
-    # 256 tokens (1536 pairs, 7.0 M) and Qwen3 512 (4096 pairs, 41 M), both counted by default. Prediction: faster at
-    # 1536 pairs (5–15 µs), no better at 4096 (the inverse's 41 M compares against the count's ~8 small kernels)
-    logged "cmp_big" 200 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:256 qwen3:512 --reps 40 \
-        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;v16 again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/cmp_big.log"
+elif [ "$part" = 64 ]; then    # prepared in v16 for the next session: the alignment past "auto"'s compare cap, where it
+    # counts (_counting_order: a scatter-add per chunk, cumulative sums, a search, the order's scatter, and the layer's
+    # own scatter to invert it): (a) "compare" (the inverse's padded rows × pairs: DeepSeek-V2-Lite 256 tokens 1536 pairs
+    # 7.0 M, Qwen3 512 41 M, Qwen3 4096 ~1.4 G — left out there); (b) "rank" (new, CPU-tested: per-chunk counts by
+    # reduction, ranks, the padded rows, one scatter for the padded list, and each pair's row for the top-k gather — no
+    # order scatter, no search, no inverse scatter). Prediction: rank 5–10 µs faster at the 512 / 256-token rows and
+    # 5–15 at Qwen3 4096; compare faster at 1536 pairs, slower at 4096. (c) Mixtral 512 tokens (1024 pairs, 2304 padded
+    # rows: 2.4 M) is compared by "auto" since v16 without a timing: against the count it replaced. Prediction: ±1%
+    logged "align_big" 300 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:256 qwen3:512 --reps 40 \
+        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
+    logged "align_m512" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
+        --variants "v16=kernel:wgmma;count=kernel:wgmma,align:count;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
+    logged "align_4096" 200 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 20 \
+        --variants "v16=kernel:wgmma;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/align_*.log
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

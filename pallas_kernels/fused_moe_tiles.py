@@ -248,8 +248,8 @@ def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, method="auto"):
     be non-empty. Returns ``(nb, block_expert [nb], row_expert [nb·bm], valid, flat pair id,
     token, pair_rows)`` per row (``valid`` false on padding rows; ids out of range count as expert
     0 and the caller NaNs their tokens); ``pair_rows [T·k]``: the row of each pair (``nb·bm`` or
-    more where it has none) where the alignment ``method`` gives them for free (``"compare"``),
-    else ``None``."""
+    more where it has none) where the alignment ``method`` gives them for free (``"compare"``,
+    ``"rank"``), else ``None``."""
     t, k = topk_ids.shape
     aligned, rows = _moe_align(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
                                ignore_invalid_experts=True, method=method, with_rows=True)

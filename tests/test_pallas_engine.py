@@ -871,8 +871,8 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     wide = schedule == "wide"                           # 256-deep steps: splits must divide K-blocks / 2
     ref = _reference(w, x, tw, ids, em, activation=activation, on_input=on_input)
     # the top-k sum of sorted rows (blocked only): the inverse-order gather (default) and
-    # segment_sum; the expert sort by one sort, by counting and by comparing (its pair rows inverting
-    # the order for the gather); the router weights in GEMM2's
+    # segment_sum; the expert sort by one sort, by counting, by comparing and by ranks (their pair rows
+    # inverting the order for the gather); the router weights in GEMM2's
     # epilogue and in XLA (each schedule's default, then both forced); the split and top-k sums
     # as unrolled adds (default) and as reductions; the token rows gathered as 32-bit words
     # (default) and as 16-bit values
@@ -880,7 +880,7 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     # in the kernel, which the jnp contract does not need)
     monkeypatch.setattr(wgm, "TRANSPOSED_STORE", True)
     cases = [("gather", "count", None, True, None), ("gather", "compare", True, True, True),
-             ("gather", "count", False, False, False)]
+             ("gather", "rank", False, False, False)]
     for combine, align, in_gemm2, static, g32 in cases + (
             [] if schedule == "pair" else [("scatter", "sort", None, True, True), ("add", "count", None, True, True)]):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,

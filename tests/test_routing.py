@@ -268,7 +268,7 @@ def test_grouped_topk_one_group_equals_fused_topk():
 # (T, k, E, block_size); several have T*k < E
 ALIGN_CONFIGS = [(1, 1, 4, 1), (3, 2, 16, 4), (2, 2, 64, 16), (16, 4, 8, 4), (33, 2, 8, 16),
                  (40, 6, 24, 3), (64, 8, 64, 8),
-                 (300, 2, 8, 16), (130, 8, 32, 8)]    # the counting sort over 3 and 5 chunks (auto: count)
+                 (300, 2, 8, 16), (130, 8, 32, 8)]    # 3 and 5 chunks of 256 (count, rank; auto: compare, count)
 
 
 def check_blocks_belong(aligned: AlignedBlocks, flat_owner, n, bs):
@@ -292,7 +292,7 @@ def check_blocks_belong(aligned: AlignedBlocks, flat_owner, n, bs):
     mode=st.sampled_from(["none", "legacy", "ignore"]),
     skew=st.booleans(),
     seed=SEEDS,
-    method=st.sampled_from(["auto", "sort", "count", "compare"]),
+    method=st.sampled_from(["auto", "sort", "count", "compare", "rank"]),
 )
 def test_moe_align_matches_brute_force(cfg, mode, skew, seed, method):
     T, k, E, bs = cfg
@@ -356,22 +356,24 @@ def test_counting_order_is_a_stable_argsort(n, num_keys, skew, seed):
     np.testing.assert_array_equal(got, np.argsort(keys, kind="stable"))
 
 
-_J_ROWS = jax.jit(functools.partial(_moe_align, method="compare", with_rows=True),
-                 static_argnames=("block_size", "num_experts", "ignore_invalid_experts"))
+_J_ROWS = jax.jit(functools.partial(_moe_align, with_rows=True),
+                 static_argnames=("block_size", "num_experts", "ignore_invalid_experts", "method"))
 
 
-@given(cfg=st.sampled_from(ALIGN_CONFIGS), ignore=st.booleans(), bad=st.booleans(), seed=SEEDS)
-def test_moe_align_compare_rows_invert_the_order(cfg, ignore, bad, seed):
-    """``method="compare"`` also returns each routed slot's padded row: exactly the inverse of
-    ``sorted_token_ids`` on the slots that have a row, ``max_padded`` on the others (ids out of
-    range under jit, non-local experts in ``ignore`` mode); the other methods return none."""
+@given(cfg=st.sampled_from(ALIGN_CONFIGS), ignore=st.booleans(), bad=st.booleans(), seed=SEEDS,
+       method=st.sampled_from(["compare", "rank"]))
+def test_moe_align_compare_rows_invert_the_order(cfg, ignore, bad, seed, method):
+    """``method="compare"`` and ``"rank"`` also return each routed slot's padded row: exactly the
+    inverse of ``sorted_token_ids`` on the slots that have a row, ``max_padded`` on the others (ids
+    out of range under jit, non-local experts in ``ignore`` mode); the other methods return none."""
     T, k, E, bs = cfg
     rng = np.random.default_rng(seed)
     ids = random_topk_ids(rng, T, k, E, False)
     if bad:
         ids[rng.random((T, k)) < 0.2] = E + 3
     em = random_expert_map(rng, E)[1] if ignore else None
-    out, rows = _J_ROWS(jnp.asarray(ids), block_size=bs, num_experts=E, expert_map=em, ignore_invalid_experts=ignore)
+    out, rows = _J_ROWS(jnp.asarray(ids), block_size=bs, num_experts=E, expert_map=em, ignore_invalid_experts=ignore,
+                        method=method)
     sid, rows, n = np.asarray(out.sorted_token_ids), np.asarray(rows), T * k
     assert rows.shape == (n,) and rows.dtype == np.int32
     want = np.full(n, out.max_padded)
@@ -416,7 +418,7 @@ def test_moe_align_is_a_pytree():
 def test_moe_align_out_of_range_under_jit_is_skipped():
     rng = np.random.default_rng()
     T, k, E, bs = 16, 4, 8, 4
-    for mode, method in [(m, a) for m in ("none", "legacy", "ignore") for a in ("sort", "count", "compare")]:
+    for mode, method in [(m, a) for m in ("none", "legacy", "ignore") for a in ("sort", "count", "compare", "rank")]:
         ids = random_topk_ids(rng, T, k, E, False)
         bad = rng.random((T, k)) < 0.2
         ids[bad] = rng.choice([-3, -1, E, E + 5, 1000], size=int(bad.sum()))

@@ -326,7 +326,7 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
     return -(-size // block_size) * block_size
 
 
-ALIGN_METHODS = ("auto", "sort", "count", "compare")
+ALIGN_METHODS = ("auto", "sort", "count", "compare", "rank")
 COUNT_MIN_PAIRS = 1024      # "auto" counts from this many routed pairs on, above COMPARE_MAX_PAIRS
 # "auto" compares all pairs up to this many routed pairs: on the H200 the wgmma layer with the
 # compared alignment, same runs (NOTES v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
@@ -397,6 +397,43 @@ def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentin
     return sorted_ids.astype(jnp.int32), block_expert, post, row
 
 
+def _align_rank(k, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
+    """:func:`_align_sorted` from each position's rank within its bucket, for any number of
+    positions: the positions cut into chunks of 256, per chunk the buckets' counts (a reduction,
+    no scatter-add), their exclusive sum over the chunks, and each position's equals earlier in
+    its chunk (a 256 × 256 compare per chunk) give the rank; the blocks' starts (a cumulative sum
+    over the buckets) give each position's padded row, and one scatter of the positions into
+    their rows gives the padded list. Each block's expert is read from its first row. Returns,
+    like :func:`_align_compare`, the padded row of each position too (``max_padded`` for invalid
+    ones), so a caller needs no scatter to invert the order. ``k``: keys, ``num_buckets`` for
+    invalid positions."""
+    n = k.shape[0]
+    max_blocks = max_padded // block_size
+    c = min(_COUNT_CHUNK, n)
+    nc = -(-n // c)
+    kc = jnp.pad(k, (0, nc * c - n), constant_values=num_buckets).reshape(nc, c)   # padding: invalid
+    per_chunk = (kc[:, :, None] == jnp.arange(num_buckets, dtype=jnp.int32)).sum(1, dtype=jnp.int32)
+    counts = per_chunk.sum(0)
+    before = jnp.cumsum(per_chunk, axis=0) - per_chunk            # equal keys in earlier chunks
+    r = jnp.arange(c, dtype=jnp.int32)
+    within = ((kc[:, :, None] == kc[:, None, :]) & (r[None, :] < r[:, None])).sum(-1, dtype=jnp.int32)
+    safe = jnp.minimum(kc, num_buckets - 1)
+    nblocks = (counts + (block_size - 1)) // block_size
+    cum_blocks = jnp.cumsum(nblocks)
+    total_blocks = cum_blocks[-1]
+    first_block = cum_blocks - nblocks
+    rank = jnp.take_along_axis(before, safe, axis=1) + within
+    row = jnp.where(kc < num_buckets, first_block[safe] * block_size + rank, max_padded).reshape(-1)[:n]
+    row = row.astype(jnp.int32)
+    sorted_ids = jnp.full((max_padded,), sentinel, jnp.int32).at[row].set(jnp.arange(n, dtype=jnp.int32),
+                                                                          mode="drop")
+    b = jnp.arange(max_blocks, dtype=jnp.int32)
+    first = sorted_ids[b * block_size]
+    block_expert = jnp.where(b < total_blocks, k[jnp.clip(first, 0, n - 1)], -1).astype(jnp.int32)
+    post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
+    return sorted_ids, block_expert, post, row
+
+
 def _resolve_method(n: int, max_padded: int, method: str) -> str:
     if method != "auto":
         return method
@@ -423,15 +460,16 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     — the same order —, gathers instead of a scatter for the padded list, and a compare-all
     ``searchsorted`` (the default binary search is a loop of small launches); ``"compare"``
     (``"auto"``: up to :data:`COMPARE_MAX_PAIRS` positions, and padded rows × positions up to
-    :data:`COMPARE_MAX_WORK`): :func:`_align_compare`.
+    :data:`COMPARE_MAX_WORK`): :func:`_align_compare`; ``"rank"``: :func:`_align_rank`.
     ``with_rows``: also each position's padded row (``max_padded`` for invalid ones) where the
-    method has it for free (``"compare"``), else ``None``."""
+    method has it for free (``"compare"``, ``"rank"``), else ``None``."""
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
     method = _resolve_method(n, max_padded, method)
-    if n and method == "compare":
-        out = _align_compare(k, num_buckets, block_size, max_padded, sentinel)
+    if n and method in ("compare", "rank"):
+        out = (_align_compare if method == "compare" else _align_rank)(k, num_buckets, block_size, max_padded,
+                                                                        sentinel)
         return out if with_rows else out[:3]
     counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)[:num_buckets]
     nblocks = (counts + (block_size - 1)) // block_size
@@ -491,7 +529,9 @@ def moe_align_block_size(
     slots compared (:func:`_align_compare`: ``(T·k)²`` work, for up to about a thousand slots); ``"auto"``
     — comparing up to :data:`COMPARE_MAX_PAIRS` routed pairs (while the padded rows × pairs stay
     within :data:`COMPARE_MAX_WORK`), else counting from :data:`COUNT_MIN_PAIRS` pairs on and
-    sorting below.
+    sorting below; ``"rank"`` — each slot's rank within its expert from per-chunk counts, and the
+    padded list by one scatter (:func:`_align_rank`; not yet timed on a GPU, so ``"auto"`` does
+    not pick it).
     """
     return _moe_align(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=ignore_invalid_experts,
                       method=method)[0]
@@ -500,8 +540,8 @@ def moe_align_block_size(
 def _moe_align(topk_ids, block_size, num_experts, expert_map=None, *, ignore_invalid_experts=False, method="auto",
                with_rows=False):
     """:func:`moe_align_block_size` → ``(AlignedBlocks, rows)``: ``rows [T·k]`` the padded row of
-    each routed slot (``max_padded`` where it has none) with ``with_rows`` and ``method="compare"``,
-    else ``None``."""
+    each routed slot (``max_padded`` where it has none) with ``with_rows`` and a method that has
+    them (``"compare"``, ``"rank"``), else ``None``."""
     if method not in ALIGN_METHODS:
         raise ConfigError(f"method: expected one of {ALIGN_METHODS}, got {method!r}")
     topk_ids = _as_array("topk_ids", topk_ids)
