@@ -1663,6 +1663,17 @@ def test_fused_moe_gpu_shapes(shape, key):
             _layer_close(got, ref, what=f"{over} T={t}")
 
 
+def _table_weights(shape, key):
+    """``(rng, top-k, checkpoint weights, the weights the dispatch table prepares on the H200)`` for
+    a GPU layer test: random ``WGMMA_SCHEMES[key]`` weights at ``GPU_SHAPES[shape]``."""
+    from wna16_jax.backends import TABLE, Backend
+
+    rng = np.random.default_rng()
+    e, k, h, i = GPU_SHAPES[shape]
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
+    return rng, k, w, TABLE[Backend.MARLIN].prepare(w.scheme, w)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
@@ -1672,12 +1683,8 @@ def test_wgmma_decode_layer_gpu(shape, key):
     and 2 tokens with expert 0 never routed, three calls in a row with fresh inputs (its global
     semaphores must be back at zero after each call), against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.backends import TABLE, Backend
 
-    rng = np.random.default_rng()
-    e, k, h, i = GPU_SHAPES[shape]
-    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    rng, k, w, wg = _table_weights(shape, key)
     layer = jax.jit(functools.partial(fused_moe_wgmma, one_kernel=True))
     for t in (1, 2, 1):
         x, tw, ids, ref = _routed_case(rng, w, t, k)
@@ -1697,13 +1704,9 @@ def test_fused_moe_wgmma_gpu_shapes(shape, key):
     writes every element in both branches — an id of -1 writes zeros — so there is no buffer to
     poison; NaN or a missed tile fails the finite/error checks.)"""
     from pallas_kernels.wgmma_w4a16 import WgmmaWeights, fused_moe_wgmma
-    from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe, select_executor
 
-    rng = np.random.default_rng()
-    e, k, h, i = GPU_SHAPES[shape]
-    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)                    # what the table runs on the H200
+    rng, k, w, wg = _table_weights(shape, key)                    # what the table runs on the H200
     assert isinstance(wg, WgmmaWeights) and select_executor(wg, jnp.bfloat16) == ("pallas", None)
     for t in GPU_TOKENS[shape] + (300,):
         x, tw, ids, ref = _routed_case(rng, w, t, k)
@@ -1735,13 +1738,9 @@ def test_wgmma_pair_defaults_gpu(shape, key):
     8 experts hold; the layer picks the pair schedule for both), expert 0 never routed, fresh
     inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe
 
-    rng = np.random.default_rng()
-    e, k, h, i = GPU_SHAPES[shape]
-    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    rng, k, w, wg = _table_weights(shape, key)
     for t in (1, 4 if shape == "mixtral" else 3):
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
@@ -1767,13 +1766,9 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
     stream, with the router weights out of GEMM2), through ``fused_moe`` on the weights the table prepares,
     expert 0 never routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe
 
-    rng = np.random.default_rng()
-    e, k, h, i = GPU_SHAPES[shape]
-    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    rng, k, w, wg = _table_weights(shape, key)
     for t in V12_TOKENS[shape]:
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
@@ -1802,13 +1797,9 @@ def test_wgmma_v16_defaults_gpu(shape, key):
     (``tout=False, split2=2``; at 128 tokens the sorted alignment instead), expert 0 never
     routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.backends import TABLE, Backend
     from wna16_jax.moe import fused_moe
 
-    rng = np.random.default_rng()
-    e, k, h, i = GPU_SHAPES[shape]
-    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    rng, k, w, wg = _table_weights(shape, key)
     for t in V16_TOKENS[shape]:
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
@@ -1831,12 +1822,8 @@ def test_wgmma_combine_add_gpu(shape, key):
     DeepSeek-V2-Lite 256), 64- and 128-row ``ws`` blocks (Mixtral 512, Qwen3 4096) — and with the
     persistent GEMMs; expert 0 never routed, fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.backends import TABLE, Backend
 
-    rng = np.random.default_rng()
-    e, k, h, i = GPU_SHAPES[shape]
-    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], e, h, i, scale=0.02).to_jax()
-    wg = TABLE[Backend.MARLIN].prepare(w.scheme, w)
+    rng, k, w, wg = _table_weights(shape, key)
     for t in ADD_TOKENS[shape]:
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         for over in (dict(), dict(persistent=True)):
