@@ -365,6 +365,28 @@ def _counting_order(k, num_keys: int):
     return order[:n]
 
 
+def _padded_from_ranks(k, rank, counts, block_size: int, max_padded: int, inverse):
+    """The alignment's outputs from each position's ``rank`` within its bucket and the buckets'
+    ``counts``: the blocks' starts (a cumulative sum over the buckets), each position's padded
+    row (``max_padded`` for invalid ones), the padded list as ``inverse(row)``, and each block's
+    expert read from its first row (blocks are whole runs of one bucket, so a block's first row
+    always holds a position) → ``(sorted_ids, block_expert, post, row)``."""
+    num_buckets = counts.shape[0]
+    n = k.shape[0]
+    nblocks = (counts + (block_size - 1)) // block_size
+    cum_blocks = jnp.cumsum(nblocks)
+    total_blocks = cum_blocks[-1]
+    first_block = cum_blocks - nblocks
+    row = jnp.where(k < num_buckets, first_block[jnp.minimum(k, num_buckets - 1)] * block_size + rank,
+                    max_padded).astype(jnp.int32)
+    sorted_ids = inverse(row).astype(jnp.int32)
+    b = jnp.arange(max_padded // block_size, dtype=jnp.int32)
+    first = sorted_ids[b * block_size]
+    block_expert = jnp.where(b < total_blocks, k[jnp.clip(first, 0, n - 1)], -1).astype(jnp.int32)
+    post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
+    return sorted_ids, block_expert, post, row
+
+
 def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
     """:func:`_align_sorted` by comparing all pairs, for up to about a thousand positions: each
     position's rank among its bucket's (an ``n × n`` compare-and-count), the buckets' counts
@@ -377,24 +399,14 @@ def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentin
     invalid positions. Also returns the padded row of each position (``max_padded`` for invalid
     ones)."""
     n = k.shape[0]
-    max_blocks = max_padded // block_size
     i = jnp.arange(n, dtype=jnp.int32)
     counts = (k[None, :] == jnp.arange(num_buckets, dtype=jnp.int32)[:, None]).sum(1, dtype=jnp.int32)
     rank = ((k[None, :] == k[:, None]) & (i[None, :] < i[:, None])).sum(1, dtype=jnp.int32)
-    nblocks = (counts + (block_size - 1)) // block_size
-    cum_blocks = jnp.cumsum(nblocks)
-    total_blocks = cum_blocks[-1]
-    first_block = cum_blocks - nblocks
-    row = jnp.where(k < num_buckets, first_block[jnp.minimum(k, num_buckets - 1)] * block_size + rank,
-                    max_padded).astype(jnp.int32)
     r = jnp.arange(max_padded, dtype=jnp.int32)
-    sorted_ids = sentinel + jnp.where(row[None, :] == r[:, None], i[None, :] - sentinel, 0).sum(1, dtype=jnp.int32)
-    # a block's first row always holds a position (blocks are whole runs of one bucket)
-    b = jnp.arange(max_blocks, dtype=jnp.int32)
-    first = sorted_ids[b * block_size]
-    block_expert = jnp.where(b < total_blocks, k[jnp.clip(first, 0, n - 1)], -1).astype(jnp.int32)
-    post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
-    return sorted_ids.astype(jnp.int32), block_expert, post, row
+
+    def inverse(row):                         # rows × n compares, no scatter
+        return sentinel + jnp.where(row[None, :] == r[:, None], i[None, :] - sentinel, 0).sum(1, dtype=jnp.int32)
+    return _padded_from_ranks(k, rank, counts, block_size, max_padded, inverse)
 
 
 def _align_rank(k, num_buckets: int, block_size: int, max_padded: int, sentinel: int):
@@ -408,30 +420,18 @@ def _align_rank(k, num_buckets: int, block_size: int, max_padded: int, sentinel:
     ones), so a caller needs no scatter to invert the order. ``k``: keys, ``num_buckets`` for
     invalid positions."""
     n = k.shape[0]
-    max_blocks = max_padded // block_size
     c = min(_COUNT_CHUNK, n)
     nc = -(-n // c)
     kc = jnp.pad(k, (0, nc * c - n), constant_values=num_buckets).reshape(nc, c)   # padding: invalid
     per_chunk = (kc[:, :, None] == jnp.arange(num_buckets, dtype=jnp.int32)).sum(1, dtype=jnp.int32)
-    counts = per_chunk.sum(0)
     before = jnp.cumsum(per_chunk, axis=0) - per_chunk            # equal keys in earlier chunks
     r = jnp.arange(c, dtype=jnp.int32)
     within = ((kc[:, :, None] == kc[:, None, :]) & (r[None, :] < r[:, None])).sum(-1, dtype=jnp.int32)
-    safe = jnp.minimum(kc, num_buckets - 1)
-    nblocks = (counts + (block_size - 1)) // block_size
-    cum_blocks = jnp.cumsum(nblocks)
-    total_blocks = cum_blocks[-1]
-    first_block = cum_blocks - nblocks
-    rank = jnp.take_along_axis(before, safe, axis=1) + within
-    row = jnp.where(kc < num_buckets, first_block[safe] * block_size + rank, max_padded).reshape(-1)[:n]
-    row = row.astype(jnp.int32)
-    sorted_ids = jnp.full((max_padded,), sentinel, jnp.int32).at[row].set(jnp.arange(n, dtype=jnp.int32),
-                                                                          mode="drop")
-    b = jnp.arange(max_blocks, dtype=jnp.int32)
-    first = sorted_ids[b * block_size]
-    block_expert = jnp.where(b < total_blocks, k[jnp.clip(first, 0, n - 1)], -1).astype(jnp.int32)
-    post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
-    return sorted_ids, block_expert, post, row
+    rank = (jnp.take_along_axis(before, jnp.minimum(kc, num_buckets - 1), axis=1) + within).reshape(-1)[:n]
+
+    def inverse(row):                         # one scatter; invalid positions (row max_padded) dropped
+        return jnp.full((max_padded,), sentinel, jnp.int32).at[row].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return _padded_from_ranks(k, rank, per_chunk.sum(0), block_size, max_padded, inverse)
 
 
 def _resolve_method(n: int, max_padded: int, method: str) -> str:
