@@ -726,6 +726,25 @@ elif [ "$part" = 64 ]; then    # prepared in v16 for the next session: the align
     logged "align_4096" 200 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 20 \
         --variants "v16=kernel:wgmma;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/align_*.log
+elif [ "$part" = 65 ]; then    # v17: (a) the GPU layer tests on _table_weights (the helper of v16's last review, never
+    # GPU-run) and the v16-defaults test at 128 tokens (part 63's compared alignment at 768 / 1024 pairs), AWQ /
+    # GPTQ act-order / GPTQ channelwise; (b) Mixtral 32 / 64 tokens in other block rows. At 64 tokens an expert
+    # gets 16 ± 3.7 rows: 32-row ws blocks (one program per SM, 8.0 live), 24-row blocks (8.1 live, no ws, three
+    # programs per SM: untimed — BLOCK_M_CHOICES has no 24), 16-row sfold (11.5 live). Prediction: 24-row blocks
+    # (plain or sfold) 270–295 µs against 301; 16-row 290–320; 8-row worse (19.5 live blocks)
+    gpu_tests 330 "v16_defaults_gpu or decode_layer_gpu or fused_moe_wgmma_gpu_shapes or (pair_defaults_gpu and awq)"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -12
+    logged "m64rows" 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:32,64 --reps 160 \
+        --variants "v16=kernel:wgmma;bm24=kernel:wgmma,block_m:24;bm24 sfold=kernel:wgmma,block_m:24,zfold:1;bm24 st3=kernel:wgmma,block_m:24,stages:3;bm16=kernel:wgmma,block_m:16;bm8=kernel:wgmma,block_m:8;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m64rows.log"
+elif [ "$part" = 66 ]; then    # v17: part 64 in one call's limit (its three timings trimmed to 560 s)
+    logged "align_m512" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
+        --variants "v16=kernel:wgmma;count=kernel:wgmma,align:count;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
+    logged "align_big" 260 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:256 qwen3:512 --reps 40 \
+        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
+    logged "align_4096" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 10 \
+        --variants "v16=kernel:wgmma;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/align_*.log
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
