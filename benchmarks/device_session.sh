@@ -745,6 +745,23 @@ elif [ "$part" = 66 ]; then    # v17: part 64 in one call's limit (its three tim
     logged "align_4096" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 10 \
         --variants "v16=kernel:wgmma;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/align_*.log
+elif [ "$part" = 67 ]; then    # v17, from part 65 (Mixtral 64 tokens: 24-row sfold blocks 285.9 µs against 293.3 /
+    # 292.3 for v16's 32-row ws blocks; plain 24-row 310.4; 16-row 331.2; Mixtral 32 tokens: v16's 16-row blocks
+    # best). (a) The scale-only fold at 24- and 32-row blocks (three programs per SM instead of one ws program) at
+    # Mixtral 64, and at the rows whose 32-row blocks run plain (short streams): DeepSeek-V2-Lite 128, Qwen3 256
+    # tokens. Prediction: Mixtral 64 bm32 sfold 280–290 µs; the short-stream rows ±3%. (b) 64-column tiles at
+    # Mixtral 1 token: GEMM1 896 programs of 16 steps, 8 per SM (all resident, 6.8 per SM) instead of 896 of 8 at
+    # split 2 and 5 per SM (1.4 waves). Prediction: 62–65 µs against 67. (c) Part 63: the v16-defaults GPU test
+    # at Qwen3 / DeepSeek-V2-Lite, up to 128 tokens (the compared alignment at 1024 / 768 pairs)
+    logged "fold32" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 160 \
+        --variants "v16=kernel:wgmma;bm24 sfold=kernel:wgmma,block_m:24,zfold:1;bm32 sfold=kernel:wgmma,block_m:32,zfold:1;v16 again=kernel:wgmma"
+    logged "fold32s" 150 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:128 qwen3:256 --reps 80 \
+        --variants "v16=kernel:wgmma;bm24 sfold=kernel:wgmma,block_m:24,zfold:1;bm32 sfold=kernel:wgmma,block_m:32,zfold:1;v16 again=kernel:wgmma"
+    logged "bn64" 80 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
+        --variants "v16=kernel:wgmma;bn64=kernel:wgmma,block_n:64;bn64 s2 4=kernel:wgmma,block_n:64,split2:4;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/fold32*.log "$OUT/bn64.log"
+    gpu_tests 190 "v16_defaults_gpu and (qwen3 or dsv2lite)"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
