@@ -760,7 +760,7 @@ elif [ "$part" = 67 ]; then    # v17, from part 65 (Mixtral 64 tokens: 24-row sf
     logged "bn64" 80 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 --reps 160 \
         --variants "v16=kernel:wgmma;bn64=kernel:wgmma,block_n:64;bn64 s2 4=kernel:wgmma,block_n:64,split2:4;v16 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/fold32*.log "$OUT/bn64.log"
-    gpu_tests 190 "v16_defaults_gpu and (qwen3 or dsv2lite)"
+    gpu_tests 210 "v16_defaults_gpu and (qwen3 or dsv2lite)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
