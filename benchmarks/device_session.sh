@@ -762,6 +762,18 @@ elif [ "$part" = 67 ]; then    # v17, from part 65 (Mixtral 64 tokens: 24-row sf
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/fold32*.log "$OUT/bn64.log"
     gpu_tests 210 "v16_defaults_gpu and (qwen3 or dsv2lite)"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -8
+elif [ "$part" = 68 ]; then    # v17, from part 67: the new default (FOLD_ROWS = 24: a 32-row pick becomes 24 rows with
+    # the scale-only fold where those are at most 3% more blocks) — (a) its GPU tests (test_wgmma_v17_defaults_gpu at
+    # Mixtral 64, Qwen3 256, DeepSeek-V2-Lite 128 tokens, every format, and v16's 32-row form; the 24-row sfold kernel
+    # cases); (b) A B A against v16 (block_m:32) at those rows. Prediction: as part 67 (−4%, −9%, −14%);
+    # (c) Mixtral 512 tokens, compared by "auto" since v16 without a timing, against the count. Prediction: ±1%
+    gpu_tests 250 "v17_defaults_gpu or (bm24 and sfold1)"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
+    logged "v17" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 dsv2lite:128 qwen3:256 --reps 80 \
+        --variants "v17=kernel:wgmma;v16=kernel:wgmma,block_m:32;v17 again=kernel:wgmma"
+    logged "align_m512" 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 20 \
+        --variants "v16=kernel:wgmma;count=kernel:wgmma,align:count;v16 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/v17.log" "$OUT/align_m512.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

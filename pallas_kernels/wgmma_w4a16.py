@@ -1203,6 +1203,12 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> "WgmmaWeights":
 
 BLOCK_ROW_COST = 128    # rows of wgmma work one block's weight stream and dequantization are worth
 BLOCK_M_CHOICES = (8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160)
+# The largest blocks that fold by default (v17): the scale-only fold at 24 rows, three programs per
+# SM, against 32-row blocks without it (part 67, same runs: Mixtral 64 tokens 290.0 µs against
+# 300.7–301.9 in 32-row ws blocks, DeepSeek-V2-Lite 128 136.4 against 158.4–159.3, Qwen3 256 170.8
+# against 186.7–192.4 in plain 32-row blocks; 32-row blocks with the fold were no faster: 315.7,
+# 160.6, 185.0)
+FOLD_ROWS = 24
 
 
 def expected_blocks(num_pairs: int, num_experts: int, block_m: int) -> float:
@@ -1250,6 +1256,11 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
         cost = expected_blocks(num_pairs, num_experts, bm) * max(BLOCK_ROW_COST, bm)
         if best_cost is None or cost < 0.97 * best_cost:
             best, best_cost = bm, cost
+    # v17: a 32-row pick becomes FOLD_ROWS (24) where those blocks are at most 3% more — the same 3%
+    # the rule asks of a larger block; the 24-row blocks fold and 32-row ones do not (FOLD_ROWS)
+    if best == 32 and (expected_blocks(num_pairs, num_experts, FOLD_ROWS)
+                       <= 1.03 * expected_blocks(num_pairs, num_experts, 32)):
+        return FOLD_ROWS
     return best
 
 
@@ -1286,8 +1297,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (NOTES.md
     v14). ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
-    to 16 rows (at 32 rows the per-K-block fold cost more than it saved: Qwen3 512 tokens 661 vs
-    576 µs, NOTES.md v6). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
+    to 24 rows (``FOLD_ROWS``; v6–v16: 16 — at 32 rows the fold cost more than it saved: Qwen3 512
+    tokens 661 vs 576 µs, NOTES.md v6; v17, scale-only, 24-row blocks: Mixtral 64 tokens 290.0 vs
+    300.7–301.9, NOTES.md v17; at 32 rows still no faster: 315.7). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
     fold, no ``Σx`` reduction in XLA: two XLA kernels fewer per layer) instead of ``zfold``;
     default: on (differential timing, 40 routings; pair schedule, 1 token, NOTES.md v11: Qwen3
     20.0 vs 29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0; blocked 16-row blocks, NOTES.md
@@ -1465,7 +1477,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # tout by default wherever the output is 16-bit, 8-row blocks too since v16 (Mixtral 16 tokens
         # 227.0 µs against 236.0–236.4 without it, part 56; v8's "slower at 8 rows" was the old timing)
         tr = o16 and TRANSPOSED_STORE and (True if tout is None else bool(tout))
-        fold = bm <= 16 if zfold is None else bool(zfold) and bm <= 32
+        fold = bm <= FOLD_ROWS if zfold is None else bool(zfold) and bm <= 32
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,

@@ -408,6 +408,11 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                       s((4, g, 256), dt), s((4, g, 256), dt) if gs == 128 else None)
                 fn = functools.partial(wgmma_grouped_gemm, block_m=8, group_size=gs, sfold=True, **opts)
                 assert "mosaic_gpu" in jax.jit(fn).trace(*sf).lower(lowering_platforms=("cuda",)).as_text()
+    sf24 = (s((72, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),      # v17: 24-row sfold
+            s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
+    fn = functools.partial(wgmma_grouped_gemm, block_m=24, block_n=128, kpb=2, wide=True, shift32=True, sfold=True,
+                           stages=2, out_dtype=jnp.bfloat16, tout=TRANSPOSED_STORE, gated="silu")
+    assert "mosaic_gpu" in jax.jit(fn).trace(*sf24).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ConfigError, match="pick one"):        # (sf: the last case, channelwise)
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, group_size=-1, zfold=True, sfold=True)).trace(*sf)
     with pytest.raises(ConfigError, match="overlap"):
@@ -592,6 +597,12 @@ _WGMMA_GPU_CASES = [
                            gated="silu", k=2048)),
     (False, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True, rs=True,
                             k=2048)),
+    # the v17 default at 24-row blocks (FOLD_ROWS): the same, and channelwise
+    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                            gated="silu", stages=2, k=2048)),
+    (False, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True, rs=True,
+                             stages=2, k=2048)),
+    (False, -1, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True)),
     (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True)),
     (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048)),
     (False, 128, 32, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=2, out16=True, tout=True,
@@ -944,13 +955,15 @@ def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter, close=N
 
 
 def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
-    """Which fold each GEMM gets by default (NOTES v12): blocks of up to 16 rows — the pair
+    """Which fold each GEMM gets by default (NOTES v12, v17): blocks of up to 24 rows — the pair
     schedule's 8-row blocks and blocked ones — the scale-only fold (``sfold``), 32-row and larger
-    blocks none; ``sfold=False`` puts them back on ``zfold``; the layer stays right in each case
-    (kernel replaced by its jnp contract)."""
+    blocks none unless ``zfold=True`` (up to 32 rows); ``sfold=False`` puts them back on ``zfold``;
+    the layer stays right in each case (kernel replaced by its jnp contract)."""
     cases = [(dict(schedule="pair"), (8, False, True)), (dict(schedule="pair", sfold=False), (8, True, False)),
              (dict(block_m=16), (16, False, True)), (dict(block_m=16, sfold=False), (16, True, False)),
-             (dict(block_m=32), (32, False, False))]
+             (dict(block_m=24), (24, False, True)), (dict(block_m=24, zfold=False), (24, False, False)),
+             (dict(block_m=32), (32, False, False)), (dict(block_m=32, zfold=True), (32, False, True)),
+             (dict(block_m=48, zfold=True), (48, False, False))]
     _check_layer_picks(monkeypatch, lambda kw: (kw["block_m"], kw.get("zfold", False), kw.get("sfold", False)),
                        [(over, [want, want]) for over, want in cases], 6, 256, 256)
 
@@ -1134,9 +1147,12 @@ def test_wgmma_block_m():
     the expected block count against a simulation of uniform routing."""
     from pallas_kernels.wgmma_w4a16 import expected_blocks, wgmma_block_m
 
-    cases = {(2, 8): 8, (32, 8): 8, (64, 8): 16, (128, 8): 32, (1024, 8): 144, (8192, 8): 128,   # Mixtral
-             (512, 128): 8, (4096, 128): 48, (32768, 128): 144,                                 # Qwen3
-             (96, 64): 8, (384, 64): 16, (3072, 64): 64, (1, 1): 8, (300, 1): 160, (0, 8): 8}   # DeepSeek-V2-Lite
+    # v17: 24 rows (FOLD_ROWS) where a 32-row pick needs at most 3% fewer blocks (Mixtral 64 tokens,
+    # Qwen3 256, DeepSeek-V2-Lite 128); 32 rows stay at Mixtral 80 tokens (8.0 blocks against 8.9)
+    cases = {(2, 8): 8, (32, 8): 8, (64, 8): 16, (128, 8): 24, (160, 8): 32, (1024, 8): 144, (8192, 8): 128,
+             (512, 128): 8, (2048, 128): 24, (4096, 128): 48, (32768, 128): 144,                 # Qwen3
+             (96, 64): 8, (384, 64): 16, (768, 64): 24, (3072, 64): 64,                          # DeepSeek-V2-Lite
+             (1, 1): 8, (300, 1): 160, (0, 8): 8}
     assert {c: wgmma_block_m(*c) for c in cases} == cases
     rng = np.random.default_rng()
     for pairs, e, bm in ((1024, 8, 128), (1024, 8, 144), (4096, 128, 32), (64, 8, 16), (5, 1, 8)):
@@ -1806,6 +1822,30 @@ def test_wgmma_v16_defaults_gpu(shape, key):
         over = dict(align="sort") if t >= 128 else dict(tout=False, split2=2)
         got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
         _layer_close(got, ref, what=f"{over} T={t}")
+
+
+V17_TOKENS = {"mixtral": (64,), "qwen3": (256,), "dsv2lite": (128,)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_v17_defaults_gpu(shape, key):
+    """The rows v17's defaults change — 24-row blocks with the scale-only fold where v16 took 32-row
+    blocks (Mixtral 64 tokens: ws; Qwen3 256, DeepSeek-V2-Lite 128: plain) — through ``fused_moe``
+    on the weights the table prepares, and v16's form (``block_m=32``), expert 0 never routed,
+    fresh inputs per call, against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma, wgmma_block_m
+    from wna16_jax.moe import fused_moe
+
+    rng, k, w, wg = _table_weights(shape, key)
+    for t in V17_TOKENS[shape]:
+        assert wgmma_block_m(t * k, GPU_SHAPES[shape][0]) == 24
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
+        got = jax.jit(functools.partial(fused_moe_wgmma, block_m=32))(x, tw, ids, wg)
+        _layer_close(got, ref, what=f"block_m=32 T={t}")
 
 
 ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}
