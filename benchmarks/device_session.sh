@@ -772,7 +772,7 @@ elif [ "$part" = 68 ]; then    # v17, from part 67: the new default (FOLD_ROWS =
     logged "v17" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 dsv2lite:128 qwen3:256 --reps 80 \
         --variants "v17=kernel:wgmma;v16=kernel:wgmma,block_m:32;v17 again=kernel:wgmma"
     logged "align_m512" 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 20 \
-        --variants "v16=kernel:wgmma;count=kernel:wgmma,align:count;v16 again=kernel:wgmma"
+        --variants "auto=kernel:wgmma;count=kernel:wgmma,align:count;auto again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/v17.log" "$OUT/align_m512.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
