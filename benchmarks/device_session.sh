@@ -774,6 +774,20 @@ elif [ "$part" = 68 ]; then    # v17, from part 67: the new default (FOLD_ROWS =
     logged "align_m512" 120 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 20 \
         --variants "auto=kernel:wgmma;count=kernel:wgmma,align:count;auto again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/v17.log" "$OUT/align_m512.log"
+elif [ "$part" = 69 ]; then    # v17, the session's last device minutes, from parts 67/68 (24-row sfold blocks beat 32-row
+    # ones with or without the fold): (a) ptxas's registers and spills of the sfold GEMM at 24 and 32 rows (three
+    # programs per SM by shared memory at both: is 32 rows over the 170 registers three need?); (b) Qwen3 512 tokens
+    # (an expert's rows 32 ± 5.5: 48-row ws-stream blocks, 128.4 live) in folded 24- / 32-row blocks (~250 / ~187
+    # live, sibling blocks reading the same weight tiles at once, through L2). Prediction: both slower (≥ 240 µs
+    # against 210–225); (c) Mixtral 64 tokens' 24-row GEMM2 (260 live programs, 2 per SM) with a K split of 2.
+    # Prediction: ±3%
+    logged "ptxas" 110 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 24 32 --only "bn128 st2 kpb2 wide shift32 sfold"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptxas.log" | head -20
+    logged "q512fold" 130 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 --reps 40 \
+        --variants "v17=kernel:wgmma;bm24 sfold=kernel:wgmma,block_m:24;bm32 sfold=kernel:wgmma,block_m:32,zfold:1;v17 again=kernel:wgmma"
+    logged "m64s2" 90 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 80 \
+        --variants "v17=kernel:wgmma;s2 2=kernel:wgmma,split2:2;v17 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/q512fold.log" "$OUT/m64s2.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
