@@ -186,8 +186,9 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     options its rules pick per GEMM: the pair schedule's K splits at Qwen3 1 token, the chained
     ``ws`` stream in Qwen3 512's 48-row blocks (v15: one program per SM, 3 stages for GEMM2's 3
     steps, the router weights out of GEMM2) and two programs per SM without ``ws`` there with
-    ``persistent:0`` (v12), ``ws`` in Mixtral 64's 32-row blocks (one program per SM); the
-    programs follow from the grid (live ones from the expected blocks)."""
+    ``persistent:0`` (v12), the scale-only fold in Mixtral 64's 24-row blocks (v17: three programs
+    per SM) and ``ws`` in its 32-row blocks with ``block_m:32`` (one program per SM); the programs
+    follow from the grid (live ones from the expected blocks)."""
     from benchmarks import wgmma_plan
 
     assert wgmma_plan.main(["--rows", "qwen3:1,512", "mixtral:64"]) == 0
@@ -206,14 +207,19 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     assert q512["GEMM1"][1] == "48" and q512["GEMM1"][7] == "2" and q512["GEMM1"][13] == "1"
     assert q512["GEMM2"][7] == "3" and q512["GEMM1"][10] == q512["GEMM2"][10] == "132"
     assert {"ws", "persistent", "gated"} <= set(q512["GEMM1"][16:]) and "row_scale" not in q512["GEMM2"][16:]
-    assert m64["GEMM1"][1] == "32" and "ws" in m64["GEMM1"][16:] and "ws" in m64["GEMM2"][16:]
-    assert m64["GEMM2"][10] == str(12 * 4096 // 256) and m64["GEMM2"][13] == "1"   # ws: two column tiles
+    assert m64["GEMM1"][1:3] == ["24", "13"] and m64["GEMM1"][13] == m64["GEMM2"][13] == "3"      # v17
+    assert all("sfold" in m64[g][16:] and "ws" not in m64[g][16:] for g in ("GEMM1", "GEMM2"))
+    assert m64["GEMM2"][10] == str(13 * 4096 // 128)
     assert "pair schedule, 8 pair blocks" in out and "blocked, 128.4 of 211 blocks live" in out
     assert "aligned by count" in out and "aligned by compare" in out     # 4096 / 128 routed pairs (v16)
     assert wgmma_plan.main(["--rows", "qwen3:512", "--set", "persistent:0"]) == 0
     v12 = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GEMM")}
     assert v12["GEMM1"][7] == "2" and v12["GEMM1"][13] == "2" and "ws" not in v12["GEMM1"][16:]
     assert "row_scale" in v12["GEMM2"][16:]
+    assert wgmma_plan.main(["--rows", "mixtral:64", "--set", "block_m:32"]) == 0
+    v16 = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GEMM")}
+    assert v16["GEMM1"][1] == "32" and "ws" in v16["GEMM1"][16:] and "ws" in v16["GEMM2"][16:]
+    assert v16["GEMM2"][10] == str(12 * 4096 // 256) and v16["GEMM2"][13] == "1"   # ws: two column tiles
 
 
 def test_parse_variants_values():
