@@ -788,6 +788,14 @@ elif [ "$part" = 69 ]; then    # v17, the session's last device minutes, from pa
     logged "m64s2" 90 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 80 \
         --variants "v17=kernel:wgmma;s2 2=kernel:wgmma,split2:2;v17 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/q512fold.log" "$OUT/m64s2.log"
+elif [ "$part" = 70 ]; then    # v17: part 64's "rank" alignment past "auto"'s compare cap (more than 1024 pairs, where
+    # it counts), the Qwen3 rows first (512 tokens is the furthest from its target). Prediction: rank 5–10 µs faster
+    # at Qwen3 512 and DeepSeek-V2-Lite 256, 5–15 at Qwen3 4096
+    logged "rank" 170 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512 dsv2lite:256 --reps 40 \
+        --variants "auto=kernel:wgmma;rank=kernel:wgmma,align:rank;auto again=kernel:wgmma"
+    logged "rank4096" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 10 \
+        --variants "auto=kernel:wgmma;rank=kernel:wgmma,align:rank;auto again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/rank.log" "$OUT/rank4096.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -1206,8 +1206,10 @@ BLOCK_M_CHOICES = (8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160)
 # The largest blocks that fold by default (v17): the scale-only fold at 24 rows, three programs per
 # SM, against 32-row blocks without it (part 67, same runs: Mixtral 64 tokens 290.0 µs against
 # 300.7–301.9 in 32-row ws blocks, DeepSeek-V2-Lite 128 136.4 against 158.4–159.3, Qwen3 256 170.8
-# against 186.7–192.4 in plain 32-row blocks; 32-row blocks with the fold were no faster: 315.7,
-# 160.6, 185.0)
+# against 186.7–192.4 in plain 32-row blocks; part 68 again: 282.0–286.5 against 292.5, 143.8–144.4
+# against 151.8, 158.1–167.6 against 184.3). 32-row blocks with the fold were no faster (315.7,
+# 160.6, 185.0): ptxas gives the folding GEMM 193 registers per thread there, against 166 at 24
+# rows, so only two of its 128-thread programs fit an SM's 64 K registers, not three (part 69)
 FOLD_ROWS = 24
 
 
