@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16); 32–34, 49, 63 and 64 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70, so 66, its trimmed copy, never ran); 32–34, 49 and 71 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -796,6 +796,16 @@ elif [ "$part" = 70 ]; then    # v17: part 64's "rank" alignment past "auto"'s c
     logged "rank4096" 120 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 10 \
         --variants "auto=kernel:wgmma;rank=kernel:wgmma,align:rank;auto again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/rank.log" "$OUT/rank4096.log"
+elif [ "$part" = 71 ]; then    # prepared in v17 for the next session: registers per thread of the default kernel forms
+    # (part 69: the folding GEMM 166 at 24 rows, 193 at 32 — two 128-thread programs per SM by registers where shared
+    # memory holds three). 8- / 16- / 24-row sfold (the decode blocks: 5 / 4 / 3 per SM by shared memory), 48-row
+    # plain (Qwen3 512's v12 form), 32-row ws; then where the ranked alignment's time goes (one profiled call)
+    logged "ptxas" 240 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 48 \
+        --only "bn128 st2 kpb2 wide shift32 sfold" "bn128 st2 kpb2 wide shift32" "bn128 st3 kpb2 wide shift32 ws"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptxas.log" | head -60
+    logged "rank_profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
+        --variants "rank=kernel:wgmma,align:rank;count=kernel:wgmma,align:count"
+    tail -60 "$OUT/rank_profile.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
