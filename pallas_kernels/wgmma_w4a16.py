@@ -1301,8 +1301,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 24 rows (``FOLD_ROWS``; v6–v16: 16 — at 32 rows the fold cost more than it saved: Qwen3 512
     tokens 661 vs 576 µs, NOTES.md v6; v17, scale-only, 24-row blocks: Mixtral 64 tokens 290.0 vs
-    300.7–301.9, NOTES.md v17; at 32 rows still no faster: 315.7). ``sfold``: the GEMMs that fold use the kernel's ``sfold`` (scale-only
-    fold, no ``Σx`` reduction in XLA: two XLA kernels fewer per layer) instead of ``zfold``;
+    300.7–301.9, NOTES.md v17; at 32 rows still no faster: 315.7). ``sfold``: the GEMMs that
+    fold use the kernel's ``sfold`` (scale-only fold, no ``Σx`` reduction in XLA: two XLA kernels
+    fewer per layer) instead of ``zfold``;
     default: on (differential timing, 40 routings; pair schedule, 1 token, NOTES.md v11: Qwen3
     20.0 vs 29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0; blocked 16-row blocks, NOTES.md
     v12: Mixtral 16 tokens 235 vs 251, Qwen3 64 tokens 131 vs 147–148, DeepSeek-V2-Lite 16
@@ -1341,9 +1342,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``align`` (blocked schedule): how the routed pairs are sorted by expert
     (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"``,
     ``"compare"``, ``"rank"`` or ``"auto"``, the same order; ``"compare"`` — by default up to 1024
-    pairs since v16 — and ``"rank"`` (measured slower: Qwen3 512 tokens 363 vs 202–219 µs counted, NOTES.md v17) also give each pair's row, so the top-k
-    sum's ``"gather"`` needs no scatter to invert the row order: Qwen3 64 tokens 110.9 vs 124.8–125.2 µs sorted, DeepSeek-V2-Lite 16 tokens
-    96.4 vs 107.2–107.4, Qwen3 128 tokens 133.0 vs 146.8–150.1 counted, NOTES.md v16).
+    pairs since v16 — and ``"rank"`` (measured slower: Qwen3 512 tokens 363 vs 202–219 µs
+    counted, NOTES.md v17) also give each pair's row, so the top-k sum's ``"gather"`` needs no
+    scatter to invert the row order: Qwen3 64 tokens 110.9 vs 124.8–125.2 µs sorted,
+    DeepSeek-V2-Lite 16 tokens 96.4 vs 107.2–107.4, Qwen3 128 tokens 133.0 vs 146.8–150.1
+    counted, NOTES.md v16).
     ``one_kernel`` (pair schedule; off by default until timed on the GPU): GEMM1, the activation
     and GEMM2 in one persistent kernel (:func:`pallas_kernels.wgmma_decode.wgmma_decode_layer`),
     where the fused activation applies (``fuse_act``), without act-order permutations, a ``w2``
