@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70, so 66, its trimmed copy, never ran); 32–34, 49 and 71 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70, so 66, its trimmed copy, never ran); 32–34, 49, 71 and 72 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -806,6 +806,11 @@ elif [ "$part" = 71 ]; then    # prepared in v17 for the next session: registers
     logged "rank_profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
         --variants "rank=kernel:wgmma,align:rank;count=kernel:wgmma,align:count"
     tail -60 "$OUT/rank_profile.log"
+elif [ "$part" = 72 ]; then    # prepared in v17 for the next session: the model-shape layer tests through fused_moe on
+    # every format the table takes on a GPU, 8-bit included (compressed-tensors 8-bit, GPTQ 8-bit channelwise), not
+    # GPU-run since the v14-era part 44 (one format) — the alignment changed since (v16's compare)
+    gpu_tests 560 "fused_moe_gpu_shapes"
+    grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -22
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
