@@ -1639,21 +1639,44 @@ def _routed_case(rng, w, t, k):
     return x, tw, ids, _fast_reference(w, x, tw, ids)
 
 
+def _dot64(a, w):
+    """``a @ wᵀ`` in float64 on the default device (``a`` float64 on the host, ``w`` a float32 device
+    array): XLA's own float64 dot (a float64 GEMM on the GPU), not the engines' code, and no
+    float64 copy of a model-sized weight on the host (that copy took most of a GPU layer test's
+    reference time)."""
+    with jax.enable_x64(True):
+        return np.asarray(jnp.dot(jnp.asarray(a, jnp.float64), w.astype(jnp.float64).T), np.float64)
+
+
 def _fast_reference(w, x, tw, ids):
     """Float64 reference for model-sized layers: each used expert dequantized exactly in float32
-    on the device from the CHECKPOINT layout (independent of the tile conversion), products in
-    float64 on the host."""
+    on the device from the CHECKPOINT layout (independent of the tile conversion; the products
+    of 4/8-bit codes, zero points and 16-bit scales are exact there), the two GEMMs in float64
+    (:func:`_dot64`), the activation and the top-k sum in float64 on the host."""
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     ids, tw = np.asarray(ids), np.asarray(tw, np.float64)
     out = np.zeros((xf.shape[0], w.hidden_size))
     for e in np.unique(ids):
-        w13, w2 = (np.asarray(a[0], np.float64) for a in w.take_experts(jnp.asarray([e])).dequantize(jnp.float32))
+        w13, w2 = (a[0] for a in w.take_experts(jnp.asarray([e])).dequantize(jnp.float32))
         tok, slot = np.nonzero(ids == e)
-        h = xf[tok] @ w13.T
+        h = _dot64(xf[tok], w13)
         i = h.shape[1] // 2
         a = h[:, :i] / (1 + np.exp(-h[:, :i])) * h[:, i:]
-        out[tok] += tw[tok, slot][:, None] * (a @ w2.T)
+        out[tok] += tw[tok, slot][:, None] * _dot64(a, w2)
     return out
+
+
+def test_fast_reference_is_the_reference():
+    """The GPU layer tests' reference (:func:`_fast_reference`: float64 dots on the device, only
+    the routed experts) equals the suite's float64 reference (:func:`_reference`, numpy over every
+    expert) to float64 rounding, every format, expert 0 never routed; jnp stays 32-bit outside
+    its float64 dots."""
+    rng = np.random.default_rng()
+    for key in sorted(SCHEMES):
+        w, x, tw, ids, _ = _layer_case(rng, SCHEMES[key], 5, 256, 128, 7, 2)
+        got, ref = _fast_reference(w.to_jax(), x, tw, ids), _reference(w, x, tw, ids, None)
+        assert got.dtype == np.float64 and np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max(), key
+    assert jnp.arange(2).dtype == jnp.int32 and jnp.zeros(()).dtype == jnp.float32
 
 
 @pytest.mark.gpu
