@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70, so 66, its trimmed copy, never ran); 32–34, 49, 71 and 72 are prepared; 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70, so 66, its trimmed copy, never ran); 32–34, 49 and 71–75 are prepared (72–75: a full GPU test run); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -811,6 +811,18 @@ elif [ "$part" = 72 ]; then    # prepared in v17 for the next session: the model
     # GPU-run since the v14-era part 44 (one format) — the alignment changed since (v16's compare)
     gpu_tests 560 "fused_moe_gpu_shapes"
     grep -E "PASS|FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -22
+elif [ "$part" = 73 ] || [ "$part" = 74 ] || [ "$part" = 75 ]; then    # prepared in v17: the rest of a full GPU test
+    # run at one commit, with part 72 (no full run has been made: ~104 kernel cases and ~67 layer tests, ~90 s per
+    # layer test and worker) — 73: every wgmma kernel case; 74: the layer on the table's weights (all options per
+    # regime), the one-kernel decode layer, the pair defaults; 75: the blocked, v16, v17 and combine="add" defaults,
+    # and the prefill / batched / backward test
+    case "$part" in
+        73) k="wgmma_grouped_gemm_gpu" ;;
+        74) k="fused_moe_wgmma_gpu_shapes or decode_layer_gpu or pair_defaults_gpu" ;;
+        *) k="blocked_defaults_gpu or v16_defaults_gpu or v17_defaults_gpu or combine_add_gpu or gpu_prefill" ;;
+    esac
+    gpu_tests 570 "$k"
+    grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -22
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
