@@ -806,6 +806,11 @@ elif [ "$part" = 71 ]; then    # prepared in v17 for the next session: registers
     logged "rank_profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --rows qwen3:512 --reps 10 \
         --variants "rank=kernel:wgmma,align:rank;count=kernel:wgmma,align:count"
     tail -60 "$OUT/rank_profile.log"
+    # and Qwen3 256 tokens' 24-row GEMM2 (3 steps: a 3-deep ring, 90.5 KB, two programs per SM by shared memory
+    # though registers allow three) at 2 stages (~60 KB, three per SM). Prediction: 2–5% faster
+    logged "q256st2" 100 python3 benchmarks/moe_engine.py --sweep --rows qwen3:256 --reps 80 \
+        --variants "v17=kernel:wgmma;st2=kernel:wgmma,stages:2;v17 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/q256st2.log"
 elif [ "$part" = 72 ]; then    # prepared in v17 for the next session: the model-shape layer tests through fused_moe on
     # every format the table takes on a GPU, 8-bit included (compressed-tensors 8-bit, GPTQ 8-bit channelwise), not
     # GPU-run since the v14-era part 44 (one format) — the alignment changed since (v16's compare)
