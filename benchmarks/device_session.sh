@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70, so 66, its trimmed copy, never ran); 32–34, 49 and 71–75 are prepared (72–75: a full GPU test run); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70); 32–34, 49 and 71–75 are prepared (72–75: a full GPU test run); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -737,14 +737,6 @@ elif [ "$part" = 65 ]; then    # v17: (a) the GPU layer tests on _table_weights 
     logged "m64rows" 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:32,64 --reps 160 \
         --variants "v16=kernel:wgmma;bm24=kernel:wgmma,block_m:24;bm24 sfold=kernel:wgmma,block_m:24,zfold:1;bm24 st3=kernel:wgmma,block_m:24,stages:3;bm16=kernel:wgmma,block_m:16;bm8=kernel:wgmma,block_m:8;v16 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/m64rows.log"
-elif [ "$part" = 66 ]; then    # v17: part 64 in one call's limit (its three timings trimmed to 560 s)
-    logged "align_m512" 140 python3 benchmarks/moe_engine.py --sweep --rows mixtral:512 --reps 40 \
-        --variants "v16=kernel:wgmma;count=kernel:wgmma,align:count;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
-    logged "align_big" 260 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:256 qwen3:512 --reps 40 \
-        --variants "v16=kernel:wgmma;compare=kernel:wgmma,align:compare;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
-    logged "align_4096" 150 python3 benchmarks/moe_engine.py --sweep --rows qwen3:4096 --reps 10 \
-        --variants "v16=kernel:wgmma;rank=kernel:wgmma,align:rank;v16 again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/align_*.log
 elif [ "$part" = 67 ]; then    # v17, from part 65 (Mixtral 64 tokens: 24-row sfold blocks 285.9 µs against 293.3 /
     # 292.3 for v16's 32-row ws blocks; plain 24-row 310.4; 16-row 331.2; Mixtral 32 tokens: v16's 16-row blocks
     # best). (a) The scale-only fold at 24- and 32-row blocks (three programs per SM instead of one ws program) at
