@@ -30,8 +30,8 @@ logged() {      # logged NAME SECONDS COMMAND...: COMMAND under a time limit int
 }
 
 gpu_tests() {   # gpu_tests SECONDS K-EXPRESSION: the Pallas engine's GPU tests into $OUT/tests.log
-    logged tests "$1" python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n 4 -p no:cacheprovider \
-        --tb=short -rfE -k "$2"
+    logged tests "$1" python3 -m pytest -v -m gpu tests/test_pallas_engine.py -n "${WORKERS:-4}" -p no:cacheprovider \
+        --tb=short -rfE -k "$2" ${PYTEST_EXTRA:-}
 }
 wgmma_table() { # wgmma_table SECONDS ROWS... [OPTIONS]: the layer table's wgmma AWQ / GPTQ columns (the ±10%
     local secs=$1   # target) into $OUT/table_wgmma.log, RESULTS_engine.md, results.json; 5 routings unless
@@ -820,6 +820,14 @@ elif [ "$part" = 73 ] || [ "$part" = 74 ] || [ "$part" = 75 ]; then    # prepare
     esac
     gpu_tests 570 "$k"
     grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -22
+elif [ "$part" = 76 ]; then    # v18: the whole GPU suite (183 tests) in one call at one commit, 14 workers on the
+    # machine's 16 cores (parts 72-75 planned four calls at 4 workers, ~90 s per layer test and worker, most of it
+    # compiling and, before _dot64, the host float64 reference); the slowest 40 listed. If the limit cuts it off,
+    # part 77 runs what did not finish (DESELECT: the finished node ids, one per line, in $OUT/finished.txt)
+    WORKERS=14 PYTEST_EXTRA="--durations=40" gpu_tests 585 "gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -30
+    grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" "$OUT/tests.log" | awk '{print $2}' | sort > "$OUT/finished.txt"
+    wc -l "$OUT/finished.txt"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
