@@ -828,6 +828,19 @@ elif [ "$part" = 76 ]; then    # v18: the whole GPU suite (183 tests) in one cal
     grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -30
     grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" "$OUT/tests.log" | awk '{print $2}' | sort > "$OUT/finished.txt"
     wc -l "$OUT/finished.txt"
+elif [ "$part" = 77 ]; then    # v18: lazy=True, each fold K-block dequantized just before its own wgmmas (half a
+    # 256-deep step's register operands live at once). (a) its three GPU kernel cases; (b) ptxas at 8 / 16 / 24 rows
+    # (v17: 125 / ? / 166 registers; shared memory holds 5 / 4 / 3 programs per SM); (c) A B A at the folding rows.
+    # Prediction: 10-30 registers fewer; faster (3-8%) only where that lifts a register limit below the shared-memory
+    # one (the 8- and 16-row forms: Mixtral 16 / 32 tokens, Qwen3 64, DeepSeek-V2-Lite 16), else within ±2%
+    WORKERS=3 gpu_tests 100 "lazy1"
+    grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -6
+    logged "ptxas" 160 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 \
+        --only "bn128 st2 kpb2 wide shift32 sfold"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptxas.log" | head -40
+    logged "lazy" 280 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,32,64 qwen3:64,256 dsv2lite:16 \
+        --reps 80 --variants "v17=kernel:wgmma;lazy=kernel:wgmma,lazy:1;v17 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lazy.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)

@@ -413,6 +413,14 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
     fn = functools.partial(wgmma_grouped_gemm, block_m=24, block_n=128, kpb=2, wide=True, shift32=True, sfold=True,
                            stages=2, out_dtype=jnp.bfloat16, tout=TRANSPOSED_STORE, gated="silu")
     assert "mosaic_gpu" in jax.jit(fn).trace(*sf24).lower(lowering_platforms=("cuda",)).as_text()
+    for fold in ("sfold", "zfold"):           # lazy: each K-block dequantized just before its wgmmas
+        lz = (s((48, 512), jnp.bfloat16), s((3,), jnp.int32), s((4, 256, 128), jnp.int16),
+              s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16))
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, block_n=128, kpb=2, wide=True, shift32=True,
+                               stages=2, lazy=True, **{fold: True})
+        assert "mosaic_gpu" in jax.jit(fn).trace(*lz).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ConfigError, match="lazy=True"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, lazy=True)).trace(*lz)
     with pytest.raises(ConfigError, match="pick one"):        # (sf: the last case, channelwise)
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, group_size=-1, zfold=True, sfold=True)).trace(*sf)
     with pytest.raises(ConfigError, match="overlap"):
@@ -603,6 +611,12 @@ _WGMMA_GPU_CASES = [
     (False, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True, rs=True,
                              stages=2, k=2048)),
     (False, -1, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True)),
+    # lazy: each K-block dequantized just before its own wgmmas (the fold's second K-block after the first's fold)
+    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, lazy=True, out16=True, tout=True,
+                            gated="silu", stages=2, k=2048)),
+    (False, 128, 16, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, lazy=True, stages=2, k=2048)),
+    (True, -1, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, zfold=True, lazy=True, out16=True, tout=True,
+                          rs=True)),
     (True, 128, 64, 1, dict(block_n=128, ws=True, out16=True)),
     (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, k=2048)),
     (False, 128, 32, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, ws=True, stages=2, out16=True, tout=True,
