@@ -829,18 +829,55 @@ elif [ "$part" = 76 ]; then    # v18: the whole GPU suite (183 tests) in one cal
     grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" "$OUT/tests.log" | awk '{print $2}' | sort > "$OUT/finished.txt"
     wc -l "$OUT/finished.txt"
 elif [ "$part" = 77 ]; then    # v18: lazy=True, each fold K-block dequantized just before its own wgmmas (half a
-    # 256-deep step's register operands live at once). (a) its three GPU kernel cases; (b) ptxas at 8 / 16 / 24 rows
-    # (v17: 125 / ? / 166 registers; shared memory holds 5 / 4 / 3 programs per SM); (c) A B A at the folding rows.
-    # Prediction: 10-30 registers fewer; faster (3-8%) only where that lifts a register limit below the shared-memory
-    # one (the 8- and 16-row forms: Mixtral 16 / 32 tokens, Qwen3 64, DeepSeek-V2-Lite 16), else within ±2%
-    WORKERS=3 gpu_tests 100 "lazy1"
-    grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -6
-    logged "ptxas" 160 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 \
+    # 256-deep step's register operands live at once), A B A at the folding rows (its GPU cases and ptxas: part 78).
+    # Prediction: faster (3-8%) only where fewer registers lift a register limit below the shared-memory one (the 8-
+    # and 16-row forms: Mixtral 16 / 32 tokens, Qwen3 64, DeepSeek-V2-Lite 16), else within ±2%. And Qwen3 256
+    # tokens' 24-row GEMM2 (3 steps, a 3-deep ring: 90.5 KB, two programs per SM) at 2 stages (~60 KB, three).
+    # Prediction: 2-5% faster
+    logged "lazy" 270 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,32,64 qwen3:64,256 dsv2lite:16 \
+        --reps 80 --variants "v17=kernel:wgmma;lazy=kernel:wgmma,lazy:1;v17 again=kernel:wgmma"
+    logged "q256st2" 70 python3 benchmarks/moe_engine.py --sweep --rows qwen3:256 --reps 80 \
+        --variants "v17=kernel:wgmma;st2=kernel:wgmma,stages:2;v17 again=kernel:wgmma"
+    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lazy.log" "$OUT/q256st2.log"
+elif [ "$part" = 78 ]; then    # v18: the 23 GPU tests part 76 (160 passed, none failed) did not reach before its
+    # limit (layer tests: the combine="add", blocked, v16, v17 defaults, two shape tests, the prefill/backward test),
+    # and lazy=True's three kernel cases; then ptxas at 8 / 16 / 24 rows, sfold with and without lazy (v17: 125 / ? /
+    # 166 registers; shared memory holds 5 / 4 / 3 programs per SM). Prediction: lazy 10-30 registers fewer
+    T=tests/test_pallas_engine.py
+    ids=(
+        "$T::test_fused_moe_wgmma_gpu_shapes[awq_g128-dsv2lite]"
+        "$T::test_fused_moe_wgmma_gpu_shapes[gptq4_channel-mixtral]"
+        "$T::test_gpu_prefill_batched_and_backward_qwen3"
+        "$T::test_wgmma_blocked_defaults_gpu[awq_g128-dsv2lite]"
+        "$T::test_wgmma_blocked_defaults_gpu[awq_g128-qwen3]"
+        "$T::test_wgmma_blocked_defaults_gpu[gptq4_g128_actorder-mixtral]"
+        "$T::test_wgmma_blocked_defaults_gpu[gptq4_g128_actorder-qwen3]"
+        "$T::test_wgmma_combine_add_gpu[awq_g128-dsv2lite]"
+        "$T::test_wgmma_combine_add_gpu[awq_g128-mixtral]"
+        "$T::test_wgmma_combine_add_gpu[awq_g128-qwen3]"
+        "$T::test_wgmma_combine_add_gpu[gptq4_channel-dsv2lite]"
+        "$T::test_wgmma_combine_add_gpu[gptq4_channel-mixtral]"
+        "$T::test_wgmma_combine_add_gpu[gptq4_channel-qwen3]"
+        "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-dsv2lite]"
+        "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-mixtral]"
+        "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-qwen3]"
+        "$T::test_wgmma_v16_defaults_gpu[awq_g128-dsv2lite]"
+        "$T::test_wgmma_v16_defaults_gpu[gptq4_g128_actorder-dsv2lite]"
+        "$T::test_wgmma_v17_defaults_gpu[awq_g128-qwen3]"
+        "$T::test_wgmma_v17_defaults_gpu[gptq4_channel-mixtral]"
+        "$T::test_wgmma_v17_defaults_gpu[gptq4_channel-qwen3]"
+        "$T::test_wgmma_v17_defaults_gpu[gptq4_g128_actorder-dsv2lite]"
+        "$T::test_wgmma_v17_defaults_gpu[gptq4_g128_actorder-qwen3]"
+        "$T::test_wgmma_grouped_gemm_gpu[w16-zp1-g128-bm24-s1-block_n128-kpb2-wide1-shift321-sfold1-lazy1-out161-tout1-gatedsilu-stages2-k2048]"
+        "$T::test_wgmma_grouped_gemm_gpu[w16-zp0-g128-bm16-s2-block_n128-kpb2-wide1-shift321-sfold1-lazy1-stages2-k2048]"
+        "$T::test_wgmma_grouped_gemm_gpu[w16-zp1-g-1-bm8-s1-block_n128-kpb2-wide1-shift321-zfold1-lazy1-out161-tout1-rs1]"
+    )
+    logged tests 400 python3 -m pytest -v -m gpu "${ids[@]}" -n 13 -p no:cacheprovider --tb=short -rfE \
+        --durations=30
+    grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -30
+    logged "ptxas" 170 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 \
         --only "bn128 st2 kpb2 wide shift32 sfold"
     grep -E "^mixtral1|registers|spill|rc " "$OUT/ptxas.log" | head -40
-    logged "lazy" 280 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,32,64 qwen3:64,256 dsv2lite:16 \
-        --reps 80 --variants "v17=kernel:wgmma;lazy=kernel:wgmma,lazy:1;v17 again=kernel:wgmma"
-    grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lazy.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
