@@ -878,6 +878,14 @@ elif [ "$part" = 78 ]; then    # v18: the 23 GPU tests part 76 (160 passed, none
     logged "ptxas" 170 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 \
         --only "bn128 st2 kpb2 wide shift32 sfold"
     grep -E "^mixtral1|registers|spill|rc " "$OUT/ptxas.log" | head -40
+elif [ "$part" = 79 ]; then    # v18: the four GPU layer tests parts 76 and 78 did not finish (182 passed, none
+    # failed): the slowest, each alone on a worker
+    T=tests/test_pallas_engine.py
+    logged tests 390 python3 -m pytest -v -m gpu -n 4 -p no:cacheprovider --tb=short -rfE --durations=10 \
+        "$T::test_fused_moe_wgmma_gpu_shapes[gptq4_channel-mixtral]" "$T::test_wgmma_combine_add_gpu[awq_g128-qwen3]" \
+        "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-dsv2lite]" \
+        "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-qwen3]"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -20
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
