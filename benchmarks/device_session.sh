@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70); 32–34, 49 and 71–75 are prepared (72–75: a full GPU test run); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79); 32–34, 49 and 71 are prepared (72–75: a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -828,7 +828,8 @@ elif [ "$part" = 76 ]; then    # v18: the whole GPU suite (183 tests) in one cal
     grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -30
     grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" "$OUT/tests.log" | awk '{print $2}' | sort > "$OUT/finished.txt"
     wc -l "$OUT/finished.txt"
-elif [ "$part" = 77 ]; then    # v18: lazy=True, each fold K-block dequantized just before its own wgmmas (half a
+elif [ "$part" = 77 ]; then    # ran in v18 (lazy was then removed: ptxas compiled the same PTX with and
+    # without it, the same registers, and it was no faster) — v18: lazy=True, each fold K-block dequantized just before its own wgmmas (half a
     # 256-deep step's register operands live at once), A B A at the folding rows (its GPU cases and ptxas: part 78).
     # Prediction: faster (3-8%) only where fewer registers lift a register limit below the shared-memory one (the 8-
     # and 16-row forms: Mixtral 16 / 32 tokens, Qwen3 64, DeepSeek-V2-Lite 16), else within ±2%. And Qwen3 256
@@ -839,7 +840,7 @@ elif [ "$part" = 77 ]; then    # v18: lazy=True, each fold K-block dequantized j
     logged "q256st2" 70 python3 benchmarks/moe_engine.py --sweep --rows qwen3:256 --reps 80 \
         --variants "v17=kernel:wgmma;st2=kernel:wgmma,stages:2;v17 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lazy.log" "$OUT/q256st2.log"
-elif [ "$part" = 78 ]; then    # v18: the 23 GPU tests part 76 (160 passed, none failed) did not reach before its
+elif [ "$part" = 78 ]; then    # ran in v18 (its lazy cases and variant no longer exist) — v18: the 23 GPU tests part 76 (160 passed, none failed) did not reach before its
     # limit (layer tests: the combine="add", blocked, v16, v17 defaults, two shape tests, the prefill/backward test),
     # and lazy=True's three kernel cases; then ptxas at 8 / 16 / 24 rows, sfold with and without lazy (v17: 125 / ? /
     # 166 registers; shared memory holds 5 / 4 / 3 programs per SM). Prediction: lazy 10-30 registers fewer

@@ -44,14 +44,13 @@ BW, FLOPS = 4.3e12, 640e12
 # warpgroups of block_n columns each, one copy warpgroup); "o16": bf16 output (no K split);
 # "tout": the output written [M, N] through a transposed shared-memory store; "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
-# against the next step's dequantization, raced at 128-row blocks); "lazy": a fold's K-blocks each dequantized just
-# before their own wgmmas (fewer registers live). (kpb 2 without wide measured no gain:
+# against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
 # RESULTS.md.)
 def _variant_name(opts):
     """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
     (the names ``--only`` filters on)."""
-    flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("lazy", "lazy"),
-             ("overlap", "ovl"), ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
+    flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("overlap", "ovl"),
+             ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
     parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
     parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
     return " ".join(parts + [label for key, label in flags if opts.get(key)])
@@ -83,7 +82,6 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True)),
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
     (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, lazy=True)),
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),

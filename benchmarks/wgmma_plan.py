@@ -102,7 +102,7 @@ def describe(args, kw, live, sms=132):
     live_programs = programs if pers else programs * live / nb
     words_bytes = live * n * kdim / 2
     meta = live * n * scales.shape[1] * 2 * (2 if zeros is not None else 1)
-    flags = [f for f in ("ws", "sfold", "zfold", "lazy", "overlap", "tout", "persistent") if kw.get(f)]
+    flags = [f for f in ("ws", "sfold", "zfold", "overlap", "tout", "persistent") if kw.get(f)]
     flags += ["o16"] if jnp.dtype(kw.get("out_dtype", jnp.float32)).itemsize == 2 else []
     flags += [f"gated {kw['gated']}"] if kw.get("gated") else []
     flags += ["row_scale"] * rs + ["dest"] * dest

@@ -326,14 +326,14 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
-                                             "gated", "persistent", "programs", "dest_rows", "lop3", "lazy"))
+                                             "gated", "persistent", "programs", "dest_rows", "lop3"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
                        persistent: bool = False, programs: int | None = None, dest_rows: int | None = None,
-                       lop3: bool = True, lazy: bool = False):
+                       lop3: bool = True):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -352,10 +352,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
     nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
     ``lop3``, default on: each mask-and-magic as one ``lop3.b32``).
-    ``lazy`` (with ``zfold`` / ``sfold``): each K-block's weights are dequantized just before its
-    own wgmmas, after the previous K-block's partial is folded, instead of the whole step's first —
-    at ``kpb=2`` half the register operands live at once (fewer registers per thread, so more
-    programs per SM where registers and not shared memory set the count), the same values.
     ``zfold`` (16-bit words): the wgmma
     takes the raw magic-number codes ``v = m + c`` and each K-block's partial ``P = Σ v·x`` (its own
     accumulator) is folded as ``acc += s ⊙ (P − (m + z) ⊗ Σx)``, with ``Σx`` per row and K-block
@@ -424,9 +420,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
     if zfold and sfold:
         raise ConfigError("wgmma_grouped_gemm: zfold=True and sfold=True are two ways to fold; pick one")
-    if lazy and not (zfold or sfold):
-        raise ConfigError("wgmma_grouped_gemm: lazy=True orders a fold's K-blocks (zfold=True or sfold=True); "
-                          "got neither")
     if overlap and (zfold or sfold):
         raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold/sfold=True do not combine (a fold waits "
                           "for every K-block's partial)")
@@ -653,8 +646,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         """``acc`` plus one pipeline step's product: the step's weights dequantized in registers
         (:func:`dequant_units`) against its activation tile, through ``acc_ref`` (the wgmma
         accumulator); with ``zfold`` / ``sfold`` each K-block's partial folded in float32."""
-        units = dequant_units(w_smem, s_smem, z_smem)
-        ops = None if lazy and (zfold or sfold) else [op for emit in units for op in emit()]
+        ops = dequantized(w_smem, s_smem, z_smem)
         xt = transposed(x_smem)
         if not (zfold or sfold):
             acc_ref[...] = acc
@@ -668,12 +660,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             def cols(ref):
                 return jax.lax.broadcast_in_dim(smem_load(ref.at[g], layout=row).astype(jnp.float32),
                                                 (bn, bm), (0,))
-            if ops is None:                      # lazy: this K-block's units, dequantized now
-                mine = [op for emit in units[len(units) // kpb * q: len(units) // kpb * (q + 1)] for op in emit()]
-            else:
-                mine = ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]
             acc_ref[...] = zero()
-            for k0, w in mine:
+            for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
                 plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
             plgpu.wgmma_wait(0)
             if sfold:                            # the partial is Σ (c − z)·x: scale it
@@ -1287,7 +1275,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
-                    persistent: bool | None | tuple = None, lop3: bool = True, lazy: bool = False):
+                    persistent: bool | None | tuple = None, lop3: bool = True):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1309,9 +1297,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no ``tout`` at
     128-row blocks with 256-deep steps. ``shift32`` (default on): the kernel's 32-bit nibble
     extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (NOTES.md
-    v14). ``lazy`` (off by default, unmeasured): the folding GEMMs' ``lazy=True`` (each K-block
-    dequantized just before its wgmmas: fewer registers). ``zfold``: the kernel's folded scale and
-    zero point, only ever for blocks of up
+    v14). ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 24 rows (``FOLD_ROWS``; v6–v16: 16 — at 32 rows the fold cost more than it saved: Qwen3 512
     tokens 661 vs 576 µs, NOTES.md v6; v17, scale-only, 24-row blocks: Mixtral 64 tokens 290.0 vs
@@ -1569,7 +1555,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                 raise ConfigError(f"combine='add': GEMM2 cannot add its rows into the output here: {why}")
         out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group,
                                  split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
-                                 zfold=fold and not sfold, sfold=fold and sfold, lazy=lazy and fold,
+                                 zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
                                  tout=tr, gated=gated, persistent=pers, dest_rows=None if dest is None else t)
         if dest is not None:
