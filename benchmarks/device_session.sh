@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79); 32–34, 49 and 71 are prepared (72–75: a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79); 32–34, 49, 71, 80 and 81 are prepared (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -887,6 +887,15 @@ elif [ "$part" = 79 ]; then    # v18: the four GPU layer tests parts 76 and 78 d
         "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-dsv2lite]" \
         "$T::test_wgmma_combine_add_gpu[gptq4_g128_actorder-qwen3]"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -20
+elif [ "$part" = 80 ] || [ "$part" = 81 ]; then    # prepared in v18: the whole GPU suite (183) in two calls at 14
+    # workers — 80: the kernel cases, the shape tests, the decode layer and the pair defaults (137; part 76 ran them
+    # and 23 more inside its 585 s); 81: the other 46 layer tests (parts 76/78/79: ~20 worker-minutes of them took
+    # about 10 wall minutes), now with the float64 reference's rows padded to powers of two (one dot compile per
+    # power of two, not per expert row count). Prediction: each call 5-8 minutes
+    k="grouped_gemm_gpu or fused_moe_gpu_shapes or decode_layer_gpu or pair_defaults_gpu"
+    [ "$part" = 81 ] && k="not ($k)"
+    WORKERS=14 PYTEST_EXTRA="--durations=25" gpu_tests 585 "$k"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -34
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
