@@ -822,15 +822,15 @@ elif [ "$part" = 73 ] || [ "$part" = 74 ] || [ "$part" = 75 ]; then    # prepare
     grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -22
 elif [ "$part" = 76 ]; then    # v18: the whole GPU suite (183 tests) in one call at one commit, 14 workers on the
     # machine's 16 cores (parts 72-75 planned four calls at 4 workers, ~90 s per layer test and worker, most of it
-    # compiling and, before _dot64, the host float64 reference); the slowest 40 listed. If the limit cuts it off,
-    # part 77 runs what did not finish (DESELECT: the finished node ids, one per line, in $OUT/finished.txt)
+    # compiling and, before _dot64, the host float64 reference); the slowest 40 listed. Its limit cut it off after
+    # 160 passes: part 78 ran what had not finished (from $OUT/finished.txt, the finished node ids), part 79 the rest
     WORKERS=14 PYTEST_EXTRA="--durations=40" gpu_tests 585 "gpu"
     grep -E "FAIL|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -30
     grep -oE "(PASSED|FAILED|ERROR) tests/[^ ]+" "$OUT/tests.log" | awk '{print $2}' | sort > "$OUT/finished.txt"
     wc -l "$OUT/finished.txt"
 elif [ "$part" = 77 ]; then    # ran in v18 (lazy was then removed: ptxas compiled the same PTX with and
-    # without it, the same registers, and it was no faster) — v18: lazy=True, each fold K-block dequantized just before its own wgmmas (half a
-    # 256-deep step's register operands live at once), A B A at the folding rows (its GPU cases and ptxas: part 78).
+    # without it, the same registers, and it was no faster) — v18: lazy=True, each fold K-block dequantized just
+    # before its own wgmmas (half a 256-deep step's register operands live at once), A B A at the folding rows (its GPU cases and ptxas: part 78).
     # Prediction: faster (3-8%) only where fewer registers lift a register limit below the shared-memory one (the 8-
     # and 16-row forms: Mixtral 16 / 32 tokens, Qwen3 64, DeepSeek-V2-Lite 16), else within ±2%. And Qwen3 256
     # tokens' 24-row GEMM2 (3 steps, a 3-deep ring: 90.5 KB, two programs per SM) at 2 stages (~60 KB, three).
@@ -840,8 +840,8 @@ elif [ "$part" = 77 ]; then    # ran in v18 (lazy was then removed: ptxas compil
     logged "q256st2" 70 python3 benchmarks/moe_engine.py --sweep --rows qwen3:256 --reps 80 \
         --variants "v17=kernel:wgmma;st2=kernel:wgmma,stages:2;v17 again=kernel:wgmma"
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT/lazy.log" "$OUT/q256st2.log"
-elif [ "$part" = 78 ]; then    # ran in v18 (its lazy cases and variant no longer exist) — v18: the 23 GPU tests part 76 (160 passed, none failed) did not reach before its
-    # limit (layer tests: the combine="add", blocked, v16, v17 defaults, two shape tests, the prefill/backward test),
+elif [ "$part" = 78 ]; then    # ran in v18 (its lazy cases and variant no longer exist) — v18: the 23 GPU
+    # tests part 76 (160 passed, none failed) did not reach before its limit (layer tests: the combine="add", blocked, v16, v17 defaults, two shape tests, the prefill/backward test),
     # and lazy=True's three kernel cases; then ptxas at 8 / 16 / 24 rows, sfold with and without lazy (v17: 125 / ? /
     # 166 registers; shared memory holds 5 / 4 / 3 programs per SM). Prediction: lazy 10-30 registers fewer
     T=tests/test_pallas_engine.py
@@ -889,8 +889,8 @@ elif [ "$part" = 79 ]; then    # v18: the four GPU layer tests parts 76 and 78 d
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -20
 elif [ "$part" = 80 ] || [ "$part" = 81 ]; then    # prepared in v18: the whole GPU suite (183) in two calls at 14
     # workers — 80: the kernel cases, the shape tests, the decode layer and the pair defaults (137; part 76 ran them
-    # and 23 more inside its 585 s); 81: the other 46 layer tests (parts 76/78/79: ~20 worker-minutes of them took
-    # about 10 wall minutes), now with the float64 reference's rows padded to powers of two (one dot compile per
+    # and 23 more inside its 585 s); 81: the other 46 layer tests (the 23 of them part 76 left took 400 + 224 s in
+    # parts 78 / 79), now with the float64 reference's rows padded to powers of two (one dot compile per
     # power of two, not per expert row count). Prediction: each call 5-8 minutes
     k="grouped_gemm_gpu or fused_moe_gpu_shapes or decode_layer_gpu or pair_defaults_gpu"
     [ "$part" = 81 ] && k="not ($k)"
