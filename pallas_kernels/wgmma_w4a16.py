@@ -1672,7 +1672,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         out = total(y.reshape(t, k, h_dim), 1)
     elif combine == "gather":                 # row of each routed pair (r: none — a zero row)
         r = y.shape[0]
-        if pair_rows is not None:             # the alignment's own (align="compare"): no scatter
+        if pair_rows is not None:             # the alignment's own ("compare", "rank"): no scatter
             pos = jnp.minimum(pair_rows, r)
         else:
             pos = jnp.full((t * k + 1,), r, jnp.int32).at[jnp.where(live, flat, t * k)].set(

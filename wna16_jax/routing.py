@@ -452,7 +452,7 @@ def align_method(num_pairs: int, block_size: int, num_experts: int, method: str 
 
 
 def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: int, sentinel: int,
-                  method: str = "auto", with_rows: bool = False):
+                  method: str = "auto"):
     """Core of the alignment: group the positions of ``keys`` by bucket (stable) and pad.
 
     Written for the GPU's few-launch needs: one int32 sort (no payload) or, with ``method``
@@ -462,16 +462,16 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     ``searchsorted`` (the default binary search is a loop of small launches); ``"compare"``
     (``"auto"``: up to :data:`COMPARE_MAX_PAIRS` positions, and padded rows × positions up to
     :data:`COMPARE_MAX_WORK`): :func:`_align_compare`; ``"rank"``: :func:`_align_rank`.
-    ``with_rows``: also each position's padded row (``max_padded`` for invalid ones) where the
-    method has it for free (``"compare"``, ``"rank"``), else ``None``."""
+    Returns ``(sorted_ids, block_expert, post, rows)``: ``rows`` each position's padded row
+    (``max_padded`` for invalid ones) where the method has it for free (``"compare"``,
+    ``"rank"``), else ``None``."""
     n = keys.shape[0]
     max_blocks = max_padded // block_size
     k = jnp.where(valid, keys, num_buckets).astype(jnp.int32)
     method = _resolve_method(n, max_padded, method)
     if n and method in ("compare", "rank"):
-        out = (_align_compare if method == "compare" else _align_rank)(k, num_buckets, block_size, max_padded,
-                                                                        sentinel)
-        return out if with_rows else out[:3]
+        return (_align_compare if method == "compare" else _align_rank)(k, num_buckets, block_size, max_padded,
+                                                                         sentinel)
     counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[k].add(1)[:num_buckets]
     nblocks = (counts + (block_size - 1)) // block_size
     cum_blocks = jnp.cumsum(nblocks)
@@ -479,9 +479,8 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     b = jnp.arange(max_blocks, dtype=jnp.int32)
     block_expert = jnp.searchsorted(cum_blocks, b, side="right", method="compare_all").astype(jnp.int32)
     post = (total_blocks * block_size).astype(jnp.int32).reshape(1)
-    rows = (None,) if with_rows else ()
     if n == 0:
-        return (jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post) + rows
+        return jnp.full((max_padded,), sentinel, jnp.int32), jnp.full((max_blocks,), -1, jnp.int32), post, None
     if method == "count":
         order = _counting_order(k, num_buckets + 1)
     elif (num_buckets + 1) * n < 2 ** 31:    # stable order from one sort of unique keys
@@ -496,7 +495,7 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     ok = (r < total_blocks * block_size) & (rank < counts[e_r])
     sorted_ids = jnp.where(ok, order[jnp.clip(raw_start[e_r] + rank, 0, n - 1)], sentinel).astype(jnp.int32)
     block_expert = jnp.where(b < total_blocks, block_expert, -1)
-    return (sorted_ids, block_expert, post) + rows
+    return sorted_ids, block_expert, post, None
 
 
 def moe_align_block_size(
@@ -568,7 +567,7 @@ def _moe_align(topk_ids, block_size, num_experts, expert_map=None, *, ignore_inv
         valid = valid & (local >= 0) & (local < num_experts)
         keys = local
     sorted_ids, block_expert, post, rows = _align_sorted(
-        keys, valid, num_experts, block_size, max_padded, n, method, with_rows=True
+        keys, valid, num_experts, block_size, max_padded, n, method
     )
     if expert_map is not None and not ignore_invalid_experts:
         mapped = expert_map[jnp.clip(block_expert, 0, num_experts - 1)]
