@@ -898,7 +898,8 @@ elif [ "$part" = 80 ] || [ "$part" = 81 ]; then    # prepared in v18: the whole 
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -34
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
-    # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers)
+    # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
+    # dense bf16 rate measured in the same run (the prefill target's reference)
     rows=$([ "$part" = 33 ] && echo "mixtral" || echo "qwen3 dsv2lite")
     logged "table_full" 560 python3 benchmarks/moe_engine.py --rows $rows --reps 40 \
         --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"

@@ -24,7 +24,11 @@ Alternatives in the same run:
   jitted call (the cost of *not* converting ahead of time to the kernel-native layout);
 * ``XLA path``: :func:`wna16_jax.moe.fused_moe` on the loader layout, bf16 compute;
 * ``ragged_dot bf16``: ``jax.lax.ragged_dot`` on bf16 weights (no quantization);
-* ``dequant→ragged_dot``: dequantize every expert to bf16 inside the program, then ragged_dot.
+* ``dequant→ragged_dot``: dequantize every expert to bf16 inside the program, then ragged_dot;
+* ``dense bf16``: the dense bf16 matmul rate measured in the same run, the reference of the
+  prefill target: two plain bf16 matmuls with the layer's FLOPs and no routing,
+  ``[T, H] @ [H, top_k·2I]``, SiLU-and-multiply, ``[T, top_k·I] @ [top_k·I, H]`` (random bf16
+  weights); the ``% dense`` column is its time over the wgmma AWQ layer's.
 
 Each engine output is checked against a float32 XLA evaluation of the same layer before it is
 timed (``rel err`` column; > 2e-2 is reported as a failure). Floor = max(bytes of the int4
@@ -67,6 +71,17 @@ def floor_us(ids_all, h, i, t, k, group=128, zeros=True):
     per_expert = 3 * h * i * 0.5 + 3 * h * i / group * 2 * (2 if zeros else 1)
     touched = np.mean([len(np.unique(ids)) for ids in np.asarray(ids_all)])
     return max(touched * per_expert / BW, 2 * t * k * 3 * h * i / FLOPS) * 1e6
+
+
+def dense_bf16(c, tw, ids, w13, w2):
+    """The dense-rate reference (no routing; ``tw``/``ids`` unused): the layer's FLOPs as two
+    plain bf16 matmuls, ``w13 [H, top_k, 2I]`` then ``w2 [top_k, I, H]`` (each flattened to one
+    matrix), float32 accumulation."""
+    del tw, ids
+    (t, h), (_, k, i2) = c.shape, w13.shape
+    g = jnp.dot(c.astype(jnp.bfloat16), w13.reshape(h, k * i2), preferred_element_type=jnp.float32)
+    a = silu_and_mul(g.reshape(t, k, i2)).astype(jnp.bfloat16).reshape(t, k * i2 // 2)
+    return jnp.dot(a, w2.reshape(k * i2 // 2, h), preferred_element_type=jnp.float32)
 
 
 TIMING = "loop"
@@ -236,7 +251,8 @@ def main(argv=None):
     if UNROLL < 1:
         raise SystemExit(f"--unroll: expected at least 1, got {UNROLL}")
     rng = np.random.default_rng(0)
-    alts = ["engine AWQ", "engine GPTQ", "wgmma AWQ", "wgmma GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16", "dequant→ragged_dot"]
+    alts = ["engine AWQ", "engine GPTQ", "wgmma AWQ", "wgmma GPTQ", "engine←Marlin", "XLA path", "ragged_dot bf16",
+            "dequant→ragged_dot", "dense bf16"]
     skip = set(filter(None, args.skip.split(",")))
     if INTERPRET:
         skip |= {"wgmma AWQ", "wgmma GPTQ"}          # Mosaic GPU kernels: Hopper only
@@ -252,7 +268,11 @@ def main(argv=None):
             from pallas_kernels.wgmma_w4a16 import convert_wgmma
 
             wg, gptq_wg = jax.jit(convert_wgmma)(tiles), jax.jit(convert_wgmma)(gptq_tiles)
-        dense = None
+        dense = flat = None
+        if "dense bf16" not in skip:             # the dense-rate reference's weights, made on the device
+            kw = jax.random.split(jax.random.key(1))
+            flat = (jax.random.normal(kw[0], (h, k, 2 * i), jnp.bfloat16) * 0.02,
+                    jax.random.normal(kw[1], (k, i, h), jnp.bfloat16) * 0.02)
         print(f"# {name}: weights ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for t in tokens:
             reps = args.reps if t <= 64 else max(3, args.reps // 4)
@@ -321,6 +341,7 @@ def main(argv=None):
                 "ragged_dot bf16": (ragged_bf16, dense),
                 "dequant→ragged_dot": (lambda c, tw, ids, w: fused_moe_ragged_dot(
                     c, tw, ids, w, compute_dtype=jnp.bfloat16), (w,)),
+                "dense bf16": (dense_bf16, flat),
             }
             runs, errs = {}, []
             for a in alts:
@@ -366,14 +387,16 @@ def main(argv=None):
                         + ("one jitted call per layer from Python, median of 5 runs" if TIMING == "calls" else
                            "the 2R-call program's time less the R-call program's, / R, median of 5 pairs"
                            + (f", {UNROLL} calls per loop iteration" if TIMING == "loop" and UNROLL > 1 else ""))
-                        + ", the alternatives' runs interleaved). rel err: the engine's output vs a float32 XLA evaluation.", table)
+                        + ", the alternatives' runs interleaved). dense bf16: two plain bf16 matmuls with the layer's "
+                        "FLOPs, no routing (the dense rate, measured in this run); wgmma % dense: its time over the wgmma "
+                        "AWQ layer's. rel err: the engine's output vs a float32 XLA evaluation.", table)
     return 0
 
 
 def _header(alts):
     return ("| shape (E, top-k, H, I) | tokens | floor µs | " + " | ".join(f"{a} µs" for a in alts)
-            + " | engine / floor | wgmma / floor | GPTQ / AWQ engine | GPTQ / AWQ wgmma | rel err |\n|"
-            + "---|" * (len(alts) + 8))
+            + " | engine / floor | wgmma / floor | GPTQ / AWQ engine | GPTQ / AWQ wgmma | wgmma % dense | rel err |\n|"
+            + "---|" * (len(alts) + 9))
 
 
 def _row_md(row, alts):
@@ -383,11 +406,13 @@ def _row_md(row, alts):
         return f"{a / b:.2f}" if a and b else "—"
 
     err = "—" if row["err"] is None else f"{row['err']:.1e}"
+    d, wg = c.get("dense bf16"), c.get("wgmma AWQ")      # the dense rate's time over the layer's
+    pct = f"{100 * d / wg:.0f}%" if d and wg else "—"
     return (f"| {row['shape']} | {row['tokens']} | {row['floor_us']:.1f} | "
             + " | ".join("—" if v is None else f"{v:.0f}" for v in row["cells"])
             + f" | {ratio(c.get('engine AWQ'), row['floor_us'])} | {ratio(c.get('wgmma AWQ'), row['floor_us'])}"
             f" | {ratio(c.get('engine GPTQ'), c.get('engine AWQ'))} | {ratio(c.get('wgmma GPTQ'), c.get('wgmma AWQ'))}"
-            f" | {err} |")
+            f" | {pct} | {err} |")
 
 
 if __name__ == "__main__":
