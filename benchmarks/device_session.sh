@@ -896,6 +896,10 @@ elif [ "$part" = 80 ] || [ "$part" = 81 ]; then    # prepared in v18: the whole 
     [ "$part" = 81 ] && k="not ($k)"
     WORKERS=14 PYTEST_EXTRA="--durations=25" gpu_tests 585 "$k"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -34
+elif [ "$part" = 82 ]; then    # v19: what of part 80 fits the session's last minutes — the decode-layer, pair-default
+    # and Triton-engine shape tests (33) on main as it stands (part 81 ran the other layer tests: 46 passed)
+    WORKERS=14 PYTEST_EXTRA="--durations=10" gpu_tests 270 "fused_moe_gpu_shapes or decode_layer_gpu or pair_defaults_gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -20
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
