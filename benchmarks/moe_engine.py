@@ -84,6 +84,24 @@ def dense_bf16(c, tw, ids, w13, w2):
     return jnp.dot(a, w2.reshape(k * i2 // 2, h), preferred_element_type=jnp.float32)
 
 
+def dense_peak_tflops(n, reps=10):
+    """The dense bf16 matmul rate of this run, TFLOP/s: a chain of ``[n, n] @ [n, n]`` bf16
+    matmuls (float32 accumulation), timed differentially like the layers (the peak the prefill
+    target's "dense rate" refers to; the ``dense bf16`` column is the same-shape rate)."""
+    from benchmarks.timing import differential_us
+
+    ka, kb = jax.random.split(jax.random.key(2))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16) * (1.0 / n ** 0.5)
+
+    def build(calls):
+        def run(a, b):
+            return jax.lax.fori_loop(0, calls, lambda _, c: jnp.dot(
+                c, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16), a)
+        return jax.jit(run)
+    return 2 * n ** 3 / differential_us(build, (a, b), reps) / 1e6
+
+
 TIMING = "loop"
 UNROLL = 1          # --unroll: calls per fori_loop iteration
 
@@ -257,6 +275,11 @@ def main(argv=None):
     if INTERPRET:
         skip |= {"wgmma AWQ", "wgmma GPTQ"}          # Mosaic GPU kernels: Hopper only
     lines = []
+    peak = None
+    if not args.sweep and "dense bf16" not in skip:
+        n = 512 if INTERPRET else 8192
+        peak = dense_peak_tflops(n, reps=2 if INTERPRET else 10)
+        print(f"# dense bf16 peak: {peak:.0f} TFLOP/s ([{n}, {n}] @ [{n}, {n}] matmuls)", flush=True)
     for key, tokens in parse_rows(args.rows):
         name, (e, k, h, i), _ = SHAPES[key]
         t0 = time.perf_counter()
@@ -362,6 +385,7 @@ def main(argv=None):
                     samples[a].append(once())
             cells = [statistics.median(samples[a]) / reps * 1e6 if a in runs else None for a in alts]
             row = {"shape": name, "dims": [e, k, h, i], "tokens": t, "floor_us": fl, "cells": cells,
+                   "tflop": 2 * t * k * 3 * h * i / 1e12, "peak_tflops": peak,
                    "err": max(errs) if errs else None, "config": dataclasses.asdict(choose_config(t, k, tiles))}
             lines.append(row)
             print(_row_md(row, alts), flush=True)
@@ -373,7 +397,8 @@ def main(argv=None):
                     "machine": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
                     "command": "PYTHONPATH=$PWD python3 benchmarks/moe_engine.py " + " ".join(argv or sys.argv[1:]),
                     "shape": name, "dims": [e, k, h, i], "tokens": t, "floor_ms": fl / 1e3,
-                    "ms": {a: c / 1e3 for a, c in zip(alts, cells) if c is not None}})
+                    "ms": {a: c / 1e3 for a, c in zip(alts, cells) if c is not None},
+                    **({"dense_peak_tflops": round(peak, 1)} if peak else {})})
     if args.sweep:
         return 0
     table = [_header(alts)] + [_row_md(r, alts) for r in lines]
@@ -388,15 +413,17 @@ def main(argv=None):
                            "the 2R-call program's time less the R-call program's, / R, median of 5 pairs"
                            + (f", {UNROLL} calls per loop iteration" if TIMING == "loop" and UNROLL > 1 else ""))
                         + ", the alternatives' runs interleaved). dense bf16: two plain bf16 matmuls with the layer's "
-                        "FLOPs, no routing (the dense rate, measured in this run); wgmma % dense: its time over the wgmma "
-                        "AWQ layer's. rel err: the engine's output vs a float32 XLA evaluation.", table)
+                        "FLOPs, no routing (the same-shape dense rate, measured in this run); wgmma % dense: its time over "
+                        "the wgmma AWQ layer's; wgmma % peak: the layer's FLOP rate over the dense bf16 peak of this run "
+                        + (f"({peak:.0f} TFLOP/s, chained square matmuls)" if peak else "(not measured)")
+                        + ". rel err: the engine's output vs a float32 XLA evaluation.", table)
     return 0
 
 
 def _header(alts):
     return ("| shape (E, top-k, H, I) | tokens | floor µs | " + " | ".join(f"{a} µs" for a in alts)
-            + " | engine / floor | wgmma / floor | GPTQ / AWQ engine | GPTQ / AWQ wgmma | wgmma % dense | rel err |\n|"
-            + "---|" * (len(alts) + 9))
+            + " | engine / floor | wgmma / floor | GPTQ / AWQ engine | GPTQ / AWQ wgmma | wgmma % dense | wgmma % peak | rel err |\n|"
+            + "---|" * (len(alts) + 10))
 
 
 def _row_md(row, alts):
@@ -408,11 +435,13 @@ def _row_md(row, alts):
     err = "—" if row["err"] is None else f"{row['err']:.1e}"
     d, wg = c.get("dense bf16"), c.get("wgmma AWQ")      # the dense rate's time over the layer's
     pct = f"{100 * d / wg:.0f}%" if d and wg else "—"
+    peak = row.get("peak_tflops")                        # the layer's FLOP rate over the run's peak
+    pk = f"{100 * row['tflop'] / (wg * 1e-6) / peak:.0f}%" if wg and peak else "—"
     return (f"| {row['shape']} | {row['tokens']} | {row['floor_us']:.1f} | "
             + " | ".join("—" if v is None else f"{v:.0f}" for v in row["cells"])
             + f" | {ratio(c.get('engine AWQ'), row['floor_us'])} | {ratio(c.get('wgmma AWQ'), row['floor_us'])}"
             f" | {ratio(c.get('engine GPTQ'), c.get('engine AWQ'))} | {ratio(c.get('wgmma GPTQ'), c.get('wgmma AWQ'))}"
-            f" | {pct} | {err} |")
+            f" | {pct} | {pk} | {err} |")
 
 
 if __name__ == "__main__":

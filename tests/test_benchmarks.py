@@ -23,6 +23,23 @@ def test_moe_engine_table_and_sweep_on_cpu(capsys, tmp_path):
     assert "device busy" in printed
 
 
+def test_moe_engine_row_ratios():
+    """The table's derived columns: time / floor, GPTQ / AWQ, the dense bf16 matmul's time over
+    the wgmma layer's, and the layer's FLOP rate over the run's dense peak."""
+    alts = ["wgmma AWQ", "wgmma GPTQ", "dense bf16"]
+    row = {"shape": "s", "tokens": 512, "floor_us": 100.0, "cells": [200.0, 220.0, 150.0], "err": 1e-3,
+           "tflop": 0.08, "peak_tflops": 800.0}      # 0.08 TFLOP in 200 µs = 400 TFLOP/s = 50% of 800
+    cells = [c.strip() for c in moe_engine._row_md(row, alts).strip("| \n").split("|")]
+    header = [c.strip() for c in moe_engine._header(alts).splitlines()[0].strip("| ").split("|")]
+    got = dict(zip(header, cells))
+    assert len(cells) == len(header) == len(moe_engine._header(alts).splitlines()[1].strip("|").split("|"))
+    assert (got["wgmma / floor"], got["GPTQ / AWQ wgmma"]) == ("2.00", "1.10")
+    assert (got["wgmma % dense"], got["wgmma % peak"], got["rel err"]) == ("75%", "50%", "1.0e-03")
+    row.update(peak_tflops=None, cells=[None, 220.0, 150.0])
+    got = dict(zip(header, (c.strip() for c in moe_engine._row_md(row, alts).strip("| \n").split("|"))))
+    assert got["wgmma % dense"] == got["wgmma % peak"] == "—"
+
+
 def test_gemm_kernels_on_cpu(capsys):
     from benchmarks import gemm_kernels
 
