@@ -28,7 +28,9 @@ Alternatives in the same run:
 * ``dense bf16``: the dense bf16 matmul rate measured in the same run, the reference of the
   prefill target: two plain bf16 matmuls with the layer's FLOPs and no routing,
   ``[T, H] @ [H, top_k·2I]``, SiLU-and-multiply, ``[T, top_k·I] @ [top_k·I, H]`` (random bf16
-  weights); the ``% dense`` column is its time over the wgmma AWQ layer's.
+  weights); the ``wgmma % dense`` column is its time over the wgmma AWQ layer's, and
+  ``wgmma % peak`` the layer's FLOP rate over the run's peak (chained ``[8192, 8192]`` bf16
+  matmuls, timed once per run: :func:`dense_peak_tflops`).
 
 Each engine output is checked against a float32 XLA evaluation of the same layer before it is
 timed (``rel err`` column; > 2e-2 is reported as a failure). Floor = max(bytes of the int4
@@ -292,7 +294,7 @@ def main(argv=None):
 
             wg, gptq_wg = jax.jit(convert_wgmma)(tiles), jax.jit(convert_wgmma)(gptq_tiles)
         dense = flat = None
-        if "dense bf16" not in skip:             # the dense-rate reference's weights, made on the device
+        if not args.sweep and "dense bf16" not in skip:    # the dense-rate reference's weights, on the device
             kw = jax.random.split(jax.random.key(1))
             flat = (jax.random.normal(kw[0], (h, k, 2 * i), jnp.bfloat16) * 0.02,
                     jax.random.normal(kw[1], (k, i, h), jnp.bfloat16) * 0.02)
