@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79); 32–34, 49, 71, 80 and 81 are prepared (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79); 32–34, 49, 71, 80, 81 and 83 are prepared (33–34, 81 and 82 ran in the twentieth, v19) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -900,6 +900,23 @@ elif [ "$part" = 82 ]; then    # v19: what of part 80 fits the session's last mi
     # and Triton-engine shape tests (33) on main as it stands (part 81 ran the other layer tests: 46 passed)
     WORKERS=14 PYTEST_EXTRA="--durations=10" gpu_tests 270 "fused_moe_gpu_shapes or decode_layer_gpu or pair_defaults_gpu"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -20
+elif [ "$part" = 83 ]; then    # prepared in v19: why Mixtral 64 tokens (24-row fold blocks, 275-295 µs, 1.58-1.69x) is
+    # 55-75 µs slower than 16 tokens (8-row, 214-220 µs) for the same bytes (all 8 experts once). The folding GEMMs
+    # alone at 8 / 16 / 24 rows, one block per expert (the same weights), then Nsight Compute's stall reasons for the
+    # 24-row GEMM1 against part 52's 8-row one (136.5 µs, 77% of DRAM, long-scoreboard). Prediction: GEMM1 8 rows
+    # 136-145 µs, 16 rows 145-160, 24 rows 160-180 (3 programs per SM at 166 registers, 12 warps, against 5 at 8 rows);
+    # at 24 rows DRAM under 70% and the stalls shifted from long-scoreboard towards wgmma waits and math/dispatch
+    V="bn128 st2 kpb2 wide shift32 sfold s1"
+    logged "gemm_rows" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 8 16 24 --reps 20 \
+        --only "$V"
+    grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_rows.log" | sort -u
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --print-details all"
+    M="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+    logged "ncu_mixtral1_bm24" 120 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S $M \
+        python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 24 --reps 1 --only "$V"
+    grep -E "==ERROR|Duration|DRAM Throughput|Achieved Occupancy|Block Limit|Registers Per|Issued Warp|No Eligible|issue_stalled|rc " \
+        "$OUT/ncu_mixtral1_bm24.log" | head -60
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
