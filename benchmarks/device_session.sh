@@ -908,7 +908,7 @@ elif [ "$part" = 83 ]; then    # prepared in v19: why Mixtral 64 tokens (24-row 
     # at 24 rows DRAM under 70% and the stalls shifted from long-scoreboard towards wgmma waits and math/dispatch
     V="bn128 st2 kpb2 wide shift32 sfold s1"
     logged "gemm_rows" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 8 16 24 --reps 20 \
-        --only "$V"
+        --only "$V" "bn128 st4 shift32 sfold s1" "bn128 st3 shift32 sfold s1"
     grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_rows.log" | sort -u
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --print-details all"
@@ -917,6 +917,17 @@ elif [ "$part" = 83 ]; then    # prepared in v19: why Mixtral 64 tokens (24-row 
         python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 24 --reps 1 --only "$V"
     grep -E "==ERROR|Duration|DRAM Throughput|Achieved Occupancy|Block Limit|Registers Per|Issued Warp|No Eligible|issue_stalled|rc " \
         "$OUT/ncu_mixtral1_bm24.log" | head -60
+elif [ "$part" = 84 ]; then    # v20: where the unmet rows' time goes now (JAX profiler, kernel by kernel: Mixtral 1 / 64
+    # tokens, Qwen3 512 / 4096), and Mixtral 64 tokens' 24-row fold blocks with 128-deep steps (kpb 1: half the A
+    # operands and words in registers, more steps in flight per byte of ring) at 3 / 4 stages. Predictions: Mixtral
+    # 1 token GEMM1 33-36 µs, GEMM2 17-19, the rest 8-10; Mixtral 64 GEMM1 ~170, GEMM2 ~85, the rest ~20; Qwen3
+    # 4096 GEMMs ~650 of ~800; Qwen3 512 GEMMs ~170 of ~220; the kpb-1 rings within ±3% of the default (275-295)
+    logged "profile" 240 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1,64 qwen3:512,4096 \
+        --reps 10 --variants "wgmma=kernel:wgmma"
+    grep -vE "^#|Warning|warn|^ *ref =|^\s*$" "$OUT/profile.log" | head -150
+    logged "sweep64" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 40 \
+        --variants "wgmma=kernel:wgmma;kpb1 st4=kernel:wgmma,wide:0,stages:4;kpb1 st3=kernel:wgmma,wide:0,stages:3;st3=kernel:wgmma,stages:3;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc " "$OUT/sweep64.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
