@@ -928,6 +928,16 @@ elif [ "$part" = 84 ]; then    # v20: where the unmet rows' time goes now (JAX p
     logged "sweep64" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:64 --reps 40 \
         --variants "wgmma=kernel:wgmma;kpb1 st4=kernel:wgmma,wide:0,stages:4;kpb1 st3=kernel:wgmma,wide:0,stages:3;st3=kernel:wgmma,stages:3;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep64.log"
+elif [ "$part" = 85 ]; then    # v20: the row-gather kernel (pallas_kernels/row_gather.py: one bulk copy per row, only
+    # the rows of pairs in blocks with an expert) — its GPU tests and the blocked layer tests that run it by default,
+    # then the layer with it (default) against XLA's gather (row_gather:0), A B A. Prediction (part 84's profile:
+    # XLA's gather 74.7 µs at Qwen3 4096 tokens, 13.5 at 512): Qwen3 4096 25-35 µs faster (~790), Qwen3 512 3-8,
+    # Mixtral 4096 5-15, the decode rows (Mixtral 64, DeepSeek-V2-Lite 64) within ±2 µs
+    WORKERS=14 PYTEST_EXTRA="--durations=8" gpu_tests 250 "row_gather_gpu or blocked_defaults_gpu or combine_add_gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -16
+    logged "sweep_gather" 300 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:64,4096 \
+        dsv2lite:64 --reps 20 --variants "kernel=kernel:wgmma;xla gather=kernel:wgmma,row_gather:0;kernel again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_gather.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the

@@ -50,6 +50,7 @@ from wna16_jax.errors import ConfigError, DTypeError, ShapeError
 from wna16_jax.routing import ALIGN_METHODS
 from wna16_jax.weights import ExpertsMixin, pytree_dataclass
 
+from .row_gather import gather_rows, gather_rows_reason
 from .wna16_grouped_gemm import FUSED_ACTIVATIONS as GATED_ACTIVATIONS
 from .wna16_grouped_gemm import act_pair, pack_tiles, unpack_tiles
 
@@ -1275,6 +1276,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
+                    row_gather: bool | None = None,
                     persistent: bool | None | tuple = None, lop3: bool = True):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
@@ -1377,6 +1379,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     the elements for XLA's gather, which at Qwen3 4096 tokens wrote its 134 MB at ~1 TB/s
     (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
+    ``row_gather`` (blocked schedule): gather those rows with :func:`~pallas_kernels.row_gather.gather_rows`
+    (a Mosaic GPU kernel: one bulk copy per row, only the rows of pairs in blocks with an expert;
+    padding rows and empty blocks left unwritten, their results never read) instead of XLA
+    (``gather32`` then applies); default: on wherever the rows are whole 16-byte multiples (v20,
+    NOTES.md: XLA's gather was 74.7 µs of Qwen3 4096 tokens' layer).
     ``split1`` / ``split2``: GEMM1's / GEMM2's K split (the largest divisor of its steps up to
     the value); default: about 2 programs per SM; about 4 with at least 4 steps each for the
     pair schedule's GEMM1, whose 8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0
@@ -1434,6 +1441,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
     sfold = True if sfold is None else bool(sfold)
     gather32 = True if gather32 is None else bool(gather32)
+    row_gather = (gather_rows_reason((t, h_dim), cdt) is None) if row_gather is None else bool(row_gather)
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32).reshape(-1)
     group = -1 if weights.w13_scales.shape[1] == 1 else BLOCK_K
@@ -1612,7 +1620,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         def first_rows(y):
             return y
 
-        if gather32 and h_dim % 2 == 0:      # the same bits, moved as 32-bit words
+        if row_gather:                       # only the rows of pairs in blocks with an expert
+            x_rows = gather_rows(hidden_states.astype(cdt), jnp.where(live & (row_expert >= 0), tok, -1)
+                                 .astype(jnp.int32), block_m=bm)
+        elif gather32 and h_dim % 2 == 0:      # the same bits, moved as 32-bit words
             xc = hidden_states.astype(cdt)
             words = jax.lax.bitcast_convert_type(xc.reshape(t, h_dim // 2, 2), jnp.uint32)
             x_rows = jax.lax.bitcast_convert_type(jnp.where(live[:, None], words[tok], 0), cdt).reshape(-1, h_dim)

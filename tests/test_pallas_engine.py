@@ -781,6 +781,24 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=Non
     return out.astype(out_dtype)
 
 
+def _emulated_gather_rows(x, idx, *, block_m):
+    """``gather_rows``'s contract in jnp: row ``r`` is ``x[idx[r]]`` where ``idx[r] >= 0``; the
+    other rows are unspecified — NaN here, so a layer that let them reach its output would fail
+    its float64 comparison (NaN never passes ``_layer_close``)."""
+    from pallas_kernels.row_gather import gather_rows_reason
+
+    assert gather_rows_reason(x.shape, x.dtype) is None, (x.shape, x.dtype)
+    assert idx.dtype == jnp.int32 and idx.ndim == 1 and idx.shape[0] % block_m == 0, (idx.dtype, idx.shape, block_m)
+    return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.nan).astype(x.dtype)
+
+
+def _emulate_kernels(monkeypatch, wgm, gemm=None):
+    """The layer's Mosaic GPU kernels replaced by their jnp contracts: the grouped GEMM (``gemm``,
+    default :func:`_emulated_wgmma_gemm`) and the row gather (:func:`_emulated_gather_rows`)."""
+    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", gemm or _emulated_wgmma_gemm)
+    monkeypatch.setattr(wgm, "gather_rows", _emulated_gather_rows)
+
+
 WGMMA_SCHEMES = {"awq_g128": SCHEMES["awq_g128"], "gptq4_g128_actorder": SCHEMES["gptq4_g128_actorder"],
                  "gptq4_channel": QuantScheme("gptq", 4, -1, False)}
 
@@ -875,7 +893,7 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     ``test_fused_moe_wgmma_gpu_shapes``)."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", _emulated_wgmma_gemm)
+    _emulate_kernels(monkeypatch, wgm, _emulated_wgmma_gemm)
     rng = np.random.default_rng()
     w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 256, t, 2, bias=bias, map_=map_)
     wg = wgm.convert_wgmma(w.to_jax())
@@ -890,17 +908,20 @@ def test_fused_moe_wgmma_glue_cpu(monkeypatch, key, t, bias, map_, on_input, act
     # and GEMM2 adding its rows into the output itself (combine="add", the kernel's dest; jax >= 0.11
     # in the kernel, which the jnp contract does not need)
     monkeypatch.setattr(wgm, "TRANSPOSED_STORE", True)
-    cases = [("gather", "count", None, True, None), ("gather", "compare", True, True, True),
-             ("gather", "rank", False, False, False)]
-    for combine, align, in_gemm2, static, g32 in cases + (
-            [] if schedule == "pair" else [("scatter", "sort", None, True, True), ("add", "count", None, True, True)]):
+    # (rg: the rows gathered by the row-gather kernel, default, whose rows outside the pairs' blocks the
+    # jnp contract fills with NaN; or by XLA)
+    cases = [("gather", "count", None, True, None, None), ("gather", "compare", True, True, True, False),
+             ("gather", "rank", False, False, False, False)]
+    for combine, align, in_gemm2, static, g32, rg in cases + (
+            [] if schedule == "pair" else [("scatter", "sort", None, True, True, None),
+                                           ("add", "count", None, True, True, None)]):
         got = jax.jit(functools.partial(wgm.fused_moe_wgmma, activation=activation, split1=split, split2=split,
                                         schedule=None if wide else schedule, wide=True if wide else None,
                                         apply_router_weight_on_input=on_input, combine=combine, align=align,
-                                        weight_in_gemm2=in_gemm2, static_sums=static, gather32=g32))(
-            x, tw, ids, wg, expert_map=em)
+                                        weight_in_gemm2=in_gemm2, static_sums=static, gather32=g32,
+                                        row_gather=rg))(x, tw, ids, wg, expert_map=em)
         _layer_close(got, ref, what=f"combine={combine} align={align} weight_in_gemm2={in_gemm2} "
-                                    f"static_sums={static} gather32={g32}")
+                                    f"static_sums={static} gather32={g32} row_gather={rg}")
 
 
 def test_fused_moe_wgmma_combine_add_errors_cpu(monkeypatch):
@@ -909,7 +930,7 @@ def test_fused_moe_wgmma_combine_add_errors_cpu(monkeypatch):
     replaced by its jnp contract."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", _emulated_wgmma_gemm)
+    _emulate_kernels(monkeypatch, wgm, _emulated_wgmma_gemm)
     w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 4, 256, 512, 24, 2)
     wg = wgm.convert_wgmma(w.to_jax())
 
@@ -940,7 +961,7 @@ def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter, close=N
         seen.append(pick(kw))
         return _emulated_wgmma_gemm(*args, **kw)
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    _emulate_kernels(monkeypatch, wgm, spy)
     w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], experts, hidden, inter, 24, 2)
     wg = wgm.convert_wgmma(w.to_jax())
     ref = _reference(w, x, tw, ids, None)
@@ -1028,7 +1049,7 @@ def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
         seen.append(pick(kw))
         return _emulated_wgmma_gemm(*args, **kw)
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    _emulate_kernels(monkeypatch, wgm, spy)
     rng = np.random.default_rng()
     w, x, tw, ids, em = _layer_case(rng, WGMMA_SCHEMES["gptq4_g128_actorder"], 4, 1024, 512, 24, 2, bias=True,
                                     map_=True)
@@ -1098,7 +1119,7 @@ def test_fused_moe_wgmma_invalid_ids_cpu(monkeypatch, schedule, static):
     the other tokens match the float64 reference (kernel replaced by its jnp contract)."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", _emulated_wgmma_gemm)
+    _emulate_kernels(monkeypatch, wgm, _emulated_wgmma_gemm)
     rng = np.random.default_rng()
     w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 5, 3)
     bad_at = {1: (1, 6), 3: (2, -1)}                    # token: (slot, id) — past the experts, negative
@@ -1125,7 +1146,7 @@ def test_fused_moe_wgmma_gated_cpu(monkeypatch, key):
         seen.append(kw.get("gated"))
         return _emulated_wgmma_gemm(*args, **kw)
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    _emulate_kernels(monkeypatch, wgm, spy)
     rng = np.random.default_rng()
     for t, act, bias, schedule in ((2, "silu", False, "pair"), (24, "gelu_tanh", False, "blocked"),
                                    (24, "silu", True, "blocked")):
@@ -1274,7 +1295,7 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
         calls.append((args[0].shape[1], kw))
         return _emulated_wgmma_gemm(*args, **kw)
 
-    monkeypatch.setattr(wgm, "wgmma_grouped_gemm", spy)
+    _emulate_kernels(monkeypatch, wgm, spy)
     rng = np.random.default_rng()
     w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES["awq_g128"], 2, 2048, 128, 8, 2)
     wg = wgm.convert_wgmma(w.to_jax())
@@ -1682,6 +1703,61 @@ def test_fast_reference_is_the_reference():
         got, ref = _fast_reference(w.to_jax(), x, tw, ids), _reference(w, x, tw, ids, None)
         assert got.dtype == np.float64 and np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max(), key
     assert jnp.arange(2).dtype == jnp.int32 and jnp.zeros(()).dtype == jnp.float32
+
+
+# (rows of H 16-bit values, block rows, rows per program): Qwen3 / DeepSeek-V2-Lite, Mixtral, a small
+# row, DeepSeek-V3's 7168 (four 14 KB rows in 64 KB)
+_ROW_GATHER_CASES = [(2048, 144, 16), (4096, 24, 8), (256, 8, 8), (7168, 24, 4)]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU test compiles and runs it")
+def test_row_gather_lowers_and_checks():
+    """The row-gather kernel lowers to Mosaic GPU for bf16 and fp16 rows; a program's rows divide
+    the block and fit 64 KB; bad input is a typed error naming the array."""
+    from pallas_kernels.row_gather import gather_rows, program_rows
+
+    s = jax.ShapeDtypeStruct
+    for h, bm, g in _ROW_GATHER_CASES:
+        assert program_rows(bm, 2 * h) == g
+        for dt in (jnp.bfloat16, jnp.float16):
+            fn = jax.jit(functools.partial(gather_rows, block_m=bm))
+            text = fn.trace(s((37, h), dt), s((5 * bm,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text
+    fn = functools.partial(gather_rows, block_m=8)
+    for x, idx, err, what in ((s((4, 256), jnp.float32), s((8,), jnp.int32), DTypeError, "x: 16-bit"),
+                              (s((4, 12), jnp.bfloat16), s((8,), jnp.int32), ShapeError, "x: rows of a multiple"),
+                              (s((2, 4, 256), jnp.bfloat16), s((8,), jnp.int32), ShapeError, r"x must be \[T, H\]"),
+                              (s((4, 256), jnp.bfloat16), s((8,), jnp.float32), DTypeError, "idx must be a 1-D int32"),
+                              (s((4, 256), jnp.bfloat16), s((2, 4), jnp.int32), DTypeError, "idx must be a 1-D int32"),
+                              (s((4, 256), jnp.bfloat16), s((12,), jnp.int32), ConfigError, "idx.s 12 rows are not whole")):
+        with pytest.raises(err, match=f"gather_rows: {what}"):
+            jax.jit(fn).trace(x, idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("h, bm, g", _ROW_GATHER_CASES)
+def test_row_gather_gpu(h, bm, g):
+    """Every row with an index is its token's row, bit for bit (random 16-bit rows: a row the kernel
+    did not write cannot match), with ~20% of the rows and one whole block without an index, twice
+    with fresh inputs, the input unchanged."""
+    from pallas_kernels.row_gather import gather_rows
+
+    rng = np.random.default_rng()
+    t, nb = 37, 7
+    fn = jax.jit(functools.partial(gather_rows, block_m=bm))
+    for dt in (jnp.bfloat16, jnp.float16):
+        x_np = rng.standard_normal((t, h)).astype(np.float32)
+        x = jnp.asarray(x_np, dt)
+        before = np.asarray(x).copy()
+        idx = rng.integers(0, t, nb * bm).astype(np.int32)
+        idx[rng.random(nb * bm) < 0.2] = -1
+        idx[2 * bm:3 * bm] = -1
+        got = np.asarray(fn(x, jnp.asarray(idx)))
+        live = idx >= 0
+        assert got.shape == (nb * bm, h) and got.dtype == before.dtype
+        np.testing.assert_array_equal(got[live].view(np.uint16), before[idx[live]].view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint16), before.view(np.uint16))
 
 
 @pytest.mark.gpu
