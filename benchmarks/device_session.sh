@@ -938,6 +938,15 @@ elif [ "$part" = 85 ]; then    # v20: the row-gather kernel (pallas_kernels/row_
     logged "sweep_gather" 300 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:64,4096 \
         dsv2lite:64 --reps 20 --variants "kernel=kernel:wgmma;xla gather=kernel:wgmma,row_gather:0;kernel again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_gather.log"
+elif [ "$part" = 86 ]; then    # v20: the layer shape tests on the row-gather default (9), then the Qwen3 prefill rows
+    # of the table with the dense bf16 rate (the prefill target) on it. Prediction: Qwen3 4096 780-800 µs against a
+    # dense 470-480 (60-61%), Qwen3 512 185-220
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 300 "wgmma_gpu_shapes"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -10
+    logged "table_wgmma" 240 python3 benchmarks/moe_engine.py --reps 20 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" --rows qwen3:512,4096
+    grep -E "^\| |rc |rror|peak" "$OUT/table_wgmma.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
