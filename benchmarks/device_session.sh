@@ -947,6 +947,12 @@ elif [ "$part" = 86 ]; then    # v20: the layer shape tests on the row-gather de
         --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot" \
         --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json" --rows qwen3:512,4096
     grep -E "^\| |rc |rror|peak" "$OUT/table_wgmma.log"
+elif [ "$part" = 87 ]; then    # v20: the other layer tests of part 81 on the row-gather default (parts 85 and 86 ran 18
+    # and 9 of its 46)
+    k="grouped_gemm_gpu or fused_moe_gpu_shapes or decode_layer_gpu or pair_defaults_gpu"
+    k="not ($k or blocked_defaults_gpu or combine_add_gpu or wgmma_gpu_shapes or row_gather_gpu)"
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 330 "$k"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -10
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
