@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel); 32–34, 49, 71, 80, 81 and 83 are prepared (33–34, 81 and 82 ran in the twentieth, v19) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel); 32–34, 49, 71, 80, 81, 83 and 88 are prepared (33–34, 81 and 82 ran in the twentieth, v19) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -953,6 +953,13 @@ elif [ "$part" = 87 ]; then    # v20: the other layer tests of part 81 on the ro
     k="not ($k or blocked_defaults_gpu or combine_add_gpu or wgmma_gpu_shapes or row_gather_gpu)"
     WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 330 "$k"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -10
+elif [ "$part" = 88 ]; then    # prepared in v20: the new default's kernels (the row gather:
+    # row_gather_mosaic_gpu_kernel) at Qwen3 512 / 4096 and Mixtral 512 tokens — how long the gather kernel
+    # takes, and which of the ~24 small XLA kernels are left (Qwen3 512: 51 µs of glue in v20's profile). Prediction: the gather 40-50 µs at Qwen3 4096
+    # (153 MB written), 5-10 at 512; Qwen3 512's glue still 35-45 µs, most of it the alignment's count and scatters
+    logged "profile" 240 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 40 \
+        --rows qwen3:512,4096 mixtral:512 --reps 10 --variants "wgmma=kernel:wgmma"
+    grep -vE "^#|Warning|warn|^ *ref =|^\s*$" "$OUT/profile.log" | head -150
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the

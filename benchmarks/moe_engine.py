@@ -254,6 +254,8 @@ def main(argv=None):
                     "built-in variant list (keys: fused_moe_tiles config overrides)")
     ap.add_argument("--profile", action="store_true", help="with --sweep: also split each variant's time into "
                     "its device kernels (JAX profiler)")
+    ap.add_argument("--profile-top", type=int, default=12, help="with --profile: the kernels listed per call, "
+                    "largest first")
     ap.add_argument("--timing", choices=("loop", "unrolled", "calls"), default="loop",
                     help="the timed program: a fori_loop of calls (default), straight-line calls, or one "
                     "jitted call per layer dispatched from Python")
@@ -336,8 +338,8 @@ def main(argv=None):
                         if args.profile:
                             from benchmarks.kernel_profile import format_breakdown, kernel_breakdown
 
-                            print(format_breakdown(kernel_breakdown(engine(**over), (x, tw_all[0], ids_all[0], *ops))),
-                                  flush=True)
+                            print(format_breakdown(kernel_breakdown(engine(**over), (x, tw_all[0], ids_all[0], *ops)),
+                                                   top=args.profile_top), flush=True)
                             # the timed program itself (fresh routing per call, as timed): its
                             # device timeline cut into the calls, and the idle time between them
                             prog = kernel_breakdown(program(engine(**over), reps), (x, tw_all, ids_all, ops),
