@@ -1734,6 +1734,18 @@ def test_row_gather_lowers_and_checks():
             jax.jit(fn).trace(x, idx)
 
 
+@given(st.integers(1, 512), st.integers(1, 40000))
+def test_row_gather_program_rows(block_m, row_bytes):
+    """A program's rows: the largest divisor of the block that fits 64 KB (one row at least) and
+    the 31 index slots — so a program never spans two blocks."""
+    from pallas_kernels.row_gather import IDX_W, ROW_BYTES_PER_PROGRAM, program_rows
+
+    g = program_rows(block_m, row_bytes)
+    assert block_m % g == 0 and 1 <= g <= IDX_W - 1
+    assert g == 1 or g * row_bytes <= ROW_BYTES_PER_PROGRAM
+    assert not any(block_m % d == 0 and d * row_bytes <= ROW_BYTES_PER_PROGRAM for d in range(g + 1, IDX_W))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("h, bm, g", _ROW_GATHER_CASES)
