@@ -960,6 +960,12 @@ elif [ "$part" = 88 ]; then    # prepared in v20: the new default's kernels (the
     logged "profile" 240 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 40 \
         --rows qwen3:512,4096 mixtral:512 --reps 10 --variants "wgmma=kernel:wgmma"
     grep -vE "^#|Warning|warn|^ *ref =|^\s*$" "$OUT/profile.log" | head -150
+    # and the persistent stream at Mixtral 1 token, never timed there (v13's sweep stopped before the Mixtral
+    # rows): GEMM1's 896 programs run 1.36 waves at 5 per SM; a stream of ~4 programs per SM has no tail wave.
+    # Prediction: Mixtral 1 token 60-66 µs against 65-66; Qwen3 1 token no faster (v13: 24 against 21)
+    logged "sweep1" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 qwen3:1 --reps 40 \
+        --variants "wgmma=kernel:wgmma;pers=kernel:wgmma,persistent:1;pers s4=kernel:wgmma,persistent:1,split1:4;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep1.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
