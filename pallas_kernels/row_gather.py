@@ -37,13 +37,13 @@ def program_rows(block_m: int, row_bytes: int) -> int:
     return max(d for d in range(1, min(cap, block_m) + 1) if block_m % d == 0)
 
 
-def gather_rows_reason(x_shape, dtype) -> str | None:
-    """Why :func:`gather_rows` cannot take rows of this shape and dtype (``None``: it can)."""
+def gather_rows_reason(row_len: int, dtype) -> str | None:
+    """Why :func:`gather_rows` cannot take rows of ``row_len`` values of ``dtype`` (``None``: it can)."""
     dt = jnp.dtype(dtype)
     if dt.itemsize != 2:
         return f"16-bit rows only, got {dt.name}"
-    if len(x_shape) != 2 or (x_shape[1] * dt.itemsize) % 16:
-        return f"rows of a multiple of 16 bytes (bulk copies), got shape {tuple(x_shape)} of {dt.name}"
+    if (row_len * dt.itemsize) % 16:
+        return f"rows of a multiple of 16 bytes (bulk copies), got {row_len} {dt.name} values"
     return None
 
 
@@ -59,9 +59,11 @@ def gather_rows(x, idx, *, block_m: int):
 
     if x.ndim != 2:
         raise ShapeError(f"gather_rows: x must be [T, H], got shape {x.shape}")
-    why = gather_rows_reason(x.shape, x.dtype)
+    why = gather_rows_reason(x.shape[1], x.dtype)
+    if why and jnp.dtype(x.dtype).itemsize != 2:
+        raise DTypeError(f"gather_rows: x: {why}")
     if why:
-        raise (DTypeError if jnp.dtype(x.dtype).itemsize != 2 else ShapeError)(f"gather_rows: x: {why}")
+        raise ShapeError(f"gather_rows: x: {why}")
     if idx.ndim != 1 or jnp.dtype(idx.dtype) != jnp.dtype(jnp.int32):
         raise DTypeError(f"gather_rows: idx must be a 1-D int32 array, got {idx.dtype}{idx.shape}")
     if block_m < 1 or idx.shape[0] % block_m:

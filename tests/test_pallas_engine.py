@@ -787,7 +787,7 @@ def _emulated_gather_rows(x, idx, *, block_m):
     its float64 comparison (NaN never passes ``_layer_close``)."""
     from pallas_kernels.row_gather import gather_rows_reason
 
-    assert gather_rows_reason(x.shape, x.dtype) is None, (x.shape, x.dtype)
+    assert x.ndim == 2 and gather_rows_reason(x.shape[1], x.dtype) is None, (x.shape, x.dtype)
     assert idx.dtype == jnp.int32 and idx.ndim == 1 and idx.shape[0] % block_m == 0, (idx.dtype, idx.shape, block_m)
     return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.nan).astype(x.dtype)
 
