@@ -43,6 +43,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
+import re
 import statistics
 import sys
 import time
@@ -256,6 +258,9 @@ def main(argv=None):
                     "its device kernels (JAX profiler)")
     ap.add_argument("--profile-top", type=int, default=12, help="with --profile: the kernels listed per call, "
                     "largest first")
+    ap.add_argument("--dump-hlo", default=None, metavar="DIR", help="with --sweep: write each variant's compiled "
+                    "(optimized) HLO to DIR/<shape>_<tokens>_<variant>.hlo.txt, to map the profile's kernel names "
+                    "(fusions) to the ops they run")
     ap.add_argument("--timing", choices=("loop", "unrolled", "calls"), default="loop",
                     help="the timed program: a fori_loop of calls (default), straight-line calls, or one "
                     "jitted call per layer dispatched from Python")
@@ -335,6 +340,12 @@ def main(argv=None):
                         flag = "" if err < 2e-2 else "  <-- WRONG"
                         print(f"  {vname:16s} {us:9.1f} µs  {us / fl:6.2f}× floor  rel err {err:.1e}{flag}", flush=True)
                         lines.append({"shape": name, "tokens": t, "variant": vname, "us": us, "floor": fl, "err": err})
+                        if args.dump_hlo:
+                            os.makedirs(args.dump_hlo, exist_ok=True)
+                            tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{key}_{t}_{vname}").strip("_")
+                            text = jax.jit(engine(**over)).lower(x, tw_all[0], ids_all[0], *ops).compile().as_text()
+                            with open(os.path.join(args.dump_hlo, tag + ".hlo.txt"), "w") as f:
+                                f.write(text)
                         if args.profile:
                             from benchmarks.kernel_profile import format_breakdown, kernel_breakdown
 
