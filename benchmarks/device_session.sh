@@ -966,6 +966,27 @@ elif [ "$part" = 88 ]; then    # prepared in v20: the new default's kernels (the
     logged "sweep1" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 qwen3:1 --reps 40 \
         --variants "wgmma=kernel:wgmma;pers=kernel:wgmma,persistent:1;pers s4=kernel:wgmma,persistent:1,split1:4;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep1.log"
+elif [ "$part" = 89 ]; then    # v21: the "rank" alignment with its pair rows materialized (an optimization
+    # barrier: part 88b's profile showed XLA recomputing the rows' two cumulative sums inside the top-k sum for
+    # every output element — that fusion 142.5 µs at Qwen3 512 tokens, 1134 at 4096, against 6.9 / 42.7 counted)
+    # and its counts read from the cumulative sum (was a 9.6 µs reduction) — A B A against "count" (the default
+    # from 1025 pairs). Prediction: Qwen3 512 8-12 µs faster (glue 31.8 µs in 22 small kernels → ~20 in 14),
+    # Qwen3 4096 20-30 µs, DeepSeek-V2-Lite 512 5-10, Mixtral 4096 within its spread; the compare rows (the
+    # barrier applies there too) no slower than v16/v20 (Qwen3 64 tokens ~111 µs, DeepSeek-V2-Lite 16 ~96)
+    logged "profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 30 --rows qwen3:512 \
+        --reps 10 --variants "rank=kernel:wgmma,align:rank"
+    grep -vE "^#|Warning|warn|^ *ref =|^\s*$|host spans|Pjit|PjRt|Execute|XLA GPU module|command_buffer" \
+        "$OUT/profile.log" | head -40
+    V="count=kernel:wgmma,align:count;rank=kernel:wgmma,align:rank;count again=kernel:wgmma,align:count"
+    logged "sweep_rank" 230 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 dsv2lite:512 --reps 40 \
+        --variants "$V"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_rank.log"
+    logged "sweep_compare" 90 python3 benchmarks/moe_engine.py --sweep --rows qwen3:64,128 dsv2lite:16 --reps 40 \
+        --variants "auto=kernel:wgmma;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_compare.log"
+    logged "sweep_mixtral" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:4096 --reps 12 \
+        --variants "$V"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_mixtral.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
