@@ -987,6 +987,11 @@ elif [ "$part" = 89 ]; then    # v21: the "rank" alignment with its pair rows ma
     logged "sweep_mixtral" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:4096 --reps 12 \
         --variants "$V"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_mixtral.log"
+elif [ "$part" = 90 ]; then    # v21: the GPU layer tests whose blocked rows "auto" now aligns by "rank" (beyond
+    # 1024 routed pairs: Qwen3 256 / 300 / 512 tokens, DeepSeek-V2-Lite 256 / 300) — every format, float64 reference
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 330 \
+        "(wgmma_gpu_shapes or blocked_defaults_gpu or v17_defaults_gpu) and not mixtral"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -10
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the

@@ -1344,11 +1344,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``align`` (blocked schedule): how the routed pairs are sorted by expert
     (:func:`wna16_jax.routing.moe_align_block_size`'s ``method``: ``"sort"``, ``"count"``,
     ``"compare"``, ``"rank"`` or ``"auto"``, the same order; ``"compare"`` — by default up to 1024
-    pairs since v16 — and ``"rank"`` (measured slower: Qwen3 512 tokens 363 vs 202–219 µs
-    counted, NOTES.md v17) also give each pair's row, so the top-k sum's ``"gather"`` needs no
-    scatter to invert the row order: Qwen3 64 tokens 110.9 vs 124.8–125.2 µs sorted,
-    DeepSeek-V2-Lite 16 tokens 96.4 vs 107.2–107.4, Qwen3 128 tokens 133.0 vs 146.8–150.1
-    counted, NOTES.md v16).
+    pairs since v16 — and ``"rank"`` — by default beyond since v21 — also give each pair's row, so
+    the top-k sum's ``"gather"`` needs no scatter to invert the row order: Qwen3 64 tokens 110.9 vs
+    124.8–125.2 µs sorted, DeepSeek-V2-Lite 16 tokens 96.4 vs 107.2–107.4, Qwen3 128 tokens 133.0
+    vs 146.8–150.1 counted, NOTES.md v16; ranked, Qwen3 4096 tokens 755 vs 779 µs counted, and at
+    512 tokens 17 kernels and 203.8 µs of device time against 27 and 218.1, NOTES.md v21).
     ``one_kernel`` (pair schedule; off by default until timed on the GPU): GEMM1, the activation
     and GEMM2 in one persistent kernel (:func:`pallas_kernels.wgmma_decode.wgmma_decode_layer`),
     where the fused activation applies (``fuse_act``), without act-order permutations, a ``w2``

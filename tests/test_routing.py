@@ -268,7 +268,7 @@ def test_grouped_topk_one_group_equals_fused_topk():
 # (T, k, E, block_size); several have T*k < E
 ALIGN_CONFIGS = [(1, 1, 4, 1), (3, 2, 16, 4), (2, 2, 64, 16), (16, 4, 8, 4), (33, 2, 8, 16),
                  (40, 6, 24, 3), (64, 8, 64, 8),
-                 (300, 2, 8, 16), (130, 8, 32, 8)]    # 3 and 5 chunks of 256 (count, rank; auto: compare, count)
+                 (300, 2, 8, 16), (130, 8, 32, 8)]    # 3 and 5 chunks of 256 (count, rank; auto: compare, rank)
 
 
 def check_blocks_belong(aligned: AlignedBlocks, flat_owner, n, bs):
@@ -386,7 +386,7 @@ def test_moe_align_compare_rows_invert_the_order(cfg, ignore, bad, seed, method)
 def test_moe_align_auto_compares_where_timed():
     """``"auto"`` compares (its rows come back) up to 1024 routed pairs while the inverse's padded
     rows × pairs stay within ``COMPARE_MAX_WORK`` — Qwen3 128 tokens in 16-row blocks (1024 pairs,
-    2944 rows), the largest case timed — and beyond either bound sorts or counts."""
+    2944 rows), the largest case timed — and beyond either bound sorts (below 1024 pairs) or ranks."""
     from wna16_jax.routing import COMPARE_MAX_WORK
 
     def rows(t, k, e, bs):
@@ -394,11 +394,12 @@ def test_moe_align_auto_compares_where_timed():
         return jax.eval_shape(lambda i: _moe_align(i, bs, e, with_rows=True)[1], ids)
 
     assert rows(128, 8, 128, 16) is not None and rows(4, 2, 8, 8) is not None
-    assert rows(129, 8, 128, 16) is None                       # 1032 pairs: counted
+    assert rows(129, 8, 128, 16) is not None                   # 1032 pairs: ranked (rows too)
     # 1024 pairs on 256 experts in 128-row blocks: 33 536 padded rows
-    assert (1024 + 256 * 127) * 1024 > COMPARE_MAX_WORK and rows(128, 8, 256, 128) is None
+    assert (1024 + 256 * 127) * 1024 > COMPARE_MAX_WORK and rows(128, 8, 256, 128) is not None   # ranked
+    assert rows(125, 8, 256, 128) is None                      # 1000 pairs: sorted (no rows)
     cases = ((1024, 16, 128), (1032, 16, 128), (1024, 128, 256), (1000, 128, 256))
-    assert [align_method(n, bs, e) for n, bs, e in cases] == ["compare", "count", "count", "sort"]
+    assert [align_method(n, bs, e) for n, bs, e in cases] == ["compare", "rank", "rank", "sort"]
     assert align_method(8, 8, 8, "sort") == "sort"
     with pytest.raises(ConfigError, match="radix"):
         align_method(8, 8, 8, "radix")
