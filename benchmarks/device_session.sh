@@ -992,6 +992,23 @@ elif [ "$part" = 90 ]; then    # v21: the GPU layer tests whose blocked rows "au
     WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 330 \
         "(wgmma_gpu_shapes or blocked_defaults_gpu or v17_defaults_gpu) and not mixtral"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -10
+elif [ "$part" = 91 ]; then    # prepared in v21: (a) Mixtral's folding GEMMs at 16 / 24 rows in 64-column tiles
+    # (part 83: the 24-row GEMM1 186.0 µs against 138.7 at 8 rows for the same bytes; 166 registers, 3 programs per
+    # SM by registers and by shared memory; a 64-column tile halves the accumulator and the dequantized operand
+    # per thread, and the ring per program). Prediction: GEMM1 24 rows 150-165 µs (4-5 programs per SM), 16 rows
+    # 145-155; GEMM2 within ±5% of the 128-column tiles. (b) the v21 default's profile at Qwen3 512 tokens with
+    # its HLO (the 14 small kernels left; NOTES v21), (c) the Qwen3 prefill rows of the table on the v21 default.
+    # Prediction (c): Qwen3 512 190-205 µs, 4096 745-775
+    logged "gemm_bn64" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 16 24 --reps 20 \
+        --only "bn64 st2 kpb2 wide shift32 sfold s1" "bn64 st4 kpb2 wide shift32 sfold s1" \
+        "bn128 st2 kpb2 wide shift32 sfold s1"
+    grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_bn64.log" | sort -u
+    logged "profile" 100 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 30 --rows qwen3:512 \
+        --reps 10 --variants "wgmma=kernel:wgmma" --dump-hlo "$OUT/hlo"
+    grep -vE "^#|Warning|warn|^ *ref =|^\s*$|host spans|Pjit|PjRt|Execute|XLA GPU module|command_buffer" \
+        "$OUT/profile.log" | head -30
+    wgmma_table 240 qwen3:512,4096 --reps 20
+    grep -E "^\| |rc |rror|peak" "$OUT/table_wgmma.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the

@@ -84,6 +84,8 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),
     (16, dict(block_n=128, stages=4, shift32=True, sfold=True)),       # v20: 128-deep steps at 24-row folds
     (16, dict(block_n=128, stages=3, shift32=True, sfold=True)),
+    (16, dict(block_n=64, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),    # v21: 64-column folds,
+    (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),    # half the registers
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),
