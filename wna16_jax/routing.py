@@ -327,7 +327,7 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
 
 
 ALIGN_METHODS = ("auto", "sort", "count", "compare", "rank")
-COUNT_MIN_PAIRS = 1024      # "auto" ranks from this many routed pairs on, above COMPARE_MAX_PAIRS (v17–v20: counted)
+RANK_MIN_PAIRS = 1024       # "auto" ranks from this many routed pairs on, above COMPARE_MAX_PAIRS (v17–v20: counted)
 # "auto" compares all pairs up to this many routed pairs: on the H200 the wgmma layer with the
 # compared alignment, same runs (NOTES v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
 # 124.8–125.2 sorted, DeepSeek-V2-Lite 16 tokens 96.4 against 107.2–107.4, DeepSeek-V2-Lite 128
@@ -423,7 +423,7 @@ def _align_rank(k, num_buckets: int, block_size: int, max_padded: int, sentinel:
     their rows gives the padded list. Each block's expert is read from its first row. Returns,
     like :func:`_align_compare`, the padded row of each position too (``max_padded`` for invalid
     ones), so a caller needs no scatter to invert the order. ``k``: keys, ``num_buckets`` for
-    invalid positions. ``"auto"``'s pick from :data:`COUNT_MIN_PAIRS` pairs on since v21 (NOTES.md:
+    invalid positions. ``"auto"``'s pick from :data:`RANK_MIN_PAIRS` pairs on since v21 (NOTES.md:
     Qwen3 4096 tokens 755 against 779 µs counted; v17's 363 / 1869 µs at 512 / 4096 tokens were
     XLA recomputing the rows inside the top-k sum, fixed in :func:`_padded_from_ranks`)."""
     n = k.shape[0]
@@ -449,7 +449,7 @@ def _resolve_method(n: int, max_padded: int, method: str) -> str:
         return method
     if 0 < n <= COMPARE_MAX_PAIRS and max_padded * n <= COMPARE_MAX_WORK:
         return "compare"
-    return "rank" if n >= COUNT_MIN_PAIRS else "sort"
+    return "rank" if n >= RANK_MIN_PAIRS else "sort"
 
 
 def align_method(num_pairs: int, block_size: int, num_experts: int, method: str = "auto") -> str:
@@ -470,7 +470,7 @@ def _align_sorted(keys, valid, num_buckets: int, block_size: int, max_padded: in
     ``searchsorted`` (the default binary search is a loop of small launches); ``"compare"``
     (``"auto"``: up to :data:`COMPARE_MAX_PAIRS` positions, and padded rows × positions up to
     :data:`COMPARE_MAX_WORK`): :func:`_align_compare`; ``"rank"`` (``"auto"``: from
-    :data:`COUNT_MIN_PAIRS` positions on, where it does not compare): :func:`_align_rank`.
+    :data:`RANK_MIN_PAIRS` positions on, where it does not compare): :func:`_align_rank`.
     Returns ``(sorted_ids, block_expert, post, rows)``: ``rows`` each position's padded row
     (``max_padded`` for invalid ones) where the method has it for free (``"compare"``,
     ``"rank"``), else ``None``."""
@@ -537,7 +537,7 @@ def moe_align_block_size(
     counting sort in chunks (:func:`_counting_order`); ``"compare"`` — all pairs of routed
     slots compared (:func:`_align_compare`: ``(T·k)²`` work, for up to about a thousand slots); ``"auto"``
     — comparing up to :data:`COMPARE_MAX_PAIRS` routed pairs (while the padded rows × pairs stay
-    within :data:`COMPARE_MAX_WORK`), else ranking from :data:`COUNT_MIN_PAIRS` pairs on and
+    within :data:`COMPARE_MAX_WORK`), else ranking from :data:`RANK_MIN_PAIRS` pairs on and
     sorting below; ``"rank"`` — each slot's rank within its expert from per-chunk counts, and the
     padded list by one scatter (:func:`_align_rank`; on the H200 the wgmma layer with it runs 17
     kernels at Qwen3 512 tokens against 27 counted, 203.8 against 218.1 µs of device time, and
