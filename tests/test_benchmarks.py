@@ -228,7 +228,7 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     assert all("sfold" in m64[g][16:] and "ws" not in m64[g][16:] for g in ("GEMM1", "GEMM2"))
     assert m64["GEMM2"][10] == str(13 * 4096 // 128)
     assert "pair schedule, 8 pair blocks" in out and "blocked, 128.4 of 211 blocks live" in out
-    assert "aligned by count" in out and "aligned by compare" in out     # 4096 / 128 routed pairs (v16)
+    assert "aligned by rank" in out and "aligned by compare" in out      # 4096 / 128 routed pairs (v16, v21)
     assert wgmma_plan.main(["--rows", "qwen3:512", "--set", "persistent:0"]) == 0
     v12 = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GEMM")}
     assert v12["GEMM1"][7] == "2" and v12["GEMM1"][13] == "2" and "ws" not in v12["GEMM1"][16:]
