@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21); 32–34, 49, 71, 80, 81 and 91 are prepared (33–34, 81 and 82 ran in the twentieth, v19) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21); 32–34, 49, 71, 80, 81, 91 and 92 are prepared (33–34, 81 and 82 ran in the twentieth, v19) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -996,18 +996,24 @@ elif [ "$part" = 91 ]; then    # prepared in v21: (a) Mixtral's folding GEMMs at
     # (part 83: the 24-row GEMM1 186.0 µs against 138.7 at 8 rows for the same bytes; 166 registers, 3 programs per
     # SM by registers and by shared memory; a 64-column tile halves the accumulator and the dequantized operand
     # per thread, and the ring per program). Prediction: GEMM1 24 rows 150-165 µs (4-5 programs per SM), 16 rows
-    # 145-155; GEMM2 within ±5% of the 128-column tiles. (b) the v21 default's profile at Qwen3 512 tokens with
-    # its HLO (the 14 small kernels left; NOTES v21), (c) the Qwen3 prefill rows of the table on the v21 default.
-    # Prediction (c): Qwen3 512 190-205 µs, 4096 745-775
+    # 145-155; GEMM2 within ±5% of the 128-column tiles. (b) the layer with 64-column tiles at Mixtral 16 / 64
+    # tokens (GEMM1 then leaves the activation to XLA: the gated epilogue needs 128-column tiles). Prediction: 64
+    # tokens 10-30 µs faster if (a) holds, 16 tokens no faster. (c) the v21 default's profile at Qwen3 512 tokens
+    # with its HLO (the 14 small kernels left; NOTES v21)
     logged "gemm_bn64" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 16 24 --reps 20 \
         --only "bn64 st2 kpb2 wide shift32 sfold s1" "bn64 st4 kpb2 wide shift32 sfold s1" \
         "bn128 st2 kpb2 wide shift32 sfold s1"
     grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_bn64.log" | sort -u
+    logged "sweep_bn64" 150 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 --reps 40 \
+        --variants "wgmma=kernel:wgmma;bn64=kernel:wgmma,block_n:64;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_bn64.log"
     logged "profile" 100 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 30 --rows qwen3:512 \
         --reps 10 --variants "wgmma=kernel:wgmma" --dump-hlo "$OUT/hlo"
     grep -vE "^#|Warning|warn|^ *ref =|^\s*$|host spans|Pjit|PjRt|Execute|XLA GPU module|command_buffer" \
         "$OUT/profile.log" | head -30
-    wgmma_table 240 qwen3:512,4096 --reps 20
+elif [ "$part" = 92 ]; then    # prepared in v21: the Qwen3 prefill rows of the table on the v21 default (rank
+    # alignment), with the dense bf16 rate. Prediction: Qwen3 512 190-205 µs, 4096 745-775 (v20: 214 / 808)
+    wgmma_table 300 qwen3:512,4096 --reps 20
     grep -E "^\| |rc |rror|peak" "$OUT/table_wgmma.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
