@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wna16_jax.errors import ConfigError, DTypeError, ShapeError, ValueRangeError, WNA16Error
@@ -346,6 +346,9 @@ def test_moe_align_matches_brute_force(cfg, mode, skew, seed, method):
 _J_COUNT = jax.jit(_counting_order, static_argnums=1)
 
 
+# each example compiles its own (length, key range): 200 took ~56 s of the CI run; since v21 "count"
+# is no default's method (test_moe_align_matches_brute_force still runs it end to end)
+@settings(max_examples=min(settings().max_examples, 80))
 @given(n=st.integers(1, 1300), num_keys=st.integers(1, 300), skew=st.booleans(), seed=SEEDS)
 def test_counting_order_is_a_stable_argsort(n, num_keys, skew, seed):
     """The counting sort behind ``method="count"`` is ``argsort(kind="stable")`` for any length
