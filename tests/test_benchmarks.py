@@ -15,12 +15,15 @@ def test_moe_engine_table_and_sweep_on_cpu(capsys, tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| tiny"))
     err = float(row.rstrip(" |").rsplit("|", 1)[1])
     assert err < 2e-2, row                                  # the engine agrees with float32 XLA
+    hlo = tmp_path / "hlo"
     assert moe_engine.main(["--rows", "tiny:8", "--interpret", "--reps", "2", "--sweep", "--profile",
-                            "--variants", "blocked=mode:blocked,dot:swap"]) == 0
+                            "--variants", "blocked=mode:blocked,dot:swap", "--dump-hlo", str(hlo)]) == 0
     printed = capsys.readouterr().out
     m = re.search(r"blocked\s+[\d.]+ µs .* rel err ([\d.e+-]+)", printed)
     assert m and float(m.group(1)) < 2e-2, printed
     assert "device busy" in printed
+    dumped = sorted(hlo.iterdir())                          # --dump-hlo: the variant's compiled HLO
+    assert [f.name for f in dumped] == ["tiny_8_blocked.hlo.txt"] and "ENTRY" in dumped[0].read_text()
 
 
 def test_moe_engine_row_ratios():
