@@ -386,6 +386,17 @@ def test_moe_align_compare_rows_invert_the_order(cfg, ignore, bad, seed, method)
     assert _moe_align(jnp.asarray(np.clip(ids, 0, E - 1)), bs, E, method="sort", with_rows=True)[1] is None
 
 
+@pytest.mark.parametrize("method", ["compare", "rank"])
+def test_moe_align_rows_are_materialized(method):
+    """The pair rows of "compare" and "rank" sit behind an optimization barrier: left to XLA they
+    fused, with their cumulative sums, into each consumer — the GPU layer's top-k sum recomputed
+    them for every output element (142.5 µs of a 352 µs Qwen3 512-token layer; 6.5 once materialized,
+    NOTES v21)."""
+    ids = jax.ShapeDtypeStruct((64, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda i: _moe_align(i, 16, 128, method=method, with_rows=True))(ids)
+    assert "optimization_barrier" in str(jaxpr)
+
+
 def test_moe_align_auto_compares_where_timed():
     """``"auto"`` compares (its rows come back) up to 1024 routed pairs while the inverse's padded
     rows × pairs stay within ``COMPARE_MAX_WORK`` — Qwen3 128 tokens in 16-row blocks (1024 pairs,
