@@ -53,7 +53,8 @@ def _variant_name(opts):
              ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
     parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
     parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
-    return " ".join(parts + [label for key, label in flags if opts.get(key)])
+    cl = [f"cl{opts['cluster']}"] if opts.get("cluster", 1) != 1 else []
+    return " ".join(parts + [label for key, label in flags if opts.get(key)] + cl)
 
 
 WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
@@ -86,6 +87,11 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=3, shift32=True, sfold=True)),
     (16, dict(block_n=64, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),    # v21: 64-column folds,
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),    # half the registers
+    # v22: clusters of 2 / 4 column tiles multicasting each step's token rows (read from L2 once
+    # per cluster; "cl2", "cl4")
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
+    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=4)),
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),

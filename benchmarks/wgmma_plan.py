@@ -106,6 +106,7 @@ def describe(args, kw, live, sms=132):
     flags += ["o16"] if jnp.dtype(kw.get("out_dtype", jnp.float32)).itemsize == 2 else []
     flags += [f"gated {kw['gated']}"] if kw.get("gated") else []
     flags += ["row_scale"] * rs + ["dest"] * dest
+    flags += [f"cluster {kw['cluster']}"] if kw.get("cluster", 1) != 1 else []
     return dict(bm=bm, blocks=nb, n=n, k=kdim, bn=bn, kpb=kpb, stages=min(stages, steps) if not pers else stages,
                 split=split, steps=steps, programs=programs, live_programs=live_programs, smem_kb=need / 1024,
                 per_sm=per_sm, waves=live_programs / (sms * per_sm), weights_mb=(words_bytes + meta) / 1e6,

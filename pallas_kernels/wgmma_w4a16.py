@@ -254,6 +254,20 @@ def persistent_tail(p, programs: int, n_live, n_all: int):
     return jnp.maximum(n_all - n_live - p + programs - 1, 0) // programs
 
 
+def _cluster_splits(kpb: int, block_m: int, cluster: int) -> bool:
+    """Whether a multicast copy can split a ``[kpb, block_m, 128]`` activation tile (8 × 16
+    tiles) evenly across ``cluster`` programs along its leading dimensions, as Mosaic GPU
+    partitions it: the K-blocks, then the 8-row tiles."""
+    rem = cluster
+    for size in (kpb, block_m // 8):
+        if size % rem == 0:
+            return True
+        if rem % size:
+            return False
+        rem //= size
+    return rem == 1
+
+
 def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blocks: int, ws: bool = False,
                      tout: bool = False, gated: bool = False, has_zp: bool = True, zfold: bool = False,
                      channelwise: bool = False, row_scale: bool = False, persistent: bool = False,
@@ -327,14 +341,14 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
-                                             "gated", "persistent", "programs", "dest_rows", "lop3"))
+                                             "gated", "persistent", "programs", "dest_rows", "lop3", "cluster"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
                        persistent: bool = False, programs: int | None = None, dest_rows: int | None = None,
-                       lop3: bool = True):
+                       lop3: bool = True, cluster: int = 1):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -403,6 +417,17 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     vLLM's ``moe_sum`` does, in an order that varies from run to run). Rows with ``dest < 0``
     and blocks with expert ``-1`` add nothing. Right on the H200 (part 41); as the layer's
     top-k sum slower than XLA's gather-and-sum except at Mixtral 512 tokens (NOTES.md v13).
+    ``cluster`` (2 or 4; the plain kernel: no ``ws``, ``persistent``, ``overlap`` or ``zfold``, no
+    tile-major words): programs run in clusters of ``cluster`` neighbouring column tiles of the same
+    block and K split, which need the same activation tile each step; each program fetches its share
+    of that tile and the TMA multicasts it into every program of the cluster, so the token rows
+    are read from L2 once per cluster instead of once per program (at decode-sized blocks they
+    cost the copies as much as the weights: NOTES.md v22). The activations travel K-block-major
+    (``[K/128, M, 128]``, transposed by XLA here) so that the multicast splits each step's tile
+    along its K-blocks: ``cluster`` must divide ``kpb`` (or ``kpb`` × ``block_m``/8 with
+    ``block_m``/8 even for 4). Each program's pipeline is written out (``plgpu.emit_pipeline``
+    takes no multicast operands): a step's slot is refilled once both programs of the cluster
+    have arrived on that slot's cluster barrier.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -456,6 +481,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                           f"zfold; got overlap={overlap}, zfold={zfold}, tile-major words: {tile_n is not None}")
     if programs is not None and (not persistent or programs < 1):
         raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
+    if cluster != 1 and (cluster not in (2, 4) or ws or persistent or overlap or zfold or tile_n is not None
+                         or (n // bn) % cluster or not _cluster_splits(kpb, block_m, cluster)):
+        raise ConfigError(f"wgmma_grouped_gemm: cluster={cluster} (2 or 4) needs the plain kernel (no ws, persistent, "
+                          f"overlap or zfold, no tile-major words), a number of {bn}-column tiles ({n // bn}) it "
+                          f"divides, and each step's activation tile [kpb={kpb}, block_m={block_m}, 128] split "
+                          f"evenly along its K-blocks (cluster divides kpb) or K-blocks and 8-row tiles")
     chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
     if persistent and ws and (row_scale is not None or dest is not None or chunk % min(stages, chunk)):
         raise ConfigError(f"wgmma_grouped_gemm: persistent=True with ws=True (one chained warp-specialized "
@@ -643,16 +674,24 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         else:
             through(o_smem)
 
+    def x_operand(x_smem):
+        """``k0 →`` the step's ``[16, bm]`` activation operand at K offset ``k0``, from its
+        ``[bm, 128·kpb]`` tile, or (``cluster``) its K-block-major ``[kpb, bm, 128]`` one."""
+        if cluster != 1:
+            return lambda k0: transposed(x_smem.at[k0 // BLOCK_K]).at[pl.ds(k0 % BLOCK_K, 16)]
+        xt = transposed(x_smem)
+        return lambda k0: xt.at[pl.ds(k0, 16)]
+
     def accumulate(acc_ref, acc, w_smem, x_smem, s_smem, z_smem, xs_smem):
         """``acc`` plus one pipeline step's product: the step's weights dequantized in registers
         (:func:`dequant_units`) against its activation tile, through ``acc_ref`` (the wgmma
         accumulator); with ``zfold`` / ``sfold`` each K-block's partial folded in float32."""
         ops = dequantized(w_smem, s_smem, z_smem)
-        xt = transposed(x_smem)
+        xk = x_operand(x_smem)
         if not (zfold or sfold):
             acc_ref[...] = acc
             for k0, w in ops:
-                plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                plgpu.wgmma(acc_ref, w, xk(k0))
             plgpu.wgmma_wait(0)
             return acc_ref[...]
         for q in range(kpb):                     # one K-block (one scale group) per partial
@@ -663,7 +702,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                                                 (bn, bm), (0,))
             acc_ref[...] = zero()
             for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
-                plgpu.wgmma(acc_ref, w, xt.at[pl.ds(k0, 16)])
+                plgpu.wgmma(acc_ref, w, xk(k0))
             plgpu.wgmma_wait(0)
             if sfold:                            # the partial is Σ (c − z)·x: scale it
                 acc = acc + cols(s_smem) * acc_ref[...]
@@ -772,6 +811,95 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
                       *row_types())
+
+    def kernel_cluster(ids_gmem, a_gmem, w_gmem, s_gmem, *rest):
+        """``cluster``: the plain kernel's program, one of ``cluster`` neighbouring column tiles of
+        block ``i`` that share its activation tiles (``a_gmem``: ``[K/128, M, 128]``). Its own
+        ring of ``stages`` slots (words, activations, scales, zero points; one TMA barrier per
+        slot) is filled by hand: the words, scales and zero points by this program, the
+        activation tile by a multicast copy that every program of the cluster issues for its
+        share (the TMA splits the tile along its leading K-blocks and writes each share into
+        every program's slot). A slot is refilled after this program's step has read it (the
+        copy's own warpgroup barrier) and every program of the cluster has arrived on the slot's
+        cluster barrier, because the multicast writes into the others' slots too. The last
+        ``stages`` steps refill nothing and arrive on nothing, so no program waits on, or
+        writes into, a program that has finished."""
+        z_gmem, rest = (rest[0], rest[1:]) if has_zp else (None, rest)
+        row_gmem, o_gmem = rest[:-1], rest[-1]
+        i, sp = jax.lax.axis_index("b"), jax.lax.axis_index("s")
+        j = jax.lax.axis_index("n") * cluster + jax.lax.axis_index("cn")
+        st = min(stages, chunk)
+        w_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if wide else \
+            (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))
+        n_g = 1 if channelwise else kpb
+        ring = [plgpu.SMEM((st, bn, wcols * kpb), words.dtype, transforms=w_tr),
+                plgpu.SMEM((st, kpb, bm, BLOCK_K), dtype,
+                           transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+                *[plgpu.SMEM((st, n_g, bn), dtype)] * (2 if has_zp else 1),
+                plgpu.Barrier(num_arrivals=3 + int(has_zp), num_barriers=st),
+                plgpu.ClusterBarrier(collective_axes=("cn",), num_arrivals=1, num_barriers=st)]
+
+        def body(ids_smem, ids_bar, *scratch):
+            row_scratch, (w_s, x_s, s_s, *zr) = scratch[:-len(ring)], scratch[-len(ring):]
+            z_s, produced, consumed = zr if has_zp else (None, *zr)
+            fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
+            wait_ids(ids_bar, row_scratch)
+            rs_smem, dg_smem = row_smems(row_scratch)
+            ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
+            cols = pl.ds(j * bn, bn)
+            kb0 = sp * chunk * kpb
+            dst = window(o_gmem, sp, i, pl.ds(j * bno, bno))
+
+            @pl.when(ex >= 0)
+            def _():
+                def own(t, slot):                 # this program's words, scales and zero points of step t
+                    # (written as a sum of multiples of the step's words, which Mosaic GPU's layout
+                    # inference can prove divisible by the 64-word tiles of wide copies)
+                    w0 = sp * (chunk * kpb * wcols) + t * (kpb * wcols)
+                    plgpu.copy_gmem_to_smem(w_gmem.at[ex, cols, pl.ds(w0, kpb * wcols)], w_s.at[slot],
+                                            produced.at[slot])
+                    groups = pl.ds(0, 1) if channelwise else pl.ds(kb0 + t * kpb, kpb)
+                    plgpu.copy_gmem_to_smem(s_gmem.at[ex, groups, cols], s_s.at[slot], produced.at[slot])
+                    if has_zp:
+                        plgpu.copy_gmem_to_smem(z_gmem.at[ex, groups, cols], z_s.at[slot], produced.at[slot])
+
+                def shared(t, slot):              # step t's activation tile, multicast across the cluster
+                    plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(kb0 + t * kpb, kpb), pl.ds(i * bm, bm)],
+                                            x_s.at[slot], produced.at[slot], collective_axes="cn")
+
+                for t in range(st):
+                    own(t, t)
+                    shared(t, t)
+
+                def step(t, acc):
+                    slot = jax.lax.rem(t, st)
+                    plgpu.barrier_wait(produced.at[slot])
+                    acc = accumulate(acc_ref_box[0], acc, w_s.at[slot], x_s.at[slot], s_s.at[slot],
+                                     None if z_s is None else z_s.at[slot], None)
+
+                    @pl.when(t + st < chunk)
+                    def _():
+                        own(t + st, slot)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        plgpu.barrier_wait(consumed.at[slot])
+                        shared(t + st, slot)
+                    return acc
+
+                acc_ref_box = []
+
+                def with_acc(acc_ref):
+                    acc_ref_box.append(acc_ref)
+                    acc = jax.lax.fori_loop(0, chunk, step, zero())
+                    store(scaled(finish(acc), rs_smem), dst, dg_smem=dg_smem)
+                pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
+
+            if not has_dst:
+                @pl.when(ex < 0)
+                def _():
+                    store(zero(bno), dst)
+
+        pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
+                      *row_types(), *ring)
 
     def ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, blk, j, sp):
         """``ex → `` the ``ws`` pipeline's operands for block ``blk``'s column-pair tile ``j``
@@ -1046,6 +1174,11 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     elif ws:
         body, mesh = kernel_ws, dict(grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
                                      thread_name="wg")
+    elif cluster != 1:
+        body, mesh = kernel_cluster, dict(grid=(nb, n // bn // cluster, split_k), grid_names=("b", "n", "s"),
+                                          cluster=(1, cluster, 1), cluster_names=("cb", "cn", "cs"))
+        # K-block-major activations: [K/128, M, 128] (each step's tile splits along its K-blocks)
+        operands = (operands[0], a.reshape(m, n_kb, BLOCK_K).transpose(1, 0, 2), *operands[2:])
     else:
         body, mesh = kernel, dict(grid=(nb, n // bn, split_k), grid_names=("b", "n", "s"))
     if has_dst:
@@ -1277,7 +1410,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
                     row_gather: bool | None = None,
-                    persistent: bool | None | tuple = None, lop3: bool = True):
+                    persistent: bool | None | tuple = None, lop3: bool = True, cluster: int = 1):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1406,12 +1539,19 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     µs; at 64+-row ``ws`` blocks it was slower: Qwen3 4096 926 vs 799–823, Mixtral 512 790 vs
     726–743; NOTES.md v15). ``False``: never. A pair ``(GEMM1's, GEMM2's)`` of these values sets
     the two GEMMs apart (e.g. ``(None, True)``: only GEMM2 as a ``persistent`` stream).
+    ``cluster`` (1, 2 or 4; default 1, not yet timed on the GPU): the kernel's ``cluster`` option
+    — programs in clusters of neighbouring column tiles that read each step's token rows from L2
+    once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``ws``, the
+    ``persistent`` stream, ``overlap`` or ``zfold``) and whose tiles and activation tile split
+    evenly; the others run unclustered.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
     from .wna16_grouped_gemm import choose_split, num_sms
 
     act = check_activation(activation)
+    if cluster not in (1, 2, 4):
+        raise ConfigError(f"cluster: expected 1, 2 or 4 programs per cluster, got {cluster!r}")
     if combine not in ("scatter", "gather", "add"):
         raise ConfigError(f"combine: expected 'scatter', 'gather' or 'add', got {combine!r}")
     if align not in ALIGN_METHODS:
@@ -1562,7 +1702,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                    "its output tile does not fit in shared memory" if not tr else None)
             if why:
                 raise ConfigError(f"combine='add': GEMM2 cannot add its rows into the output here: {why}")
-        out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group,
+        # cluster: where the plain kernel runs and the activation tile splits evenly (else 1)
+        cl = cluster if (cluster != 1 and not wsp and not pers and not (overlap and not fold)
+                         and not (fold and not sfold) and (n // bn) % cluster == 0
+                         and _cluster_splits(kpb, bm, cluster)) else 1
+        out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group, cluster=cl,
                                  split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,

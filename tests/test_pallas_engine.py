@@ -659,7 +659,71 @@ _WGMMA_GPU_CASES = [
                              dest=True)),
     (False, -1, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
                             dest=True)),
-    (True, 128, 48, 1, dict(block_n=128, out16=True, tout=True, persistent=True, programs=5, rs=True, dest=True))]
+    (True, 128, 48, 1, dict(block_n=128, out16=True, tout=True, persistent=True, programs=5, rs=True, dest=True)),
+    # cluster (v22): neighbouring column tiles multicast each step's activation tile — the decode
+    # blocks' fold (8 / 16 / 24 rows; GEMM1's gated and GEMM2's row-scaled epilogues), no fold,
+    # 128-deep steps (split along the 8-row tiles), channelwise, K splits, clusters of 4, 32-bit
+    # words, destination rows; more steps than stages, so every slot is refilled across the cluster
+    (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, cluster=2, k=2048)),
+    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                            gated="silu", stages=2, cluster=2, k=2048)),
+    (False, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True, rs=True,
+                             stages=2, cluster=2, k=2048)),
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, cluster=2, k=2048)),
+    (True, 128, 16, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, stages=3, cluster=4, n=512, k=2048)),
+    (False, -1, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=3, cluster=2, k=1024)),
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, sfold=True, stages=3, cluster=2, k=1024)),
+    (True, 128, 16, 1, dict(block_n=64, stages=3, cluster=2, rs=True, k=1024)),
+    (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                            dest=True, cluster=2, k=1024))]
+
+
+def test_wgmma_cluster_lowers_cpu():
+    """``cluster``: programs in clusters of neighbouring column tiles that multicast each step's
+    activation tile (K-block-major) lower to Mosaic GPU with a cluster launch — the plain and
+    scale-fold kernels, 16- and 32-bit words, 128-deep steps (split along the 8-row tiles),
+    clusters of 4, row scales, the gated epilogue and destination rows; the tile splits it cannot
+    make, and the kernel forms it does not take, are ConfigErrors naming the option."""
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, _cluster_splits, wgmma_grouped_gemm
+
+    # as Mosaic GPU partitions a multicast [kpb, block_m, 128] tile: K-blocks, then 8-row tiles
+    assert [_cluster_splits(kpb, bm, c) for kpb, bm, c in
+            ((2, 8, 2), (2, 24, 2), (1, 16, 2), (1, 8, 2), (1, 24, 2), (2, 16, 4), (2, 24, 4), (4, 8, 4),
+             (2, 8, 4), (1, 32, 4))] == [True, True, True, False, False, True, False, True, False, True]
+    s = jax.ShapeDtypeStruct
+
+    def lowers(bm, rows=3, n=512, k=512, words16=True, zp=True, rs=False, **opts):
+        g = 1 if opts.get("group_size") == -1 else k // 128
+        args = (s((rows * bm, k), jnp.bfloat16), s((rows,), jnp.int32),
+                s((4, n, k // 4), jnp.int16) if words16 else s((4, n, k // 8), jnp.int32),
+                s((4, g, n), jnp.bfloat16), s((4, g, n), jnp.bfloat16) if zp else None,
+                s((rows * bm,), jnp.float32) if rs else None)
+        text = jax.jit(functools.partial(wgmma_grouped_gemm, block_m=bm, **opts)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, opts
+        return args
+
+    fold = dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2)
+    lowers(16, cluster=2, **fold)
+    lowers(24, cluster=2, rs=True, split_k=2, **fold)
+    lowers(16, cluster=4, zp=False, **fold)
+    lowers(16, cluster=2, block_n=128, kpb=2, wide=True, shift32=True, stages=4)          # no fold
+    lowers(16, cluster=2, block_n=128, shift32=True, sfold=True, stages=4)               # 128-deep steps
+    lowers(16, cluster=2, block_n=64, stages=3, words16=False)                            # 32-bit words
+    lowers(16, cluster=2, group_size=-1, zp=False, **{**fold, "stages": 3})                 # channelwise
+    if TRANSPOSED_STORE:
+        lowers(24, cluster=2, out_dtype=jnp.bfloat16, tout=True, gated="silu", **fold)
+        args = lowers(16, cluster=2, out_dtype=jnp.bfloat16, tout=True, **fold)
+        da = args[:5] + (None, s((args[0].shape[0],), jnp.int32))
+        fn = functools.partial(wgmma_grouped_gemm, block_m=16, cluster=2, out_dtype=jnp.bfloat16, tout=True,
+                               dest_rows=20, **fold)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*da).lower(lowering_platforms=("cuda",)).as_text()
+    for bm, bad in ((16, dict(cluster=3)), (24, dict(cluster=4)), (16, dict(cluster=2, ws=True, sfold=False)),
+                    (16, dict(cluster=2, persistent=True)), (16, dict(cluster=2, overlap=True, sfold=False)),
+                    (16, dict(cluster=2, zfold=True, sfold=False)), (8, dict(cluster=2, kpb=1, wide=False)),
+                    (16, dict(cluster=4, block_n=128, n=256))):
+        with pytest.raises(ConfigError, match=f"cluster={bad['cluster']}"):
+            lowers(bm, **{**fold, **bad})
 
 
 def _gated64_np(ref, act):
@@ -687,12 +751,13 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     opts = dict(opts)
     tile_n = opts.pop("tile_n", None)
     k = opts.pop("k", 512)
+    n = opts.pop("n", 256)
     rng = np.random.default_rng()
     out16 = opts.pop("out16", False)
     rs = opts.pop("rs", False)
     zfold = opts.get("zfold", False) or opts.get("sfold", False)   # exact (c − z)·s, float32 accumulation
-    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, word_bits=word_bits, tile_n=tile_n,
-                                                       exact=zfold)
+    a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, n=n, word_bits=word_bits,
+                                                       tile_n=tile_n, exact=zfold)
     if opts.get("gated"):
         ref = _gated64_np(ref, opts["gated"])
     row_scale = None
@@ -987,6 +1052,24 @@ def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
              (dict(block_m=48, zfold=True), (48, False, False))]
     _check_layer_picks(monkeypatch, lambda kw: (kw["block_m"], kw.get("zfold", False), kw.get("sfold", False)),
                        [(over, [want, want]) for over, want in cases], 6, 256, 256)
+
+
+def test_fused_moe_wgmma_cluster_picks_cpu(monkeypatch):
+    """The layer's ``cluster`` option reaches each GEMM that runs the plain kernel and whose column
+    tiles and activation tile split evenly (here GEMM1: N = 512, 4 tiles; GEMM2: N = 256, 2
+    tiles; both K = 256, 256-deep steps), and no other: not by default, not the ``ws`` blocks,
+    not clusters of 4 over GEMM2's 2 tiles or a 24-row tile; the layer stays right (kernel
+    replaced by its jnp contract); ``cluster=3`` is a ConfigError."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    cases = [(dict(block_m=16), [1, 1]), (dict(block_m=16, cluster=2), [2, 2]),
+             (dict(schedule="pair", cluster=2), [2, 2]), (dict(block_m=24, cluster=2), [2, 2]),
+             (dict(block_m=16, cluster=4), [4, 1]), (dict(block_m=24, cluster=4), [1, 1]),
+             (dict(block_m=64, cluster=2), [1, 1]), (dict(block_m=32, cluster=2, ws=True), [1, 1])]
+    _check_layer_picks(monkeypatch, lambda kw: kw.get("cluster", 1), cases, 6, 256, 256, close=(1, 4))
+    w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 4, 2)
+    with pytest.raises(ConfigError, match="cluster: expected 1, 2 or 4"):
+        wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), cluster=3)
 
 
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
@@ -1962,6 +2045,30 @@ def test_wgmma_v17_defaults_gpu(shape, key):
         _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
         got = jax.jit(functools.partial(fused_moe_wgmma, block_m=32))(x, tw, ids, wg)
         _layer_close(got, ref, what=f"block_m=32 T={t}")
+
+
+CLUSTER_TOKENS = {"mixtral": ((1, dict(cluster=2)), (16, dict(cluster=2)), (16, dict(cluster=4, block_m=16)),
+                              (64, dict(cluster=2))),
+                  "qwen3": ((1, dict(cluster=2)), (64, dict(cluster=2))), "dsv2lite": ((16, dict(cluster=2)),)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_cluster_gpu(shape, key):
+    """The layer with ``cluster`` (v22: clusters of neighbouring column tiles multicasting each
+    step's token rows) at the decode rows where the plain fold kernels run — the pair schedule
+    (1 token: 8-row blocks, K splits), 8- and 24-row blocked folds (Mixtral 16 / 64 tokens), clusters
+    of 4 over 16-row blocks — on the weights the table prepares, expert 0 never routed, fresh
+    inputs per call, against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+    rng, k, w, wg = _table_weights(shape, key)
+    for t, over in CLUSTER_TOKENS[shape]:
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
+        _layer_close(got, ref, what=f"{over} T={t}")
 
 
 ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}
