@@ -839,9 +839,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 plgpu.Barrier(num_arrivals=3 + int(has_zp), num_barriers=st),
                 plgpu.ClusterBarrier(collective_axes=("cn",), num_arrivals=1, num_barriers=st)]
 
-        def body(ids_smem, ids_bar, *scratch):
-            row_scratch, (w_s, x_s, s_s, *zr) = scratch[:-len(ring)], scratch[-len(ring):]
-            z_s, produced, consumed = zr if has_zp else (None, *zr)
+        def body(ids_smem, ids_bar, *row_scratch):
             fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
             wait_ids(ids_bar, row_scratch)
             rs_smem, dg_smem = row_smems(row_scratch)
@@ -850,8 +848,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             kb0 = sp * chunk * kpb
             dst = window(o_gmem, sp, i, pl.ds(j * bno, bno))
 
-            @pl.when(ex >= 0)
-            def _():
+            def run_k(acc_ref, w_s, x_s, s_s, *zr):
+                """Stream this program's K range through the ring; returns the accumulator."""
+                z_s, produced, consumed = zr if has_zp else (None, *zr)
+
                 def own(t, slot):                 # this program's words, scales and zero points of step t
                     # (written as a sum of multiples of the step's words, which Mosaic GPU's layout
                     # inference can prove divisible by the 64-word tiles of wide copies)
@@ -874,22 +874,25 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 def step(t, acc):
                     slot = jax.lax.rem(t, st)
                     plgpu.barrier_wait(produced.at[slot])
-                    acc = accumulate(acc_ref_box[0], acc, w_s.at[slot], x_s.at[slot], s_s.at[slot],
+                    acc = accumulate(acc_ref, acc, w_s.at[slot], x_s.at[slot], s_s.at[slot],
                                      None if z_s is None else z_s.at[slot], None)
 
                     @pl.when(t + st < chunk)
                     def _():
-                        own(t + st, slot)
+                        own(t + st, slot)         # (its copies first wait for the warpgroup's reads)
                         plgpu.barrier_arrive(consumed.at[slot])
                         plgpu.barrier_wait(consumed.at[slot])
                         shared(t + st, slot)
                     return acc
+                return jax.lax.fori_loop(0, chunk, step, zero())
 
-                acc_ref_box = []
-
+            @pl.when(ex >= 0)
+            def _():
                 def with_acc(acc_ref):
-                    acc_ref_box.append(acc_ref)
-                    acc = jax.lax.fori_loop(0, chunk, step, zero())
+                    # the ring's scope closes before the epilogue's output tile opens (as the plain
+                    # kernel's pipeline does: the same shared memory); nothing writes into it by then —
+                    # every copy into it was awaited, and the last steps refill nothing
+                    acc = pl.run_scoped(functools.partial(run_k, acc_ref), *ring)
                     store(scaled(finish(acc), rs_smem), dst, dg_smem=dg_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
@@ -899,7 +902,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                     store(zero(bno), dst)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
-                      *row_types(), *ring)
+                      *row_types())
 
     def ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, blk, j, sp):
         """``ex → `` the ``ws`` pipeline's operands for block ``blk``'s column-pair tile ``j``
