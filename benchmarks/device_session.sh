@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22); 32, 49, 71, 80, 81, 93 and 94 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22); 32, 49, 71, 80, 81 and 93–95 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1019,20 +1019,28 @@ elif [ "$part" = 93 ]; then    # prepared in v22: clusters of column tiles multi
     # (`cluster`). Part 91: halving the column tile doubled the rows' share of the copies and cost in proportion —
     # Mixtral GEMM1 16 rows 152.5 → 207.9-212.7 µs, 24 rows 184.5 → 253.5-265.3 — so the copies from L2 (weights
     # plus every program's re-read of its block's rows) set these GEMMs' time, not registers or occupancy. A
-    # cluster of 2 reads the rows once per 2 programs. (a) correctness: the kernel cases and the layer cases with
-    # clusters; (b) the fold GEMMs alone; (c) the layer, A B A. Prediction: GEMM1 24 rows 140-155 µs (184.5), 16 rows
-    # 130-140 (152.5), 8 rows 128-136 (138.7); GEMM2 24 rows 75-85 (93.6); cl4 at 16 rows 125-135; the layer:
-    # Mixtral 64 tokens 225-250 µs (282), 16 tokens 195-205 (211), 1 token 64-70 (66-68: small rows, and the XLA
-    # transpose of the rows costs a launch), Qwen3 64 100-110 (111), DeepSeek-V2-Lite 16 within ±5
-    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 240 "cluster"
+    # cluster of 2 reads the rows once per 2 programs. (a) correctness: the kernel cases (plain, fold, ws, the ws
+    # stream) and the layer cases with clusters; (b) the fold GEMMs alone. Part 95 times the layer. Prediction:
+    # GEMM1 24 rows 140-155 µs (184.5), 16 rows 130-140 (152.5), 8 rows 128-136 (138.7); GEMM2 24 rows 75-85
+    # (93.6); cl4 at 16 rows 125-135
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 300 "cluster"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
     logged "gemm_cluster" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 8 16 24 --reps 20 \
         --only "bn128 st2 kpb2 wide shift32 sfold s1" "bn128 st2 kpb2 wide shift32 sfold cl2 s1" \
         "bn128 st3 kpb2 wide shift32 sfold cl2 s1" "bn128 st2 kpb2 wide shift32 sfold cl4 s1"
     grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_cluster.log" | sort -u
-    logged "sweep_cluster" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:64 dsv2lite:16 \
+elif [ "$part" = 95 ]; then    # prepared in v22: the layer with clusters of 2, A B A. Prediction: Mixtral 64 tokens
+    # 225-250 µs (282), 16 tokens 195-205 (211), 1 token 64-70 (66-68: small rows, and the XLA transpose of the rows
+    # costs a launch), Qwen3 64 100-110 (111), DeepSeek-V2-Lite 16 within ±5; where ws runs (the rows split along
+    # their 8-row tiles, no transpose): Qwen3 512 (the ws stream, 48-row items copying 0.75 bytes of rows per weight
+    # byte) 185-200 (209-216), Mixtral 512 and Qwen3 4096 (144-row ws blocks, 128-deep steps: 2.25 bytes of rows per
+    # weight byte, but nearer the math rate: 69% / 63% of the dense rate) 0-10% faster
+    logged "sweep_cluster" 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:64 dsv2lite:16 \
         --reps 40 --variants "wgmma=kernel:wgmma;cl2=kernel:wgmma,cluster:2;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_cluster.log"
+    logged "sweep_cluster_ws" 230 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 \
+        --reps 20 --variants "wgmma=kernel:wgmma;cl2=kernel:wgmma,cluster:2;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_cluster_ws.log"
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs

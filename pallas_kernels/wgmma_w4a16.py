@@ -417,17 +417,20 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     vLLM's ``moe_sum`` does, in an order that varies from run to run). Rows with ``dest < 0``
     and blocks with expert ``-1`` add nothing. Right on the H200 (part 41); as the layer's
     top-k sum slower than XLA's gather-and-sum except at Mixtral 512 tokens (NOTES.md v13).
-    ``cluster`` (2 or 4; the plain kernel: no ``ws``, ``persistent``, ``overlap`` or ``zfold``, no
-    tile-major words): programs run in clusters of ``cluster`` neighbouring column tiles of the same
-    block and K split, which need the same activation tile each step; each program fetches its share
-    of that tile and the TMA multicasts it into every program of the cluster, so the token rows
-    are read from L2 once per cluster instead of once per program (at decode-sized blocks they
-    cost the copies as much as the weights: NOTES.md v22). The activations travel K-block-major
-    (``[K/128, M, 128]``, transposed by XLA here) so that the multicast splits each step's tile
-    along its K-blocks: ``cluster`` must divide ``kpb`` (or ``kpb`` × ``block_m``/8 with
-    ``block_m``/8 even for 4). Each program's pipeline is written out (``plgpu.emit_pipeline``
-    takes no multicast operands): a step's slot is refilled once both programs of the cluster
-    have arrived on that slot's cluster barrier.
+    ``cluster`` (2 or 4): programs run in clusters of ``cluster`` neighbouring column tiles of the
+    same block and K split, which need the same activation tile each step; each program fetches
+    its share of that tile and the TMA multicasts it into every program of the cluster, so the
+    token rows are read from L2 once per cluster instead of once per program (at decode-sized
+    blocks they cost the copies as much as the weights: NOTES.md v22). The plain kernel (no
+    ``persistent``, ``overlap`` or ``zfold``, no tile-major words): the activations travel
+    K-block-major (``[K/128, M, 128]``, transposed by XLA here) so that the multicast splits each
+    step's tile along its K-blocks — ``cluster`` must divide ``kpb`` (or ``kpb`` × ``block_m``/8
+    with ``block_m``/8 even for 4) — and each program's pipeline is written out
+    (``plgpu.emit_pipeline`` takes no multicast operands): a step's slot is refilled once every
+    program of the cluster has arrived on that slot's cluster barrier. ``ws`` (and its
+    ``persistent`` stream, whose shares then go to whole clusters): the warp-specialized pipeline's
+    own multicast operand, the ``[block_m, 128·kpb]`` row tile split along its 8-row tiles
+    (``cluster`` must divide ``block_m``/8 and the number of ``2·block_n``-column tiles).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -481,12 +484,16 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                           f"zfold; got overlap={overlap}, zfold={zfold}, tile-major words: {tile_n is not None}")
     if programs is not None and (not persistent or programs < 1):
         raise ConfigError(f"wgmma_grouped_gemm: programs={programs} needs persistent=True and programs >= 1")
-    if cluster != 1 and (cluster not in (2, 4) or ws or persistent or overlap or zfold or tile_n is not None
-                         or (n // bn) % cluster or not _cluster_splits(kpb, block_m, cluster)):
+    if cluster != 1 and not ws and (cluster not in (2, 4) or persistent or overlap or zfold or tile_n is not None
+                                    or (n // bn) % cluster or not _cluster_splits(kpb, block_m, cluster)):
         raise ConfigError(f"wgmma_grouped_gemm: cluster={cluster} (2 or 4) needs the plain kernel (no ws, persistent, "
                           f"overlap or zfold, no tile-major words), a number of {bn}-column tiles ({n // bn}) it "
                           f"divides, and each step's activation tile [kpb={kpb}, block_m={block_m}, 128] split "
                           f"evenly along its K-blocks (cluster divides kpb) or K-blocks and 8-row tiles")
+    if cluster != 1 and ws and (cluster not in (2, 4) or (n // (2 * bn)) % cluster or (block_m // 8) % cluster):
+        raise ConfigError(f"wgmma_grouped_gemm: cluster={cluster} (2 or 4) with ws=True needs a number of "
+                          f"{2 * bn}-column tiles ({n // (2 * bn)}) and of 8-row tiles in block_m={block_m} "
+                          f"({block_m // 8}) it divides (the multicast row tile splits along its 8-row tiles)")
     chunk = n_kb // split_k // kpb            # pipeline steps per program (per item with persistent)
     if persistent and ws and (row_scale is not None or dest is not None or chunk % min(stages, chunk)):
         raise ConfigError(f"wgmma_grouped_gemm: persistent=True with ws=True (one chained warp-specialized "
@@ -521,6 +528,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             # registers: ≤ 4 plain programs per SM, one ws program (384 threads × 168 registers)
             programs = num_sms() * (1 if ws else max(1, min(4, SM_SMEM // (need + _SMEM_ALIGN))))
         programs = max(1, min(programs, nb * (n // ((2 if ws else 1) * bn)) * split_k))
+        programs = max(cluster, programs // cluster * cluster)      # whole clusters
     ids = ids.reshape(rows_ids, IDS_PAD)
     has_zp = zeros is not None
     has_rs = row_scale is not None
@@ -923,7 +931,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
-                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)),
+                            **({"collective_axes": ("cn",)} if cluster != 1 else {})),   # multicast rows
             *[plgpu.BlockSpec((kpb, 2 * bn), lambda kb: (kb, 0))] * (2 if has_zp else 1)]
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(chunk,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
@@ -953,6 +962,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         z_gmem = rest[0] if has_zp else None
         row_gmem, o_gmem = rest[int(has_zp):-1], rest[-1]
         i, j, sp = jax.lax.axis_index("b"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        if cluster != 1:                      # the cluster's column-pair tiles share block i's rows
+            j = j * cluster + jax.lax.axis_index("cn")
         wg = jax.lax.axis_index("wg")
         gmem_refs = ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, i, j, sp)
 
@@ -1095,14 +1106,25 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         PipelinePipeline = plgpu.PipelinePipeline
         z_gmem = rest[0] if has_zp else None
         o_gmem = rest[-1]
-        p, wg = jax.lax.axis_index("p"), jax.lax.axis_index("wg")
+        q, wg = jax.lax.axis_index("p"), jax.lax.axis_index("wg")
+        cn = jax.lax.axis_index("cn") if cluster != 1 else 0
+        p = q * cluster + cn                    # (with cluster: "p" numbers the clusters)
         nt = n // (2 * bn) * split_k            # items per block: column-pair tiles × K splits
 
-        def item_of(t, lo):
-            """Item ``lo + t`` → (block, column-pair tile, K split)."""
-            item = lo + t
+        def plain_item(item):
+            """Item → (block, column-pair tile, K split)."""
             r = item % nt
             return item // nt, r // split_k, r % split_k
+
+        def item_of(t, lo):
+            """Live item ``lo + t`` of this program's share → (block, column-pair tile, K split); with
+            ``cluster`` the shares are the cluster's, of items that each cover ``cluster`` neighbouring
+            column-pair tiles of one block, and this program takes tile ``cn`` of each."""
+            if cluster == 1:
+                return plain_item(lo + t)
+            sup = lo + t
+            r = sup % (nt // cluster)
+            return sup // (nt // cluster), r // split_k * cluster + cn, r % split_k
 
         def gmem_refs(ex, blk, j, sp):
             return ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, blk, j, sp)(ex)
@@ -1116,7 +1138,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
             n_live = ids_smem[rows_ids - 1, IDS_PAD - 1] * nt          # items of blocks up to the last live one
-            lo, count = persistent_share(p, programs, n_live)
+            lo, count = persistent_share(q, programs // cluster, n_live // cluster)
             my_smem = o_smem[0].at[wg] if tout else None
             acc_box = []
             step = ws_step(wg, acc_box)
@@ -1161,7 +1183,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             def _():
                 @pl.loop(0, mine)
                 def _(r):
-                    blk, j, sp = item_of(p + r * programs, n_live)
+                    blk, j, sp = plain_item(n_live + p + r * programs)
                     store(zero(bno), dst_of(blk, j, sp), my_smem)
 
         pl.run_scoped(body, plgpu.SMEM((rows_ids, IDS_PAD), jnp.int32), plgpu.Barrier(num_arrivals=1),
@@ -1170,16 +1192,19 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
     operands = (ids, a, words, scales, *([zeros] if has_zp else []), *([xsum] if zfold else []),
                 *([rs] if has_rs else []), *([dst_rows] if has_dst else []))
+    clusters = dict(cluster=(1, cluster, 1), cluster_names=("cb", "cn", "cs")) if cluster != 1 else {}
     if persistent and ws:
-        body, mesh = kernel_ws_stream, dict(grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg")
+        body, mesh = kernel_ws_stream, dict(grid=(programs // cluster,), grid_names=("p",), num_threads=3,
+                                            thread_name="wg",
+                                            **(dict(cluster=(cluster,), cluster_names=("cn",)) if cluster != 1 else {}))
     elif persistent:
         body, mesh = kernel_persistent, dict(grid=(programs,), grid_names=("p",))
     elif ws:
-        body, mesh = kernel_ws, dict(grid=(nb, n // (2 * bn), split_k), grid_names=("b", "n", "s"), num_threads=3,
-                                     thread_name="wg")
+        body, mesh = kernel_ws, dict(grid=(nb, n // (2 * bn) // cluster, split_k), grid_names=("b", "n", "s"),
+                                     num_threads=3, thread_name="wg", **clusters)
     elif cluster != 1:
         body, mesh = kernel_cluster, dict(grid=(nb, n // bn // cluster, split_k), grid_names=("b", "n", "s"),
-                                          cluster=(1, cluster, 1), cluster_names=("cb", "cn", "cs"))
+                                          **clusters)
         # K-block-major activations: [K/128, M, 128] (each step's tile splits along its K-blocks)
         operands = (operands[0], a.reshape(m, n_kb, BLOCK_K).transpose(1, 0, 2), *operands[2:])
     else:
@@ -1544,9 +1569,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     the two GEMMs apart (e.g. ``(None, True)``: only GEMM2 as a ``persistent`` stream).
     ``cluster`` (1, 2 or 4; default 1, not yet timed on the GPU): the kernel's ``cluster`` option
     — programs in clusters of neighbouring column tiles that read each step's token rows from L2
-    once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``ws``, the
-    ``persistent`` stream, ``overlap`` or ``zfold``) and whose tiles and activation tile split
-    evenly; the others run unclustered.
+    once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``overlap``,
+    ``zfold`` or the ``persistent`` stream without ``ws``) or ``ws`` (the chained ``ws`` stream
+    too) and whose tiles and row tile split evenly; the others run unclustered.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1705,10 +1730,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                    "its output tile does not fit in shared memory" if not tr else None)
             if why:
                 raise ConfigError(f"combine='add': GEMM2 cannot add its rows into the output here: {why}")
-        # cluster: where the plain kernel runs and the activation tile splits evenly (else 1)
-        cl = cluster if (cluster != 1 and not wsp and not pers and not (overlap and not fold)
-                         and not (fold and not sfold) and (n // bn) % cluster == 0
-                         and _cluster_splits(kpb, bm, cluster)) else 1
+        # cluster: where the plain kernel or ws (the stream too) runs and the row tile splits evenly (else 1)
+        if wsp:
+            cl = cluster if (n // (2 * bn)) % cluster == 0 and (bm // 8) % cluster == 0 else 1
+        else:
+            cl = cluster if (not pers and not (overlap and not fold) and not (fold and not sfold)
+                             and (n // bn) % cluster == 0 and _cluster_splits(kpb, bm, cluster)) else 1
         out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group, cluster=cl,
                                  split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
                                  zfold=fold and not sfold, sfold=fold and sfold,

@@ -675,15 +675,24 @@ _WGMMA_GPU_CASES = [
     (True, 128, 16, 1, dict(block_n=128, shift32=True, sfold=True, stages=3, cluster=2, k=1024)),
     (True, 128, 16, 1, dict(block_n=64, stages=3, cluster=2, rs=True, k=1024)),
     (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
-                            dest=True, cluster=2, k=1024))]
+                            dest=True, cluster=2, k=1024)),
+    # ... and ws (the warp-specialized pipeline's multicast operand) and its persistent stream (shares
+    # of whole clusters; a dead block inside the stream)
+    (True, 128, 64, 1, dict(block_n=128, ws=True, stages=3, cluster=2, n=512, k=2048)),
+    (True, 128, 128, 1, dict(block_n=128, shift32=True, ws=True, out16=True, tout=True, rs=True, cluster=2, n=512,
+                             k=2048)),
+    (False, 128, 48, 1, dict(block_n=128, ws=True, persistent=True, programs=6, stages=2, cluster=2, n=512, k=1024)),
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, persistent=True, stages=2,
+                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024))]
 
 
 def test_wgmma_cluster_lowers_cpu():
     """``cluster``: programs in clusters of neighbouring column tiles that multicast each step's
-    activation tile (K-block-major) lower to Mosaic GPU with a cluster launch — the plain and
-    scale-fold kernels, 16- and 32-bit words, 128-deep steps (split along the 8-row tiles),
-    clusters of 4, row scales, the gated epilogue and destination rows; the tile splits it cannot
-    make, and the kernel forms it does not take, are ConfigErrors naming the option."""
+    activation tile lower to Mosaic GPU with a cluster launch — the plain and scale-fold kernels
+    (K-block-major rows), 16- and 32-bit words, 128-deep steps (split along the 8-row tiles),
+    clusters of 4, row scales, the gated epilogue and destination rows; ``ws`` and its persistent
+    stream (the rows split along their 8-row tiles); the tile splits it cannot make, and the
+    kernel forms it does not take, are ConfigErrors naming the option."""
     from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, _cluster_splits, wgmma_grouped_gemm
 
     # as Mosaic GPU partitions a multicast [kpb, block_m, 128] tile: K-blocks, then 8-row tiles
@@ -718,7 +727,17 @@ def test_wgmma_cluster_lowers_cpu():
         fn = functools.partial(wgmma_grouped_gemm, block_m=16, cluster=2, out_dtype=jnp.bfloat16, tout=True,
                                dest_rows=20, **fold)
         assert "mosaic_gpu" in jax.jit(fn).trace(*da).lower(lowering_platforms=("cuda",)).as_text()
-    for bm, bad in ((16, dict(cluster=3)), (24, dict(cluster=4)), (16, dict(cluster=2, ws=True, sfold=False)),
+    ws = dict(block_n=128, ws=True, stages=2)                 # ws: the pipeline's own multicast operand
+    lowers(64, cluster=2, k=1024, **ws)
+    lowers(128, cluster=2, zp=False, shift32=True, k=1024, **ws)
+    lowers(48, cluster=2, persistent=True, kpb=2, wide=True, shift32=True, k=1024, n=1024, **ws)     # the stream
+    lowers(48, cluster=2, persistent=True, programs=6, split_k=2, k=1024, n=1024, **ws)
+    if TRANSPOSED_STORE:
+        lowers(48, cluster=2, persistent=True, out_dtype=jnp.bfloat16, tout=True, gated="silu", k=1024, n=1024, **ws)
+    for bm, bad in ((40, dict(ws, cluster=2)), (48, dict(ws, cluster=4, n=1024)), (64, dict(ws, cluster=2, n=256))):
+        with pytest.raises(ConfigError, match=f"cluster={bad['cluster']} .*with ws=True"):
+            lowers(bm, k=1024, **bad)
+    for bm, bad in ((16, dict(cluster=3)), (24, dict(cluster=4)),
                     (16, dict(cluster=2, persistent=True)), (16, dict(cluster=2, overlap=True, sfold=False)),
                     (16, dict(cluster=2, zfold=True, sfold=False)), (8, dict(cluster=2, kpb=1, wide=False)),
                     (16, dict(cluster=4, block_n=128, n=256))):
@@ -1055,17 +1074,20 @@ def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
 
 
 def test_fused_moe_wgmma_cluster_picks_cpu(monkeypatch):
-    """The layer's ``cluster`` option reaches each GEMM that runs the plain kernel and whose column
-    tiles and activation tile split evenly (here GEMM1: N = 512, 4 tiles; GEMM2: N = 256, 2
-    tiles; both K = 256, 256-deep steps), and no other: not by default, not the ``ws`` blocks,
-    not clusters of 4 over GEMM2's 2 tiles or a 24-row tile; the layer stays right (kernel
-    replaced by its jnp contract); ``cluster=3`` is a ConfigError."""
+    """The layer's ``cluster`` option reaches each GEMM that runs the plain kernel or ``ws`` and
+    whose column tiles and row tile split evenly (here GEMM1: N = 512, 4 tiles of 128 or 2 ``ws``
+    tiles of 256; GEMM2: N = 256, 2 or 1; both K = 256, 256-deep steps), and no other: not by
+    default, not clusters of 4 over GEMM2's 2 tiles or a 24-row tile, not GEMM2's one ``ws`` tile,
+    not 40-row ``ws`` blocks (5 row tiles), not ``zfold``; the layer stays right (kernel replaced
+    by its jnp contract); ``cluster=3`` is a ConfigError."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     cases = [(dict(block_m=16), [1, 1]), (dict(block_m=16, cluster=2), [2, 2]),
              (dict(schedule="pair", cluster=2), [2, 2]), (dict(block_m=24, cluster=2), [2, 2]),
              (dict(block_m=16, cluster=4), [4, 1]), (dict(block_m=24, cluster=4), [1, 1]),
-             (dict(block_m=64, cluster=2), [1, 1]), (dict(block_m=32, cluster=2, ws=True), [1, 1])]
+             (dict(block_m=64, cluster=2), [2, 1]), (dict(block_m=32, cluster=2, ws=True), [2, 1]),
+             (dict(block_m=40, cluster=2, ws=True), [1, 1]), (dict(block_m=16, cluster=2, zfold=True, sfold=False),
+                                                              [1, 1])]
     _check_layer_picks(monkeypatch, lambda kw: kw.get("cluster", 1), cases, 6, 256, 256, close=(1, 4))
     w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 4, 2)
     with pytest.raises(ConfigError, match="cluster: expected 1, 2 or 4"):
@@ -2048,8 +2070,9 @@ def test_wgmma_v17_defaults_gpu(shape, key):
 
 
 CLUSTER_TOKENS = {"mixtral": ((1, dict(cluster=2)), (16, dict(cluster=2)), (16, dict(cluster=4, block_m=16)),
-                              (64, dict(cluster=2))),
-                  "qwen3": ((1, dict(cluster=2)), (64, dict(cluster=2))), "dsv2lite": ((16, dict(cluster=2)),)}
+                              (64, dict(cluster=2)), (512, dict(cluster=2))),
+                  "qwen3": ((1, dict(cluster=2)), (64, dict(cluster=2)), (512, dict(cluster=2))),
+                  "dsv2lite": ((16, dict(cluster=2)),)}
 
 
 @pytest.mark.gpu
@@ -2060,7 +2083,8 @@ def test_wgmma_cluster_gpu(shape, key):
     """The layer with ``cluster`` (v22: clusters of neighbouring column tiles multicasting each
     step's token rows) at the decode rows where the plain fold kernels run — the pair schedule
     (1 token: 8-row blocks, K splits), 8- and 24-row blocked folds (Mixtral 16 / 64 tokens), clusters
-    of 4 over 16-row blocks — on the weights the table prepares, expert 0 never routed, fresh
+    of 4 over 16-row blocks — and at 512 tokens, where ``ws`` runs (Mixtral: 144-row blocks; Qwen3:
+    the chained ``ws`` stream), on the weights the table prepares, expert 0 never routed, fresh
     inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
 
