@@ -1045,12 +1045,18 @@ elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main 
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs
     # slower than v19 and v21's sweep)
-    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 330 \
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 300 \
         "combine_add_gpu or v16_defaults_gpu or row_gather_gpu or prefill_batched_and_backward"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
-    logged "sweep_dsv2" 120 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:1,16 --reps 40 \
+    logged "sweep_dsv2" 110 python3 benchmarks/moe_engine.py --sweep --rows dsv2lite:1,16 --reps 40 \
         --variants "wgmma=kernel:wgmma;xla gather=kernel:wgmma,row_gather:0;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_dsv2.log"
+    # where a clustered layer's time goes (if part 93 passed): the GEMMs against the XLA transposes of their rows
+    # into the K-block-major form (what a K-block-major row gather and GEMM1 output would save)
+    logged "profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 15 --rows mixtral:64 \
+        --reps 10 --variants "cl2=kernel:wgmma,cluster:2"
+    grep -vE "^#|Warning|warn|^ *ref =|^\s*$|host spans|Pjit|PjRt|Execute|XLA GPU module|command_buffer" \
+        "$OUT/profile.log" | head -25
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
