@@ -128,9 +128,12 @@ def variants(bm, n_kb, e, n, interpret):
             a, ids, *t, bits=4, group_size=128, block_m=bm, split_k=split, dot=dot, interpret=interpret).sum(0)
     if interpret:
         return v
-    from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
+    from pallas_kernels.wgmma_w4a16 import _cluster_splits, wgmma_grouped_gemm
 
     for bits, vname, opts in WGMMA_VARIANTS:
+        cl = opts.get("cluster", 1)
+        if cl != 1 and (not _cluster_splits(opts.get("kpb", 1), bm, cl) or (n // opts.get("block_n", 64)) % cl):
+            continue                          # a row tile or column tiles the cluster cannot split
         for sk in sorted({1, split}):
             cols = opts.get("block_n", 64) * (2 if opts.get("ws") else 1)       # ws: two warpgroups' columns
             if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % cols == 0 and (sk == 1 or "out_dtype" not in opts):
