@@ -248,6 +248,16 @@ def persistent_item(lo, g, chunk: int, items_per_block: int, split_k: int):
     return item // items_per_block, rest // split_k, rest % split_k, rest % split_k * chunk + g % chunk
 
 
+def stream_item(item, cn, items_per_block: int, split_k: int, cluster: int = 1):
+    """The ``ws`` stream's item → ``(block, column-pair tile, K split)`` for program ``cn`` of its
+    cluster: items are ordered block-major, then column tile, then K split; with ``cluster`` > 1
+    an item (of the cluster's share) covers ``cluster`` neighbouring column tiles of one block
+    and K split, one per program of the cluster (``items_per_block / cluster`` items per block)."""
+    per = items_per_block // cluster
+    r = item % per
+    return item // per, r // split_k * cluster + cn, r % split_k
+
+
 def persistent_tail(p, programs: int, n_live, n_all: int):
     """The items after the live ones (blocks past the last one with an expert) whose outputs
     program ``p`` zeroes: ``n_live + p + r · programs`` for ``r < count``; returns ``count``."""
@@ -1113,18 +1123,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
         def plain_item(item):
             """Item → (block, column-pair tile, K split)."""
-            r = item % nt
-            return item // nt, r // split_k, r % split_k
+            return stream_item(item, 0, nt, split_k)
 
         def item_of(t, lo):
             """Live item ``lo + t`` of this program's share → (block, column-pair tile, K split); with
             ``cluster`` the shares are the cluster's, of items that each cover ``cluster`` neighbouring
             column-pair tiles of one block, and this program takes tile ``cn`` of each."""
-            if cluster == 1:
-                return plain_item(lo + t)
-            sup = lo + t
-            r = sup % (nt // cluster)
-            return sup // (nt // cluster), r // split_k * cluster + cn, r % split_k
+            return stream_item(lo + t, cn, nt, split_k, cluster)
 
         def gmem_refs(ex, blk, j, sp):
             return ws_gmem_refs(w_gmem, a_gmem, s_gmem, z_gmem, blk, j, sp)(ex)

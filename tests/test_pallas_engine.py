@@ -2161,6 +2161,40 @@ def test_gpu_prefill_batched_and_backward_qwen3():
 
 
 @settings(deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.integers(1, 40), st.integers(1, 3), st.integers(1, 4), st.integers(1, 150),
+       st.data())
+def test_ws_stream_clusters_cover_every_item_once(cluster, nb, tiles_per, split, clusters, data):
+    """The ``ws`` stream's index math with ``cluster`` (``persistent_share`` over the clusters,
+    :func:`stream_item` per program of a cluster, ``persistent_tail`` over the programs): the two
+    programs (or four) of a cluster stream the same block and K split at every step — the
+    multicast row tile is theirs in common — each its own column tile, and over all programs the
+    streamed items and the zeroed tail cover every (block, column-pair tile, K split) output
+    exactly once."""
+    from pallas_kernels.wgmma_w4a16 import persistent_share, persistent_tail, stream_item
+
+    tiles = tiles_per * cluster
+    live_blocks = data.draw(st.integers(0, nb))
+    nt = tiles * split
+    n_live, n_all = live_blocks * nt, nb * nt
+    programs = max(cluster, min(clusters * cluster, n_all) // cluster * cluster)     # as the kernel caps it
+    seen = []
+    for q in range(programs // cluster):
+        lo, count = (int(v) for v in persistent_share(np.int32(q), programs // cluster, np.int32(n_live // cluster)))
+        for t in range(count):
+            items = [tuple(int(v) for v in stream_item(np.int32(lo + t), np.int32(cn), nt, split, cluster))
+                     for cn in range(cluster)]
+            assert len({(b, sp) for b, _, sp in items}) == 1            # one block and split per cluster step
+            assert all(0 <= b < live_blocks and 0 <= j < tiles for b, j, _ in items)
+            seen += items
+        for cn in range(cluster):
+            p = q * cluster + cn
+            for r in range(int(persistent_tail(np.int32(p), programs, np.int32(n_live), n_all))):
+                item = n_live + p + r * programs
+                seen.append(tuple(int(v) for v in stream_item(np.int32(item), 0, nt, split)))
+    assert sorted(seen) == [(b, j, s) for b in range(nb) for j in range(tiles) for s in range(split)]
+
+
+@settings(deadline=None)
 @given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 4), st.integers(1, 5), st.integers(1, 300),
        st.data())
 def test_persistent_schedule_covers_every_item_once(nb, tiles, split, chunk, programs, data):
