@@ -1094,6 +1094,27 @@ def test_fused_moe_wgmma_cluster_picks_cpu(monkeypatch):
         wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), cluster=3)
 
 
+def test_fused_moe_wgmma_clusters_lower_at_table_shapes():
+    """The layer with ``cluster=2`` at two of the benchmark's rows, abstract weights of the real
+    sizes: Mixtral 64 tokens (24-row blocks: the plain fold kernels, rows made K-block-major) and
+    Qwen3 512 tokens (48-row blocks: the chained ``ws`` stream) lower to Mosaic GPU kernels
+    launched in clusters (their programs ask for their cluster position), and without the option
+    nothing does."""
+    from pallas_kernels.wgmma_w4a16 import WgmmaWeights, fused_moe_wgmma
+
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    for (e, k, h, i), t in (((8, 2, 4096, 14336), 64), ((128, 8, 2048, 768), 512)):
+        w = WgmmaWeights(s((e, 2 * i, h // 4), jnp.int16), s((e, h, i // 4), jnp.int16), s((e, h // 128, 2 * i), bf),
+                         s((e, i // 128, h), bf), s((e, h // 128, 2 * i), bf), s((e, i // 128, h), bf),
+                         hidden_size=h, intermediate_size=i, w13_interleaved=True)
+        args = (s((t, h), bf), s((t, k), jnp.float32), s((t, k), jnp.int32), w)
+        for cl in (1, 2):
+            text = jax.jit(functools.partial(fused_moe_wgmma, cluster=cl)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text and ("cluster_block_id" in text) == (cl == 2), (e, t, cl)
+
+
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
     and up always; 32- to 63-row blocks only where a program streams 32 or more K-blocks (here
