@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22); 32, 49, 71, 80, 81 and 93–95 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22); 32, 49, 71, 80, 81 and 93–96 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1041,6 +1041,20 @@ elif [ "$part" = 95 ]; then    # prepared in v22: the layer with clusters of 2, 
     logged "sweep_cluster_ws" 230 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 \
         --reps 20 --variants "wgmma=kernel:wgmma;cl2=kernel:wgmma,cluster:2;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_cluster_ws.log"
+elif [ "$part" = 96 ]; then    # prepared in v22, for after part 93: what a cluster changes in the 24-row GEMM1 —
+    # Nsight Compute on the unclustered and the clustered kernel (one launch each): L2 and DRAM throughput, the
+    # bytes L2 serves (lts__t_bytes), occupancy and the stall reasons. Prediction (the bytes model): L2 bytes
+    # ~1.75 → ~1.375 × the weights' with the cluster, DRAM throughput up in proportion to the speedup
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    S="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --print-details all"
+    M="--metrics lts__t_bytes.sum,dram__bytes_read.sum,regex:smsp__average_warps_issue_stalled_(long_scoreboard|barrier|wait|math).*_per_issue_active\.ratio"
+    for V in "bn128 st2 kpb2 wide shift32 sfold s1" "bn128 st2 kpb2 wide shift32 sfold cl2 s1"; do
+        tag=$(echo "$V" | grep -q cl2 && echo cl2 || echo base)
+        logged "ncu_$tag" 130 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S $M \
+            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 24 --reps 1 --only "$V"
+        grep -E "==ERROR|Duration|DRAM Throughput|L2 Cache Throughput|lts__t_bytes|dram__bytes|Achieved Occupancy|Cluster|issue_stalled|rc " \
+            "$OUT/ncu_$tag.log" | head -30
+    done
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs
