@@ -1038,8 +1038,8 @@ elif [ "$part" = 95 ]; then    # prepared in v22: the layer with clusters of 2, 
     logged "sweep_cluster" 230 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:64 dsv2lite:16 \
         --reps 40 --variants "wgmma=kernel:wgmma;cl2=kernel:wgmma,cluster:2;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_cluster.log"
-    logged "sweep_cluster_ws" 230 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 \
-        --reps 20 --variants "wgmma=kernel:wgmma;cl2=kernel:wgmma,cluster:2;again=kernel:wgmma"
+    logged "sweep_cluster_ws" 250 python3 benchmarks/moe_engine.py --sweep --rows qwen3:512,4096 mixtral:512 \
+        --reps 10 --variants "wgmma=kernel:wgmma;cl2=kernel:wgmma,cluster:2;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_cluster_ws.log"
 elif [ "$part" = 96 ]; then    # prepared in v22, for after part 93: what a cluster changes in the 24-row GEMM1 —
     # Nsight Compute on the unclustered and the clustered kernel (one launch each): L2 and DRAM throughput, the
