@@ -597,6 +597,14 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         for bar in row_scratch[1::2]:
             plgpu.barrier_wait(bar)
 
+    def block_start(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch):
+        """A one-program-per-item kernel's start: fetch and wait for the ids and the block's rows of
+        ``row_scale`` / ``dest``; returns ``(expert of block i, row_scale's rows, dest's rows)``."""
+        fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
+        wait_ids(ids_bar, row_scratch)
+        i = jax.lax.axis_index("b")
+        return (ids_smem[i // IDS_PAD, i % IDS_PAD], *row_smems(row_scratch))
+
     def row_smems(row_scratch):
         """``(row_scale's, dest's)`` shared-memory rows (``None`` where not given)."""
         it = iter(row_scratch[0::2])
@@ -799,10 +807,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                                        in_specs=specs, init_carry=zero())(*gmem_refs)
 
         def body(ids_smem, ids_bar, *row_scratch):
-            fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
-            wait_ids(ids_bar, row_scratch)
-            rs_smem, dg_smem = row_smems(row_scratch)
-            ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
+            ex, rs_smem, dg_smem = block_start(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
             cols = pl.ds(j * bn, bn)
             kb0 = sp * chunk * kpb
             nk = chunk * kpb
@@ -858,10 +863,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 plgpu.ClusterBarrier(collective_axes=("cn",), num_arrivals=1, num_barriers=st)]
 
         def body(ids_smem, ids_bar, *row_scratch):
-            fetch_ids(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
-            wait_ids(ids_bar, row_scratch)
-            rs_smem, dg_smem = row_smems(row_scratch)
-            ex = ids_smem[i // IDS_PAD, i % IDS_PAD]
+            ex, rs_smem, dg_smem = block_start(ids_gmem, ids_smem, ids_bar, row_gmem, row_scratch)
             cols = pl.ds(j * bn, bn)
             kb0 = sp * chunk * kpb
             dst = window(o_gmem, sp, i, pl.ds(j * bno, bno))
