@@ -222,6 +222,7 @@ def _words_dims(words, k):
 # its stage count and the kernel refuse a configuration with a clear error on any machine.
 SMEM_LIMIT = 232448
 SM_SMEM = 233472      # one SM's shared memory (228 KB), shared by the programs resident on it
+ROW_GATHER_MIN_PAIRS = 1024   # the layer's row-gather kernel by default from this many routed pairs on (v23)
 _SMEM_ALIGN = 1024    # Mosaic GPU aligns every shared-memory allocation to 1 KB
 
 
@@ -1550,9 +1551,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``row_gather`` (blocked schedule): gather those rows with :func:`~pallas_kernels.row_gather.gather_rows`
     (a Mosaic GPU kernel: one bulk copy per row, only the rows of pairs in blocks with an expert;
     padding rows and empty blocks left unwritten, their results never read) instead of XLA
-    (``row_gather=False``: XLA, as ``gather32`` says); default: on wherever the rows are whole
-    16-byte multiples (v20, NOTES.md: Qwen3 4096 tokens 768–795 µs against 789–805 with XLA's
-    gather).
+    (``row_gather=False``: XLA, as ``gather32`` says); default: on from
+    :data:`ROW_GATHER_MIN_PAIRS` routed pairs wherever the rows are whole 16-byte multiples (v20,
+    NOTES.md: Qwen3 4096 tokens 768–795 µs against 789–805 with XLA's gather); at fewer pairs XLA's
+    gather, which fuses into the kernels around it (v23: DeepSeek-V2-Lite 16 tokens 91.6 against
+    95.2–96.2 µs with the kernel).
     ``split1`` / ``split2``: GEMM1's / GEMM2's K split (the largest divisor of its steps up to
     the value); default: about 2 programs per SM; about 4 with at least 4 steps each for the
     pair schedule's GEMM1, whose 8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0
@@ -1617,7 +1620,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         raise ConfigError(f"schedule: expected 'pair' or 'blocked', got {schedule!r}")
     sfold = True if sfold is None else bool(sfold)
     gather32 = True if gather32 is None else bool(gather32)
-    row_gather = (gather_rows_reason(h_dim, cdt) is None) if row_gather is None else bool(row_gather)
+    row_gather = ((gather_rows_reason(h_dim, cdt) is None and t * k >= ROW_GATHER_MIN_PAIRS) if row_gather is None
+                  else bool(row_gather))
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32).reshape(-1)
     group = -1 if weights.w13_scales.shape[1] == 1 else BLOCK_K

@@ -1059,6 +1059,35 @@ def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter, close=N
         assert seen == want, (over, seen)
 
 
+def test_fused_moe_wgmma_row_gather_default_cpu(monkeypatch):
+    """v23: the blocked schedule gathers the token rows with the row-gather kernel by default only
+    from ``ROW_GATHER_MIN_PAIRS`` routed pairs on (XLA's gather below, which fuses into the glue);
+    ``row_gather=True`` / ``False`` force either. Traced with the kernels replaced by their jnp
+    contracts, counting the row-gather calls."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    calls = []
+
+    def spy(x, idx, *, block_m):
+        calls.append(idx.shape)
+        return _emulated_gather_rows(x, idx, block_m=block_m)
+
+    _emulate_kernels(monkeypatch, wgm)
+    monkeypatch.setattr(wgm, "gather_rows", spy)
+    h, i, e, k = 256, 256, 8, 4
+    w = wgm.convert_wgmma(random_checkpoint_weights(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], e, h, i)
+                          .to_jax())
+    bf = jnp.bfloat16
+    lim = wgm.ROW_GATHER_MIN_PAIRS
+    for t, over, want in [(lim // k - 1, {}, 0), (lim // k, {}, 1), (lim // k - 1, dict(row_gather=True), 1),
+                          (lim // k, dict(row_gather=False), 0), (4, dict(block_m=16), 0)]:
+        calls.clear()
+        s = jax.ShapeDtypeStruct
+        jax.eval_shape(functools.partial(wgm.fused_moe_wgmma, schedule="blocked", **over),
+                       s((t, h), bf), s((t, k), jnp.float32), s((t, k), jnp.int32), w)
+        assert len(calls) == want, (t, over, calls)
+
+
 def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
     """Which fold each GEMM gets by default (NOTES v12, v17): blocks of up to 24 rows — the pair
     schedule's 8-row blocks and blocked ones — the scale-only fold (``sfold``), 32-row and larger
