@@ -442,6 +442,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``persistent`` stream, whose shares then go to whole clusters): the warp-specialized pipeline's
     own multicast operand, the ``[block_m, 128·kpb]`` row tile split along its 8-row tiles
     (``cluster`` must divide ``block_m``/8 and the number of ``2·block_n``-column tiles).
+    Measured on the H200 (NOTES.md v23): Mixtral GEMM1 at 24-row blocks 170 µs in clusters of 2
+    against 186, at 16 rows 146 against 152, GEMM2 no faster, clusters of 4 slower; L2's traffic
+    counter unchanged — the multicast relieves L2, but L2 was not what limited these GEMMs.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -1577,7 +1580,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     µs; at 64+-row ``ws`` blocks it was slower: Qwen3 4096 926 vs 799–823, Mixtral 512 790 vs
     726–743; NOTES.md v15). ``False``: never. A pair ``(GEMM1's, GEMM2's)`` of these values sets
     the two GEMMs apart (e.g. ``(None, True)``: only GEMM2 as a ``persistent`` stream).
-    ``cluster`` (1, 2 or 4; default 1, not yet timed on the GPU): the kernel's ``cluster`` option
+    ``cluster`` (1, 2 or 4; default 1: right on the H200 but not faster there, NOTES.md v23 —
+    Mixtral 64 tokens 292 µs against 282–289, Qwen3 64 118 against 111): the kernel's ``cluster`` option
     — programs in clusters of neighbouring column tiles that read each step's token rows from L2
     once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``overlap``,
     ``zfold`` or the ``persistent`` stream without ``ws``) or ``ws`` (the chained ``ws`` stream
