@@ -372,7 +372,8 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: pipeline steps in
     flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
     K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
-    tiles). ``wide`` (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word
+    tiles; 256, four, in the plain kernel only: each step's token rows serve twice the weights,
+    for decode blocks whose row copies cost as much as the weights', NOTES.md v23). ``wide`` (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word
     tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
     ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
@@ -458,9 +459,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if tile_n is not None and bn != tile_n:
         raise ConfigError(f"wgmma_grouped_gemm: tile-major words of {tile_n}-column tiles need block_n={tile_n}, "
                           f"got {bn}")
-    if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
-        raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
+    if bn not in (64, 128, 256) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
+        raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64, 128 or 256, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
+    if bn == 256 and (ws or persistent or overlap or tile_n is not None or gated is not None or cluster != 1):
+        raise ConfigError("wgmma_grouped_gemm: block_n=256 (four wgmma row tiles in one warpgroup) is the plain "
+                          "kernel's only: no ws, persistent, overlap, gated, cluster or tile-major words")
     if zfold and sfold:
         raise ConfigError("wgmma_grouped_gemm: zfold=True and sfold=True are two ways to fold; pick one")
     if overlap and (zfold or sfold):

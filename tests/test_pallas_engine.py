@@ -683,7 +683,46 @@ _WGMMA_GPU_CASES = [
                              k=2048)),
     (False, 128, 48, 1, dict(block_n=128, ws=True, persistent=True, programs=6, stages=2, cluster=2, n=512, k=1024)),
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, persistent=True, stages=2,
-                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024))]
+                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024)),
+    # v23: 256-column programs (four wgmma row tiles in one warpgroup; the plain kernel only): the
+    # decode fold with and without zero points, split, 24-row blocks with row scales and the [M, N]
+    # store, channelwise, no fold, and 32-bit words
+    (True, 128, 16, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, n=512, k=2048)),
+    (False, 128, 24, 2, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, n=512, k=2048)),
+    (True, 128, 24, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, out16=True, tout=True,
+                            rs=True, n=512, k=2048)),
+    (False, -1, 8, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, n=512)),
+    (True, 128, 16, 1, dict(block_n=256, shift32=True, n=512)),
+    (True, 128, 8, 2, dict(block_n=256, n=512))]
+
+
+def test_wgmma_block_n_256_lowers_cpu():
+    """``block_n=256`` (v23): four wgmma row tiles per program in the plain kernel lower to Mosaic
+    GPU — the decode fold (16-bit words, 128-deep steps), no fold, 32-bit words, the [M, N] store
+    with row scales where jax has it — and the kernel forms it does not take are ConfigErrors."""
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
+
+    s = jax.ShapeDtypeStruct
+
+    def args(bm, words16=True, rs=False):
+        return (s((3 * bm, 1024), jnp.bfloat16), s((3,), jnp.int32),
+                s((4, 512, 256), jnp.int16) if words16 else s((4, 512, 128), jnp.int32),
+                s((4, 8, 512), jnp.bfloat16), s((4, 8, 512), jnp.bfloat16), s((3 * bm,), jnp.float32) if rs else None)
+
+    fold = dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2)
+    cases = [(24, True, False, fold), (16, True, False, dict(fold, split_k=2)), (8, True, False, dict(block_n=256)),
+             (16, False, False, dict(block_n=256, stages=4))]
+    if TRANSPOSED_STORE:
+        cases.append((24, True, True, dict(fold, tout=True, out_dtype=jnp.bfloat16)))
+    for bm, w16, rs, opts in cases:
+        text = jax.jit(functools.partial(wgmma_grouped_gemm, block_m=bm, **opts)).trace(*args(bm, w16, rs)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, (bm, opts)
+    for bad in (dict(ws=True), dict(persistent=True), dict(overlap=True), dict(cluster=2), dict(gated="silu")):
+        with pytest.raises(ConfigError, match="block_n=256"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=256, **bad)).trace(*args(16))
+    with pytest.raises(ConfigError, match="block_n=512"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=512)).trace(*args(16))
 
 
 def test_wgmma_cluster_lowers_cpu():
