@@ -1598,6 +1598,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     act = check_activation(activation)
     if cluster not in (1, 2, 4):
         raise ConfigError(f"cluster: expected 1, 2 or 4 programs per cluster, got {cluster!r}")
+    if block_n not in (64, 128):              # (the kernel's 256 columns are not wired into the layer yet)
+        raise ConfigError(f"block_n: expected 64 or 128 columns per program in the layer, got {block_n!r}")
     if combine not in ("scatter", "gather", "add"):
         raise ConfigError(f"combine: expected 'scatter', 'gather' or 'add', got {combine!r}")
     if align not in ALIGN_METHODS:

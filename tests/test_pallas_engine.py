@@ -1158,8 +1158,11 @@ def test_fused_moe_wgmma_cluster_picks_cpu(monkeypatch):
                                                               [1, 1])]
     _check_layer_picks(monkeypatch, lambda kw: kw.get("cluster", 1), cases, 6, 256, 256, close=(1, 4))
     w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 4, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
     with pytest.raises(ConfigError, match="cluster: expected 1, 2 or 4"):
-        wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), cluster=3)
+        wgm.fused_moe_wgmma(x, tw, ids, wg, cluster=3)
+    with pytest.raises(ConfigError, match="block_n: expected 64 or 128 .* got 256"):   # the kernel's, not the layer's
+        wgm.fused_moe_wgmma(x, tw, ids, wg, block_n=256)
 
 
 def test_fused_moe_wgmma_clusters_lower_at_table_shapes():
