@@ -1091,10 +1091,11 @@ elif [ "$part" = 98 ]; then    # prepared in v23: where the 1-token rows' time g
 elif [ "$part" = 99 ]; then    # prepared in v23: 256-column fold programs (block_n=256, the plain kernel only). Part 96
     # found the clusters' multicast relieved L2 without speeding the 24-row GEMM1 up; what each SM takes in per
     # weight byte (weights + its block's token rows: 1 + block_m/32 at 128 columns, 1 + block_m/64 at 256) fits
-    # parts 91 and 93. (a) the kernel's GPU cases (all of them: 7 new); (b) ptxas's registers / spills of the
-    # 256-column fold; (c) the GEMMs. Prediction (that account): Mixtral GEMM1 24 rows ~146 µs (186.4), 16 rows
-    # ~127 (151.8), 8 rows 126-140 (140.3); GEMM2 24 rows ~71 (89.8), 16 rows ~69 (82.9) unless its 16 column
-    # tiles per block leave SMs idle; if ptxas spills, slower everywhere
+    # parts 91 and 93, above the ~1.2x-floor that 8-row blocks already sit at. (a) the kernel's GPU cases (all of
+    # them: 7 new); (b) ptxas's registers / spills of the 256-column fold; (c) the GEMMs. Prediction (time =
+    # max(8-row time, 101 us x intake)): Mixtral GEMM1 24 rows 140-150 µs (186.4), 16 rows 138-145 (151.8), 8 rows
+    # 136-142 (140.3); GEMM2 24 rows 78-82 (89.8), 16 rows 76-80 (82.9) unless its 16 column tiles per block leave
+    # SMs idle; if ptxas spills, slower everywhere
     WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 200 "grouped_gemm_gpu"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
     logged "ptx" 120 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 16 24 \
