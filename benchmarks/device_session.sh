@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23); 32, 49, 71, 80, 81, 98 and 99 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23); 32, 49, 71, 80, 81 and 98–100 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1096,7 +1096,7 @@ elif [ "$part" = 99 ]; then    # prepared in v23: 256-column fold programs (bloc
     # max(8-row time, 101 us x intake)): Mixtral GEMM1 24 rows 140-150 µs (186.4), 16 rows 138-145 (151.8), 8 rows
     # 136-142 (140.3); GEMM2 24 rows 78-82 (89.8), 16 rows 76-80 (82.9) unless its 16 column tiles per block leave
     # SMs idle; if ptxas spills, slower everywhere
-    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 200 "grouped_gemm_gpu"
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 240 "grouped_gemm_gpu or block_n_256_gpu"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
     logged "ptx" 120 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 16 24 \
         --only "bn256 st2 kpb2 wide shift32 sfold" "bn128 st2 kpb2 wide shift32 sfold"
@@ -1105,6 +1105,13 @@ elif [ "$part" = 99 ]; then    # prepared in v23: 256-column fold programs (bloc
         --reps 20 --only "bn128 st2 kpb2 wide shift32 sfold s" "bn256 st2 kpb2 wide shift32 sfold s" \
         "bn256 st3 kpb2 wide shift32 sfold s"
     grep -E "^\| [mq]|rc |rror|WRONG|FAIL" "$OUT/gemm_bn256.log" | sort -u
+elif [ "$part" = 100 ]; then    # prepared in v23, after part 99: the layer with block_n=256 (the scale-fold GEMMs in
+    # 256-column programs), A B A. Prediction from part 99's GEMMs; before them (the account): Mixtral 64 tokens
+    # (24-row blocks) 225-240 µs (272), Mixtral 16 (8-row blocks) and 1 token within ±5, Qwen3 64 and
+    # DeepSeek-V2-Lite 16 / 64 (8- and 16-row blocks, short K) within ±5 — their GEMM2s may lose SMs (fewer tiles)
+    logged "sweep_bn256" 400 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,64 \
+        dsv2lite:16,64 --reps 40 --variants "wgmma=kernel:wgmma;bn256=kernel:wgmma,block_n:256;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_bn256.log"
 elif [ "$part" = 33 ] || [ "$part" = 34 ]; then    # prepared in v11: the whole table (every alternative) under
     # the differential timing, for the GPU engine issue's closing table — 33: Mixtral, 34: Qwen3 and
     # DeepSeek-V2-Lite (the earlier full tables divided a program's fixed cost into its layers); since v19 with the
