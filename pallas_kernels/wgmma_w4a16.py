@@ -373,9 +373,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
     K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
     tiles; 256, four, in the plain kernel only: each step's token rows serve twice the weights,
-    for decode blocks whose row copies cost as much as the weights', NOTES.md v23). ``wide`` (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word
-    tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
-    ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
+    for decode blocks whose row copies cost as much as the weights', NOTES.md v23). ``wide``
+    (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word tile is copied
+    with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the ``(8, 16)``-tiled
+    copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
     nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
     ``lop3``, default on: each mask-and-magic as one ``lop3.b32``).
