@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23); 32, 49, 71, 80, 81 and 98–100 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64) and 98 in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1081,14 +1081,14 @@ elif [ "$part" = 97 ]; then    # v23: the row gather by XLA below ROW_GATHER_MIN
     logged "sweep_gather" 250 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:16,64 \
         dsv2lite:16,64 --reps 40 --variants "wgmma=kernel:wgmma;kernel gather=kernel:wgmma,row_gather:1;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_gather.log"
-elif [ "$part" = 98 ]; then    # prepared in v23: where the 1-token rows' time goes on the current default (v20 profiled
+elif [ "$part" = 98 ]; then    # ran in v24; prepared in v23: where the 1-token rows' time goes on the current default (v20 profiled
     # Mixtral only: GEMMs 58.9 of 65.6 µs). Prediction: Mixtral GEMMs ~58 of ~66 µs; Qwen3 (20 µs) and
     # DeepSeek-V2-Lite (23 µs): the GEMMs 10-14 µs, the glue 5-8 kernels of ~1 µs, the rest idle between kernels
     logged "profile_1tok" 200 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 15 \
         --rows mixtral:1 qwen3:1 dsv2lite:1 --reps 20 --variants "wgmma=kernel:wgmma"
     grep -vE "^#|Warning|warn|^ *ref =|^\s*$|host spans|Pjit|PjRt|Execute|XLA GPU module|command_buffer" \
         "$OUT/profile_1tok.log" | head -80
-elif [ "$part" = 99 ]; then    # prepared in v23: 256-column fold programs (block_n=256, the plain kernel only). Part 96
+elif [ "$part" = 99 ]; then    # ran in v24 (block_n=256 since removed: spills, slower); prepared in v23: 256-column fold programs (block_n=256, the plain kernel only). Part 96
     # found the clusters' multicast relieved L2 without speeding the 24-row GEMM1 up; what each SM takes in per
     # weight byte (weights + its block's token rows: 1 + block_m/32 at 128 columns, 1 + block_m/64 at 256) fits
     # parts 91 and 93, above the ~1.2x-floor that 8-row blocks already sit at. (a) the kernel's GPU cases (all; 9
@@ -1105,7 +1105,7 @@ elif [ "$part" = 99 ]; then    # prepared in v23: 256-column fold programs (bloc
         --reps 20 --only "bn128 st2 kpb2 wide shift32 sfold s" "bn256 st2 kpb2 wide shift32 sfold s" \
         "bn256 st3 kpb2 wide shift32 sfold s"
     grep -E "^\| [mq]|rc |rror|WRONG|FAIL" "$OUT/gemm_bn256.log" | sort -u
-elif [ "$part" = 100 ]; then    # prepared in v23, after part 99: the layer with block_n=256 (the scale-fold GEMMs in
+elif [ "$part" = 100 ]; then    # ran in v24 without Mixtral 64 (block_n=256 since removed); prepared in v23, after part 99: the layer with block_n=256 (the scale-fold GEMMs in
     # 256-column programs), A B A. Prediction from part 99's GEMMs; before them (the account): Mixtral 64 tokens
     # (24-row blocks) 225-240 µs (272), Mixtral 16 (8-row blocks) and 1 token within ±5, Qwen3 64 and
     # DeepSeek-V2-Lite 16 / 64 (8- and 16-row blocks, short K) within ±5 — their GEMM2s may lose SMs (fewer tiles)

@@ -92,9 +92,6 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=4)),
-    # v23: 256-column programs (four wgmma row tiles; each step's token rows serve twice the weights)
-    (16, dict(block_n=256, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
-    (16, dict(block_n=256, stages=3, kpb=2, wide=True, shift32=True, sfold=True)),
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),

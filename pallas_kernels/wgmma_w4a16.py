@@ -372,11 +372,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     4-bit codes; ``zeros=None`` means the symmetric zero point 8. ``stages``: pipeline steps in
     flight (``plgpu.emit_pipeline``'s ring of TMA-fed shared-memory buffers); ``kpb``: 128-deep
     K-blocks per step; ``block_n``: output columns per program (64 or 128: one or two wgmma row
-    tiles; 256, four, in the plain kernel only: each step's token rows serve twice the weights,
-    for decode blocks whose row copies cost as much as the weights', NOTES.md v23). ``wide``
-    (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word tile is copied
-    with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the ``(8, 16)``-tiled
-    copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
+    tiles). ``wide`` (16-bit ``[E, N, K/4]`` words, ``kpb`` 2): each step's ``[block_n, 64]`` word
+    tile is copied with a 128-byte swizzle (128-byte TMA rows instead of the 32-byte rows of the
+    ``(8, 16)``-tiled copy, which cap the copy ring near 2.4 TB/s: ``benchmarks/stream_ceiling.py``)
     and loaded into registers whole, its 16-word K steps sliced there. ``shift32`` (16-bit words):
     nibbles extracted with 32-bit register ops, two codes per instruction (:func:`_nibble_planes`;
     ``lop3``, default on: each mask-and-magic as one ``lop3.b32``).
@@ -398,8 +396,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     columns with two compute warpgroups (``block_n`` each: one dequantizes while the other's
     wgmmas run) and a third that only issues the TMA copies
     (``plgpu.emit_pipeline_warp_specialized``) — the structure of tokamax's sm90 quantized kernel.
-    ``gated`` (``"silu"`` or ``"gelu_tanh"``; ``block_n=128`` — or 256, whose two 128-column tiles
-    are activated and stored one after the other —, ``split_k=1``): the gate/up
+    ``gated`` (``"silu"`` or ``"gelu_tanh"``; ``block_n=128``, ``split_k=1``): the gate/up
     activation in the epilogue. The weights' columns come in 64-column halves — in each 128-column
     tile, columns ``128·j … 128·j+63`` are gate column ``64·j + c`` and ``128·j+64 …`` the matching
     up columns (:func:`interleave_gate_up`) — and the output is ``act(gate) · up`` ``[1, M, N/2]``,
@@ -461,12 +458,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if tile_n is not None and bn != tile_n:
         raise ConfigError(f"wgmma_grouped_gemm: tile-major words of {tile_n}-column tiles need block_n={tile_n}, "
                           f"got {bn}")
-    if bn not in (64, 128, 256) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
-        raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64, 128 or 256, dividing N={n}) and kpb={kpb} "
+    if bn not in (64, 128) or n % bn or kpb not in (1, 2, 4) or (n_kb // split_k) % kpb:
+        raise ConfigError(f"wgmma_grouped_gemm: block_n={bn} (64 or 128, dividing N={n}) and kpb={kpb} "
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
-    if bn == 256 and (ws or persistent or overlap or tile_n is not None or cluster != 1):
-        raise ConfigError("wgmma_grouped_gemm: block_n=256 (four wgmma row tiles in one warpgroup) is the plain "
-                          "kernel's only: no ws, persistent, overlap, cluster or tile-major words")
     if zfold and sfold:
         raise ConfigError("wgmma_grouped_gemm: zfold=True and sfold=True are two ways to fold; pick one")
     if overlap and (zfold or sfold):
@@ -492,9 +486,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if ws and (zfold or sfold or overlap or tile_n is not None or group_size == -1 or n % (2 * bn)):
         raise ConfigError(f"wgmma_grouped_gemm: ws=True takes group-128 scales, plain words (no tile_n), no "
                           f"zfold/sfold/overlap, and N={n} a multiple of 2·block_n={2 * bn}")
-    if gated is not None and (gated not in GATED_ACTIVATIONS or bn not in (128, 256) or split_k != 1):
+    if gated is not None and (gated not in GATED_ACTIVATIONS or bn != 128 or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: gated={gated!r} needs an activation in {GATED_ACTIVATIONS}, "
-                          f"block_n=128 or 256 and split_k=1, got block_n={bn}, split_k={split_k}")
+                          f"block_n=128 and split_k=1, got block_n={bn}, split_k={split_k}")
     odt = jnp.dtype(out_dtype)
     if odt != jnp.dtype(jnp.float32) and (odt != jnp.dtype(a.dtype) or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: out_dtype must be float32, or {jnp.dtype(a.dtype).name} (the "
@@ -680,7 +674,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     def transposed(x_smem):
         return x_smem.transpose((1, 0)) if hasattr(x_smem, "transpose") else plgpu.transpose_ref(x_smem, (1, 0))
 
-    def store(val, dst, o_smem=None, dg_smem=None, cols=None):
+    def store(val, dst, o_smem=None, dg_smem=None):
         """The program's ``[bn, bm]`` accumulator (``[bn/2, bm]`` with ``gated``: :func:`finish`)
         into ``dst``: directly (its window of the ``[split_k, N, M]`` output), or with ``tout``
         through ``o_smem [bm, ·]`` (a transposed store, then a TMA copy into the window of
@@ -706,7 +700,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)], dst(d), reduction_op="add")
             plgpu.wait_smem_to_gmem(0)
         if o_smem is None:
-            pl.run_scoped(through, plgpu.SMEM((bm, cols or bno), odt))
+            pl.run_scoped(through, plgpu.SMEM((bm, bno), odt))
         else:
             through(o_smem)
 
@@ -834,14 +828,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                         *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
                 def with_acc(acc_ref):
-                    acc = run_k(acc_ref, refs)
-                    if gated and bn == 256:           # two 128-column tiles: act(gate)·up of each one's halves
-                        for q in range(2):
-                            half = act_pair(gated, acc[128 * q: 128 * q + 64], acc[128 * q + 64: 128 * q + 128])
-                            store(scaled(half, rs_smem), window(o_gmem, sp, i, pl.ds(j * bno + 64 * q, 64)),
-                                  dg_smem=dg_smem, cols=64)
-                    else:
-                        store(scaled(finish(acc), rs_smem), dst, dg_smem=dg_smem)
+                    store(scaled(finish(run_k(acc_ref, refs)), rs_smem), dst, dg_smem=dg_smem)
                 pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             if not has_dst:                           # (dest: nothing to add)
@@ -1474,10 +1461,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     → GEMM2 (the router weights in its epilogue with ``weight_in_gemm2``) → split sum, bias and
     the top-k sum in XLA (the router weights too, elsewhere).
     Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5, v6):
-    ``block_n``: output columns per program, 64, 128 (default) or 256 — 256 (v23, not yet timed on
-    the GPU) for the GEMMs that run the plain kernel with the scale-only fold (blocks of up to
-    ``FOLD_ROWS`` rows, no ``persistent`` or ``cluster``), whose programs then copy each step's
-    token rows for twice the weights; the other GEMMs keep 128.
+    ``block_n``: output columns per program, 64 or 128 (default; 64-column fold tiles were slower,
+    NOTES.md v17 and v22, and 256-column ones — four wgmma row tiles in one warpgroup, built and
+    measured in v24 — spilled registers and were slower in every layer row, so they were removed).
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
     default: blocks below 128 rows (128-row blocks would have to drop to 2 pipeline stages).
@@ -1561,7 +1547,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
     (``w13_interleaved``: ``I`` a multiple of 64), no ``w13`` bias, the router weight not on the
-    input, ``block_n`` 128 or 256 (Mixtral 512 tokens 1108–1122 vs 1188–1215 µs, Qwen3 4096 tokens 1198
+    input, ``block_n=128`` (Mixtral 512 tokens 1108–1122 vs 1188–1215 µs, Qwen3 4096 tokens 1198
     vs 1277; NOTES.md v8). Elsewhere XLA applies the activation to GEMM1's output.
     ``gather32`` (blocked schedule; default on): gather the token rows into the expert blocks
     as 32-bit words (pairs of 16-bit values, the same bits) instead of 16-bit elements — half
@@ -1611,8 +1597,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     act = check_activation(activation)
     if cluster not in (1, 2, 4):
         raise ConfigError(f"cluster: expected 1, 2 or 4 programs per cluster, got {cluster!r}")
-    if block_n not in (64, 128, 256):
-        raise ConfigError(f"block_n: expected 64, 128 or 256 columns per program, got {block_n!r}")
+    if block_n not in (64, 128):
+        raise ConfigError(f"block_n: expected 64 or 128 columns per program, got {block_n!r}")
     if combine not in ("scatter", "gather", "add"):
         raise ConfigError(f"combine: expected 'scatter', 'gather' or 'add', got {combine!r}")
     if align not in ALIGN_METHODS:
@@ -1656,7 +1642,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             scales = scales.astype(cdt)
         return words, scales, zeros
 
-    fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n in (128, 256)
+    fuse = ((True if fuse_act is None else bool(fuse_act)) and weights.w13_interleaved and block_n == 128
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
     def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, whole=False,
@@ -1668,10 +1654,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         the kernel applied them), so that the default ``ws`` stream, which takes none, can run.
         ``persistent``: this GEMM's share of the layer's option. ``whole``: no K split unless one is
         asked for (the 16-bit ``tout`` output, no float32 partials for XLA to sum)."""
-        fold = bm <= FOLD_ROWS if zfold is None else bool(zfold) and bm <= 32
         bn = block_n if n % block_n == 0 else BLOCK_N
-        if bn == 256 and not (fold and sfold and not persistent and cluster == 1):
-            bn = 128 if n % 128 == 0 else BLOCK_N      # 256 columns: the plain kernel's scale-fold GEMMs only
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
         steps = n_kb // kpb
@@ -1691,11 +1674,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         else:
             want = choose_split(tiles, n_kb, sms=num_sms(), waves=2)
         s = max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)   # the kernel needs a divisor
-        gated = gate if s == 1 and bn in (128, 256) else None   # the activation needs whole sums
+        gated = gate if s == 1 and bn == 128 else None          # the activation needs whole sums
         o16 = s == 1 and (True if out16 is None else bool(out16))
         # tout by default wherever the output is 16-bit, 8-row blocks too since v16 (Mixtral 16 tokens
         # 227.0 µs against 236.0–236.4 without it, part 56; v8's "slower at 8 rows" was the old timing)
         tr = o16 and TRANSPOSED_STORE and (True if tout is None else bool(tout))
+        fold = bm <= FOLD_ROWS if zfold is None else bool(zfold) and bm <= 32
         # ws by default from 64-row blocks, and from 32 rows where a program streams 32+ K-blocks: one
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,
@@ -1787,7 +1771,6 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         why = ("the schedule is not 'pair'" if schedule != "pair" else
                "the activation is not fused in GEMM1 (fuse_act: interleaved w13, block_n=128, silu or "
                "gelu_tanh, no w13 bias, router weight not on the input)" if not fuse else
-               f"block_n={block_n} (it runs 128-column tiles)" if block_n != 128 else
                "act-order permutations" if weights.w13_perm is not None or weights.w2_perm is not None else
                "a w2 bias" if weights.w2_bias is not None else
                "32-bit words" if jnp.dtype(weights.w13_words.dtype) != jnp.dtype(jnp.int16) else

@@ -683,52 +683,7 @@ _WGMMA_GPU_CASES = [
                              k=2048)),
     (False, 128, 48, 1, dict(block_n=128, ws=True, persistent=True, programs=6, stages=2, cluster=2, n=512, k=1024)),
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, persistent=True, stages=2,
-                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024)),
-    # v23: 256-column programs (four wgmma row tiles in one warpgroup; the plain kernel only): the
-    # decode fold with and without zero points, split, 24-row blocks with row scales and the [M, N]
-    # store, channelwise, no fold, and 32-bit words
-    (True, 128, 16, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, n=512, k=2048)),
-    (False, 128, 24, 2, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, n=512, k=2048)),
-    (True, 128, 24, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, out16=True, tout=True,
-                            rs=True, n=512, k=2048)),
-    (False, -1, 8, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, n=512)),
-    (True, 128, 16, 1, dict(block_n=256, shift32=True, n=512)),
-    (True, 128, 8, 2, dict(block_n=256, n=512)),
-    (True, 128, 24, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2, out16=True, tout=True,
-                            gated="silu", n=512, k=2048)),
-    (False, 128, 8, 1, dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, gated="gelu_tanh", n=512))]
-
-
-def test_wgmma_block_n_256_lowers_cpu():
-    """``block_n=256`` (v23): four wgmma row tiles per program in the plain kernel lower to Mosaic
-    GPU — the decode fold (16-bit words, 128-deep steps), no fold, 32-bit words, the gated epilogue
-    over its two 128-column tiles, the [M, N] store with row scales where jax has it — and the
-    kernel forms it does not take are ConfigErrors."""
-    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
-
-    s = jax.ShapeDtypeStruct
-
-    def args(bm, words16=True, rs=False):
-        return (s((3 * bm, 1024), jnp.bfloat16), s((3,), jnp.int32),
-                s((4, 512, 256), jnp.int16) if words16 else s((4, 512, 128), jnp.int32),
-                s((4, 8, 512), jnp.bfloat16), s((4, 8, 512), jnp.bfloat16), s((3 * bm,), jnp.float32) if rs else None)
-
-    fold = dict(block_n=256, kpb=2, wide=True, shift32=True, sfold=True, stages=2)
-    cases = [(24, True, False, fold), (16, True, False, dict(fold, split_k=2)), (8, True, False, dict(block_n=256)),
-             (16, False, False, dict(block_n=256, stages=4)), (8, True, False, dict(fold, gated="silu")),
-             (16, True, False, dict(block_n=256, gated="gelu_tanh"))]
-    if TRANSPOSED_STORE:
-        cases += [(24, True, True, dict(fold, tout=True, out_dtype=jnp.bfloat16)),
-                  (24, True, False, dict(fold, gated="silu", tout=True, out_dtype=jnp.bfloat16))]
-    for bm, w16, rs, opts in cases:
-        text = jax.jit(functools.partial(wgmma_grouped_gemm, block_m=bm, **opts)).trace(*args(bm, w16, rs)).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, (bm, opts)
-    for bad in (dict(ws=True), dict(persistent=True), dict(overlap=True), dict(cluster=2)):
-        with pytest.raises(ConfigError, match="block_n=256"):
-            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=256, **bad)).trace(*args(16))
-    with pytest.raises(ConfigError, match="block_n=512"):
-        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, block_n=512)).trace(*args(16))
+                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024))]
 
 
 def test_wgmma_cluster_lowers_cpu():
@@ -898,7 +853,7 @@ def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=Non
     assert out_dtype == jnp.float32 or (out_dtype == a.dtype and split_k == 1), (out_dtype, split_k)
     assert not tout or out_dtype != jnp.float32
     if gated is not None:
-        assert split_k == 1 and block_n in (128, 256) and gated in ("silu", "gelu_tanh"), (split_k, block_n, gated)
+        assert split_k == 1 and block_n == 128 and gated in ("silu", "gelu_tanh"), (split_k, block_n, gated)
         out = _gated64(out, gated)
     if row_scale is not None:
         out = out * row_scale[:, None]
@@ -1167,30 +1122,8 @@ def test_fused_moe_wgmma_cluster_picks_cpu(monkeypatch):
     wg = wgm.convert_wgmma(w.to_jax())
     with pytest.raises(ConfigError, match="cluster: expected 1, 2 or 4"):
         wgm.fused_moe_wgmma(x, tw, ids, wg, cluster=3)
-    with pytest.raises(ConfigError, match="block_n: expected 64, 128 or 256 .* got 512"):
-        wgm.fused_moe_wgmma(x, tw, ids, wg, block_n=512)
-
-
-def test_fused_moe_wgmma_block_n_256_picks_cpu(monkeypatch):
-    """``block_n=256`` (v23): the GEMMs that run the plain kernel with the scale-only fold (blocks
-    of up to FOLD_ROWS rows; GEMM1 with its gated epilogue) get 256 columns, the others — larger
-    blocks, ``zfold``, ``persistent``, ``cluster`` — keep 128; the layer stays right (kernel
-    replaced by its jnp contract); ``one_kernel`` refuses it."""
-    import pallas_kernels.wgmma_w4a16 as wgm
-
-    cases = [(dict(block_m=16, block_n=256), [(256, "silu"), (256, None)]),
-             (dict(block_m=24, block_n=256), [(256, "silu"), (256, None)]),
-             (dict(schedule="pair", block_n=256), [(256, "silu"), (256, None)]),
-             (dict(block_m=48, block_n=256), [(128, "silu"), (128, None)]),
-             (dict(block_m=16, block_n=256, zfold=True, sfold=False), [(128, "silu"), (128, None)]),
-             (dict(block_m=16, block_n=256, cluster=2), [(128, "silu"), (128, None)]),
-             (dict(block_m=16, block_n=256, persistent=(None, True)), [(256, "silu"), (128, None)]),
-             (dict(block_m=16), [(128, "silu"), (128, None)])]
-    _check_layer_picks(monkeypatch, lambda kw: (kw["block_n"], kw.get("gated")), cases, 6, 256, 512,
-                       close=(0, 2, 3, 6))
-    w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 6, 256, 256, 1, 2)
-    with pytest.raises(ConfigError, match="block_n=256"):
-        wgm.fused_moe_wgmma(x, tw, ids, wgm.convert_wgmma(w.to_jax()), schedule="pair", block_n=256, one_kernel=True)
+    with pytest.raises(ConfigError, match="block_n: expected 64 or 128 .* got 256"):
+        wgm.fused_moe_wgmma(x, tw, ids, wg, block_n=256)
 
 
 def test_fused_moe_wgmma_clusters_lower_at_table_shapes():
@@ -1212,24 +1145,6 @@ def test_fused_moe_wgmma_clusters_lower_at_table_shapes():
             text = jax.jit(functools.partial(fused_moe_wgmma, cluster=cl)).trace(*args).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text and ("cluster_block_id" in text) == (cl == 2), (e, t, cl)
-
-
-def test_fused_moe_wgmma_block_n_256_lowers_at_table_shapes():
-    """The layer with ``block_n=256`` lowers to Mosaic GPU at three of the benchmark's decode rows,
-    abstract weights of the real sizes: Mixtral 64 tokens (24-row fold blocks), Qwen3 1 token
-    (the pair schedule) and DeepSeek-V2-Lite 16 tokens (GEMM2's 11 K-blocks in 128-deep steps)."""
-    from pallas_kernels.wgmma_w4a16 import WgmmaWeights, fused_moe_wgmma
-
-    s = jax.ShapeDtypeStruct
-    bf = jnp.bfloat16
-    for (e, k, h, i), t in (((8, 2, 4096, 14336), 64), ((128, 8, 2048, 768), 1), ((64, 6, 2048, 1408), 16)):
-        w = WgmmaWeights(s((e, 2 * i, h // 4), jnp.int16), s((e, h, i // 4), jnp.int16), s((e, h // 128, 2 * i), bf),
-                         s((e, i // 128, h), bf), s((e, h // 128, 2 * i), bf), s((e, i // 128, h), bf),
-                         hidden_size=h, intermediate_size=i, w13_interleaved=True)
-        args = (s((t, h), bf), s((t, k), jnp.float32), s((t, k), jnp.int32), w)
-        text = jax.jit(functools.partial(fused_moe_wgmma, block_n=256)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, (e, t)
 
 
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
@@ -2231,27 +2146,6 @@ def test_wgmma_cluster_gpu(shape, key):
         x, tw, ids, ref = _routed_case(rng, w, t, k)
         got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
         _layer_close(got, ref, what=f"{over} T={t}")
-
-
-BN256_TOKENS = {"mixtral": (1, 16, 64), "qwen3": (1, 64, 512), "dsv2lite": (16, 64)}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
-def test_wgmma_block_n_256_gpu(shape, key):
-    """The layer with ``block_n=256`` (v23: the scale-fold GEMMs in 256-column programs, GEMM1's
-    gated epilogue over two 128-column tiles) at the pair schedule (1 token), 8-, 16- and 24-row
-    blocked folds, and at Qwen3 512 tokens where the larger blocks keep 128 columns, on the weights
-    the table prepares, expert 0 never routed, fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in BN256_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        got = jax.jit(functools.partial(fused_moe_wgmma, block_n=256))(x, tw, ids, wg)
-        _layer_close(got, ref, what=f"block_n=256 T={t}")
 
 
 ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}
