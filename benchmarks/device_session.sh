@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64) and 98 in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1054,6 +1054,23 @@ elif [ "$part" = 96 ]; then    # prepared in v22, for after part 93: what a clus
             python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m 24 --reps 1 --only "$V"
         grep -E "==ERROR|Duration|DRAM Throughput|L2 Cache Throughput|lts__t_bytes|dram__bytes|Achieved Occupancy|Cluster|issue_stalled|rc " \
             "$OUT/ncu_$tag.log" | head -30
+    done
+elif [ "$part" = 101 ]; then   # ran in v24 (by hand, two calls: 24 and 8 rows, then 16); prepared in v24: what limits the fold GEMM as its blocks grow (8 → 16 → 24 rows:
+    # Mixtral GEMM1 147 → 154 → 185 µs). Two accounts have each missed one resource (v23: bytes into an SM; v24:
+    # block_n=256 lost with 2 programs per SM by registers). Nsight Compute, one launch per block size: issue-slot
+    # use, pipe use (ALU / FMA / tensor), instructions, warps per scheduler, stall reasons. Prediction: if the
+    # dequantization's ALU work limits (3 warpgroups per SM), issue slots ~70%+ busy at every size and the
+    # instructions grow with the rows only by the fold (~+20% from 8 to 24); if the copies do, issue use well below
+    # that and long-scoreboard / barrier stalls grow with the rows
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy"
+    S="$S --section WarpStateStats --section SchedulerStats --section LaunchStats --print-details all"
+    V="bn128 st2 kpb2 wide shift32 sfold s1"
+    for bm in 8 16 24; do
+        logged "ncu_bm$bm" 130 "$NCU" --target-processes all --clock-control none -k regex:mosaic_gpu -c 1 $S \
+            python3 benchmarks/gemm_kernels.py --gemms mixtral1 --block-m $bm --reps 1 --only "$V"
+        grep -E "==ERROR|Duration|Issue Slots Busy|Issued Ipc|Executed Instructions |Pipe|Registers Per|Achieved Occ|Active Warps Per|Eligible Warps|No Eligible|Stall|rc " \
+            "$OUT/ncu_bm$bm.log" | head -40
     done
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
