@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80, 81 and 102 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1072,6 +1072,20 @@ elif [ "$part" = 101 ]; then   # ran in v24 (by hand, two calls: 24 and 8 rows, 
         grep -E "==ERROR|Duration|Issue Slots Busy|Issued Ipc|Executed Instructions |Pipe|Registers Per|Achieved Occ|Active Warps Per|Eligible Warps|No Eligible|Stall|rc " \
             "$OUT/ncu_bm$bm.log" | head -40
     done
+elif [ "$part" = 102 ]; then   # prepared in v24: token_rows (the pair schedule's GEMM1 reads one 8-row block per
+    # token, the kernel's a_div = k, so the XLA spread before it writes k x fewer rows). (a) the kernel's a_div cases
+    # (4 with 32-bit words) and the layer test (9), with the pair defaults (9) beside them; (b) A B A at the pair
+    # rows and a profile. Prediction: the spread kernel 1.6 -> ~1.0 us (Qwen3 1 token), 2.6 -> ~1.5 (Mixtral 1);
+    # layer Qwen3 1 / DeepSeek-V2-Lite 1 0.5-1 us faster, Mixtral 1 0.5-1.5, Qwen3 16 tokens (4 MB spread -> 0.5 MB)
+    # 1-2; GEMM1 unchanged (the k pairs' blocks read their token's rows through L2)
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 240 "a_div or token_rows_gpu or pair_defaults_gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
+    logged "sweep_token_rows" 260 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1 qwen3:1,16 dsv2lite:1 \
+        --reps 40 --variants "wgmma=kernel:wgmma;token rows=kernel:wgmma,token_rows:1;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_token_rows.log"
+    logged "profile_token_rows" 120 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 8 \
+        --rows qwen3:1,16 --reps 10 --variants "wgmma=kernel:wgmma;token rows=kernel:wgmma,token_rows:1"
+    grep -E "^##|^  [a-z]|µs  ×1|rc " "$OUT/profile_token_rows.log" | grep -v host
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs

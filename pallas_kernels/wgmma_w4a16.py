@@ -313,8 +313,9 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
     return ids + (ring + out if ws or persistent else max(ring, out)) + 512
 
 
-def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale=None, dest=None):
-    m, k = a.shape
+def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale=None, dest=None, a_div=1):
+    k = a.shape[1]
+    m = expert_ids.shape[0] * block_m         # output rows: one block_m-row block per expert id
     if dest is not None and (dest.shape != (m,) or dest.dtype != jnp.int32):
         raise (ShapeError if dest.shape != (m,) else DTypeError)(
             f"dest: expected int32 of shape ({m},) (one destination row per row of a), got "
@@ -334,9 +335,13 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
     if kw * per_word != k or k % BLOCK_K or n % BLOCK_N:
         raise ShapeError(f"wgmma_grouped_gemm: a={a.shape} and words={words.dtype}{words.shape} need "
                          f"K = {per_word}·words.shape[2], K % {BLOCK_K} == 0, N % {BLOCK_N} == 0")
-    if block_m % 8 or not 8 <= block_m <= 256 or m != expert_ids.shape[0] * block_m:
+    if not isinstance(a_div, int) or a_div < 1:
+        raise ConfigError(f"wgmma_grouped_gemm: a_div must be an int >= 1, got {a_div!r}")
+    a_blocks = -(-expert_ids.shape[0] // a_div)     # block i reads a's block i // a_div
+    if block_m % 8 or not 8 <= block_m <= 256 or a.shape[0] != a_blocks * block_m:
         raise ShapeError(f"wgmma_grouped_gemm: block_m={block_m} must be a multiple of 8 in [8, 256] and "
-                         f"a must hold {expert_ids.shape[0]} blocks of it, got {m} rows")
+                         f"a must hold {a_blocks} blocks of it ({expert_ids.shape[0]} expert blocks"
+                         f"{f', {a_div} per block of a' if a_div > 1 else ''}), got {a.shape[0]} rows")
     if group_size not in (-1, BLOCK_K):
         raise ConfigError(f"wgmma_grouped_gemm: group_size must be {BLOCK_K} or -1 (channelwise), got {group_size}")
     g = 1 if group_size == -1 else k // BLOCK_K
@@ -352,14 +357,15 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
-                                             "gated", "persistent", "programs", "dest_rows", "lop3", "cluster"))
+                                             "gated", "persistent", "programs", "dest_rows", "lop3", "cluster",
+                                             "a_div"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
                        persistent: bool = False, programs: int | None = None, dest_rows: int | None = None,
-                       lop3: bool = True, cluster: int = 1):
+                       lop3: bool = True, cluster: int = 1, a_div: int = 1):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -445,14 +451,23 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     Measured on the H200 (NOTES.md v23): Mixtral GEMM1 at 24-row blocks 170 µs in clusters of 2
     against 186, at 16 rows 146 against 152, GEMM2 no faster, clusters of 4 slower; L2's traffic
     counter unchanged — the multicast relieves L2, but L2 was not what limited these GEMMs.
+    ``a_div`` (the plain kernel only; v24, not yet timed on the GPU): block ``i`` reads rows
+    ``[(i // a_div)·block_m, +block_m)`` of ``a``, which then holds ``ceil(M / block_m / a_div)``
+    blocks — the pair schedule's ``k`` routed pairs of a token share that token's rows, spread
+    once per token instead of once per pair. The output (and ``row_scale`` / ``dest``) keeps one
+    block per expert id.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale, dest)
-    m, k = a.shape
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale, dest, a_div)
+    k = a.shape[1]
     e, n, _, tile_n = _words_dims(words, k)
     nb = expert_ids.shape[0]
+    m = nb * block_m                          # output rows (a holds ceil(nb / a_div) blocks)
+    if a_div > 1 and (ws or persistent or zfold or cluster != 1):
+        raise ConfigError(f"wgmma_grouped_gemm: a_div={a_div} (blocks sharing a's rows) is the plain kernel's "
+                          f"only: no ws, persistent, zfold or cluster")
     n_kb = k // BLOCK_K
     bn = block_n
     if tile_n is not None and bn != tile_n:
@@ -823,7 +838,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
             def _():
                 refs = (w_gmem.at[ex, j, pl.ds(kb0 * bn, nk * bn)] if tile_n else
                         w_gmem.at[ex, cols, pl.ds(kb0 * wcols, nk * wcols)],
-                        a_gmem.at[pl.ds(i * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
+                        a_gmem.at[pl.ds((i // a_div if a_div > 1 else i) * bm, bm), pl.ds(kb0 * BLOCK_K, nk * BLOCK_K)],
                         s_gmem.at[ex, groups, cols], *([z_gmem.at[ex, groups, cols]] if has_zp else []),
                         *([xs_gmem.at[pl.ds(kb0, nk), pl.ds(i, 1)]] if zfold else []))
 
@@ -1460,7 +1475,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
-                    row_gather: bool | None = None,
+                    row_gather: bool | None = None, token_rows: bool = False,
                     persistent: bool | None | tuple = None, lop3: bool = True, cluster: int = 1):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
@@ -1574,6 +1589,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     NOTES.md: Qwen3 4096 tokens 768–795 µs against 789–805 with XLA's gather); at fewer pairs XLA's
     gather, which fuses into the kernels around it (v23: DeepSeek-V2-Lite 16 tokens 91.6 against
     95.2–96.2 µs with the kernel).
+    ``token_rows`` (pair schedule; v24, off until timed on the GPU): GEMM1 reads each token's row
+    from one 8-row block per token (the kernel's ``a_div = k``: a pair's block reads its token's
+    block) instead of one 8-row block per routed pair — the XLA spread before GEMM1 writes ``k``×
+    fewer rows (Qwen3 1 token: 32 KB instead of 256 KB). Not with act-order (each pair's expert
+    permutes its row's columns); where GEMM1 does not run the plain kernel (``persistent``,
+    ``cluster``, ``zfold``) its rows are spread per pair after all.
     ``split1`` / ``split2``: GEMM1's / GEMM2's K split (the largest divisor of its steps up to
     the value); default: about 2 programs per SM; about 4 with at least 4 steps each for the
     pair schedule's GEMM1, whose 8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0
@@ -1658,14 +1679,16 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
     def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, whole=False,
-             rs_optional=False, persistent=None):
+             rs_optional=False, persistent=None, a_div=1):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated, rs applied)``: the
         kernel's own output without a K split (16-bit with ``out16``), else the float32 sum of the
         splits; with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination.
         ``rs_optional``: the row scales may be left to the caller (the third value says whether
         the kernel applied them), so that the default ``ws`` stream, which takes none, can run.
         ``persistent``: this GEMM's share of the layer's option. ``whole``: no K split unless one is
-        asked for (the 16-bit ``tout`` output, no float32 partials for XLA to sum)."""
+        asked for (the 16-bit ``tout`` output, no float32 partials for XLA to sum). ``a_div``: ``a``
+        holds one block per ``a_div`` expert blocks (the kernel's ``a_div``); spread out per block
+        here where the GEMM does not run the plain kernel."""
         bn = block_n if n % block_n == 0 else BLOCK_N
         n_kb = kdim // BLOCK_K
         kpb = 2 if (bm < 128 if wide is None else wide) and n_kb % 2 == 0 else 1
@@ -1768,7 +1791,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         else:
             cl = cluster if (not pers and not (overlap and not fold) and not (fold and not sfold)
                              and (n // bn) % cluster == 0 and _cluster_splits(kpb, bm, cluster)) else 1
+        if a_div > 1 and (pers or wsp or cl != 1 or (fold and not sfold)):     # the kernel's a_div: plain only
+            a = a.reshape(-1, bm, a.shape[1])[jnp.arange(experts.shape[0]) // a_div].reshape(-1, a.shape[1])
+            a_div = 1
         out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group, cluster=cl,
+                                 a_div=a_div,
                                  split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
@@ -1837,9 +1864,14 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         else:
             x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
-    a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
+    a_div = 1
+    if schedule == "pair" and token_rows and weights.w13_perm is None and k > 1:
+        # one 8-row block per token, read by its k pairs' blocks (the kernel's a_div)
+        a1, a_div = spread(hidden_states.astype(cdt)), k
+    else:
+        a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
     h, gated, _ = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
-                       per_sm4=schedule == "pair", persistent=pers_of[0])
+                       per_sm4=schedule == "pair", persistent=pers_of[0], a_div=a_div)
     if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
         # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
         # GEMM2's input, with no XLA pass between the two kernels

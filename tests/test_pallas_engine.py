@@ -227,15 +227,17 @@ def test_every_kernel_variant_lowers_to_triton():
           a, s((1,), jnp.int32), w, s((4, 32, 512), jnp.bfloat16), s((4, 32, 512), jnp.uint8))
 
 
-def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, exact=False):
+def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, exact=False, a_div=1):
     """A 4-block wgmma GEMM case; ``ref`` in float64 from the bf16-rounded weight values (the
     dequantize-then-matmul semantics), or with ``exact`` from the unrounded ``(c − z)·s``
-    (what ``zfold`` computes)."""
+    (what ``zfold`` computes). ``a_div``: ``a`` holds one block per ``a_div`` expert blocks (block
+    ``i`` reads block ``i // a_div``, the kernel's ``a_div``)."""
     from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
 
     codes, scales, zeros = _kernel_case(rng, 4, group, zp, e=3, n=n, k=k)
     eids = np.array(rng.permutation([0, 1, 2, -1]), np.int32)
-    a = jnp.asarray(rng.standard_normal((4 * bm, k)), jnp.bfloat16)
+    a_own = jnp.asarray(rng.standard_normal((-(-4 // a_div) * bm, k)), jnp.bfloat16)
+    a = a_own.reshape(-1, bm, k)[np.arange(4) // a_div].reshape(4 * bm, k)        # the rows each block reads
     lay = to_wgmma_layout(pack_tiles(jnp.asarray(codes), 4), jnp.asarray(scales, jnp.bfloat16),
                           None if zeros is None else jnp.asarray(zeros, jnp.uint8), word_bits=word_bits,
                           tile_n=tile_n)
@@ -247,7 +249,7 @@ def _wgmma_case(rng, zp, group, bm, k=512, n=256, word_bits=16, tile_n=None, exa
     eb = np.repeat(eids, bm)
     ref = np.einsum("mk,mkn->mn", np.asarray(a.astype(jnp.float32), np.float64), w[np.maximum(eb, 0)])
     ref[eb < 0] = 0.0
-    return a, eids, lay, ref
+    return a_own, eids, lay, ref
 
 
 @pytest.mark.parametrize("word_bits, fold", [(16, None), (32, None), (16, "z"), (16, "s")])
@@ -683,7 +685,44 @@ _WGMMA_GPU_CASES = [
                              k=2048)),
     (False, 128, 48, 1, dict(block_n=128, ws=True, persistent=True, programs=6, stages=2, cluster=2, n=512, k=1024)),
     (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, persistent=True, stages=2,
-                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024))]
+                            out16=True, tout=True, gated="silu", cluster=2, n=512, k=1024)),
+    # v24: a_div — blocks sharing a's rows (the pair schedule's token rows): the decode fold split and
+    # unsplit with the gated [M, N] epilogue, and no fold (channelwise, 32-bit words too)
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=4, a_div=2)),
+    (False, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                            gated="silu", a_div=4)),
+    (True, -1, 8, 1, dict(block_n=64, a_div=3))]
+
+
+def test_wgmma_a_div_lowers_cpu():
+    """``a_div`` (v24): blocks that share ``a``'s rows (block ``i`` reads ``a``'s block
+    ``i // a_div``) lower to Mosaic GPU in the plain kernel — the pair schedule's scale fold, split
+    and unsplit with the gated epilogue, and no fold — with one output block per expert id; the
+    kernel forms without it and a wrong row count are typed errors naming them."""
+    from pallas_kernels.wgmma_w4a16 import wgmma_grouped_gemm
+
+    s = jax.ShapeDtypeStruct
+
+    def args(a_blocks, nb=8, bm=8):
+        return (s((a_blocks * bm, 1024), jnp.bfloat16), s((nb,), jnp.int32), s((4, 512, 256), jnp.int16),
+                s((4, 8, 512), jnp.bfloat16), s((4, 8, 512), jnp.bfloat16))
+
+    fold = dict(block_m=8, kpb=2, wide=True, shift32=True, sfold=True)
+    for a_div, opts, shape in ((4, dict(fold, split_k=2, stages=4), (2, 64, 512)),
+                               (3, dict(fold, out_dtype=jnp.bfloat16, gated="silu", block_n=128), (1, 64, 256)),
+                               (8, dict(block_m=8, shift32=True), (1, 64, 512))):
+        fn = functools.partial(wgmma_grouped_gemm, a_div=a_div, **opts)
+        a = args(-(-8 // a_div))
+        assert jax.eval_shape(fn, *a).shape == shape, (a_div, opts)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text(), (a_div, opts)
+    for bad in (dict(ws=True, block_m=64), dict(persistent=True), dict(zfold=True, block_m=8), dict(cluster=2)):
+        bad = {"block_m": 16, **bad}
+        with pytest.raises(ConfigError, match="a_div=2"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, a_div=2, **bad)).trace(*args(4, bm=bad["block_m"]))
+    with pytest.raises(ShapeError, match="a must hold 2 blocks .* got 64 rows"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, a_div=4)).trace(*args(8))
+    with pytest.raises(ConfigError, match="a_div must be an int >= 1"):
+        jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, a_div=0)).trace(*args(8))
 
 
 def test_wgmma_cluster_lowers_cpu():
@@ -776,12 +815,12 @@ def test_wgmma_grouped_gemm_gpu(word_bits, zp, group, bm, split, opts):
     rs = opts.pop("rs", False)
     zfold = opts.get("zfold", False) or opts.get("sfold", False)   # exact (c − z)·s, float32 accumulation
     a, eids, (words, scales, zeros), ref = _wgmma_case(rng, zp, group, bm, k=k, n=n, word_bits=word_bits,
-                                                       tile_n=tile_n, exact=zfold)
+                                                       tile_n=tile_n, exact=zfold, a_div=opts.get("a_div", 1))
     if opts.get("gated"):
         ref = _gated64_np(ref, opts["gated"])
     row_scale = None
     if rs:                                     # signed, and zero on some rows
-        row_scale = rng.uniform(-2.0, 2.0, a.shape[0]).astype(np.float32) * (rng.random(a.shape[0]) > 0.1)
+        row_scale = rng.uniform(-2.0, 2.0, ref.shape[0]).astype(np.float32) * (rng.random(ref.shape[0]) > 0.1)
         ref = ref * row_scale[:, None].astype(np.float64)
         row_scale = jnp.asarray(row_scale)
     if opts.pop("dest", False):                # 4 rows per destination row, ~10% of the rows dropped
@@ -833,14 +872,17 @@ def _gated64(out, act):
 
 def _emulated_wgmma_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m,
                          group_size=128, split_k=1, kpb=1, wide=False, out_dtype=jnp.float32, tout=False, gated=None,
-                         block_n=64, dest_rows=None, **_):
+                         block_n=64, dest_rows=None, a_div=1, **_):
     """``wgmma_grouped_gemm``'s contract in jnp (float32 partials ``[split_k, M, N]``, split ``i``
     over the ``i``-th K range, zero rows for id -1; with ``gated`` the activation of each 128-column
     tile's 64-column halves; with ``dest`` each row rounded to ``out_dtype`` and added in that dtype
-    into row ``dest[r]`` of ``[dest_rows, N]`` zeros), for testing the layer's glue on the CPU."""
+    into row ``dest[r]`` of ``[dest_rows, N]`` zeros; with ``a_div`` block ``i`` reads ``a``'s block
+    ``i // a_div``), for testing the layer's glue on the CPU."""
     from pallas_kernels.wgmma_w4a16 import _check, from_wgmma_layout, magic_value
 
-    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale, dest)   # the contract
+    _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, row_scale, dest, a_div)   # the contract
+    if a_div > 1:
+        a = a.reshape(-1, block_m, a.shape[1])[jnp.arange(expert_ids.shape[0]) // a_div].reshape(-1, a.shape[1])
     assert (a.shape[1] // 128 // split_k) % kpb == 0 and (not wide or kpb == 2), (split_k, kpb, wide)
     z = None if zeros is None else (zeros.astype(jnp.float32) - magic_value(a.dtype)).astype(jnp.uint8)
     w = dequantize_tiles(from_wgmma_layout(words), scales, z, bits=4, group_size=group_size, dtype=a.dtype)
@@ -1057,6 +1099,42 @@ def _check_layer_picks(monkeypatch, pick, cases, experts, hidden, inter, close=N
         else:
             jax.eval_shape(layer, x, tw, ids, wg)
         assert seen == want, (over, seen)
+
+
+def test_fused_moe_wgmma_token_rows_cpu(monkeypatch):
+    """``token_rows=True`` (v24): in the pair schedule GEMM1 reads one 8-row block per token (the
+    kernel's ``a_div = k``) instead of one per routed pair; GEMM2 and the blocked schedule are
+    unchanged; where GEMM1 does not run the plain kernel (``persistent``) the rows are spread per
+    pair after all, and act-order weights keep their per-pair rows. The layer matches the float64
+    reference in every case (kernels replaced by their jnp contracts)."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    seen = []
+
+    def spy(a, expert_ids, *args, **kw):
+        seen.append((kw.get("a_div", 1), a.shape[0] // kw["block_m"], expert_ids.shape[0]))
+        return _emulated_wgmma_gemm(a, expert_ids, *args, **kw)
+
+    _emulate_kernels(monkeypatch, wgm, spy)
+    rng = np.random.default_rng()
+    t, k = 6, 2
+    for key, cases in (("awq_g128", [
+            (dict(schedule="pair", token_rows=True), [(k, t, t * k), (1, t * k, t * k)]),
+            (dict(schedule="pair", token_rows=True, persistent=(True, None)), [(1, t * k, t * k), (1, t * k, t * k)]),
+            (dict(schedule="pair"), [(1, t * k, t * k), (1, t * k, t * k)]),
+            (dict(schedule="blocked", block_m=16, token_rows=True), None)]),
+            ("gptq4_g128_actorder", [(dict(schedule="pair", token_rows=True), [(1, t * k, t * k), (1, t * k, t * k)])])):
+        w, x, tw, ids, _ = _layer_case(rng, WGMMA_SCHEMES[key], 8, 256, 256, t, k)
+        wg = wgm.convert_wgmma(w.to_jax())
+        ref = _reference(w, x, tw, ids, None)
+        for over, want in cases:
+            seen.clear()
+            _layer_close(jax.jit(functools.partial(wgm.fused_moe_wgmma, **over))(x, tw, ids, wg), ref,
+                         what=f"{key} {over}")
+            if want is None:                       # blocked: every GEMM reads its own blocks
+                assert seen and all(d == 1 and ab == nb for d, ab, nb in seen), (over, seen)
+            else:
+                assert seen == want, (key, over, seen)
 
 
 def test_fused_moe_wgmma_row_gather_default_cpu(monkeypatch):
@@ -2037,6 +2115,28 @@ def test_wgmma_pair_defaults_gpu(shape, key):
         for over in (dict(sfold=False), dict(static_sums=False), dict(sfold=True, split1=1)):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"pair {over} T={t}")
+
+
+TOKEN_ROWS_TOKENS = {"mixtral": (1, 4), "qwen3": (1, 3, 16), "dsv2lite": (1, 3, 10)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_token_rows_gpu(shape, key):
+    """``token_rows=True`` (v24: GEMM1 reads one 8-row block per token, the kernel's ``a_div``) in
+    the pair schedule, with its default K split and unsplit (the gated epilogue), on the weights
+    the table prepares (act-order keeps its per-pair rows), expert 0 never routed, fresh inputs
+    per call, against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+    rng, k, w, wg = _table_weights(shape, key)
+    for t in TOKEN_ROWS_TOKENS[shape]:
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        for over in (dict(), dict(split1=1)):
+            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", token_rows=True, **over))(x, tw, ids, wg)
+            _layer_close(got, ref, what=f"token_rows {over} T={t}")
 
 
 V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
