@@ -318,11 +318,11 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
     m = expert_ids.shape[0] * block_m         # output rows: one block_m-row block per expert id
     if dest is not None and (dest.shape != (m,) or dest.dtype != jnp.int32):
         raise (ShapeError if dest.shape != (m,) else DTypeError)(
-            f"dest: expected int32 of shape ({m},) (one destination row per row of a), got "
+            f"dest: expected int32 of shape ({m},) (one destination row per output row), got "
             f"{jnp.dtype(dest.dtype).name}{tuple(dest.shape)}")
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         raise (ShapeError if row_scale.shape != (m,) else DTypeError)(
-            f"row_scale: expected float32 of shape ({m},) (one scale per row of a), got "
+            f"row_scale: expected float32 of shape ({m},) (one scale per output row), got "
             f"{jnp.dtype(row_scale.dtype).name}{tuple(row_scale.shape)}")
     e, n, kw, tile_n = _words_dims(words, k)
     if tile_n is not None and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
