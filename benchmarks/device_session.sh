@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80, 81 and 102 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80, 81, 102 and 103 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1086,6 +1086,26 @@ elif [ "$part" = 102 ]; then   # prepared in v24: token_rows (the pair schedule'
     logged "profile_token_rows" 120 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 8 \
         --rows qwen3:1,16 --reps 10 --variants "wgmma=kernel:wgmma;token rows=kernel:wgmma,token_rows:1"
     grep -E "^##|^  [a-z]|µs  ×1|rc " "$OUT/profile_token_rows.log" | grep -v host
+elif [ "$part" = 103 ]; then   # prepared in v24, from part 101 (the decode fold is latency-bound with 3-4 warps per
+    # scheduler, registers holding 16-24-row blocks to 3 programs per SM): the scale-only fold in ws programs — two
+    # compute warpgroups sharing each step's row tile plus a copy warpgroup. (a) the kernel's GPU cases (4 new) and
+    # the layer test with ws=True (9); (b) ptxas: registers per thread (a ws program of 64-column warpgroups needs
+    # ~100 or fewer for 2 programs per SM, i.e. 4 compute warpgroups against the plain kernel's 3); (c) the GEMMs at
+    # 8/16/24 rows against the plain fold; (d) the layer. Prediction: if 2 ws programs fit per SM, Mixtral GEMM1 at
+    # 24 rows 140-155 us (185), 16 rows 135-145 (154); if one, slower than the plain fold (2 compute warpgroups);
+    # the layer follows its GEMMs (Mixtral 64 tokens 230-250 with bn64, GEMM1's activation then in XLA)
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 240 "(grouped_gemm_gpu and ws1 and sfold1) or ws_fold_gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
+    logged "ptx" 120 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 16 24 \
+        --only "bn64 st2 kpb2 wide shift32 sfold ws" "bn128 st2 kpb2 wide shift32 sfold ws" "bn128 st2 kpb2 wide shift32 sfold"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptx.log" | head -40
+    logged "gemm_wsfold" 240 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 8 16 24 --reps 20 \
+        --only "bn128 st2 kpb2 wide shift32 sfold s" "bn64 st2 kpb2 wide shift32 sfold ws" \
+        "bn64 st3 kpb2 wide shift32 sfold ws" "bn128 st2 kpb2 wide shift32 sfold ws"
+    grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_wsfold.log" | sort -u
+    logged "sweep_wsfold" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64 --reps 40 \
+        --variants "wgmma=kernel:wgmma;ws fold=kernel:wgmma,ws:1;ws fold bn64=kernel:wgmma,ws:1,block_n:64;again=kernel:wgmma"
+    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_wsfold.log"
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs

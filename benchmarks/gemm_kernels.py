@@ -92,6 +92,12 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=4)),
+    # v24: the scale-only fold in ws programs (two compute warpgroups sharing each step's row tile,
+    # a copy warpgroup): more warps per SM than three plain programs, if the registers allow
+    (16, dict(block_n=64, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
+    (16, dict(block_n=64, stages=3, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
+    (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
+    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),

@@ -498,9 +498,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     if tout and jnp.dtype(out_dtype).itemsize != 2:
         raise ConfigError(f"wgmma_grouped_gemm: tout=True needs a 16-bit out_dtype (the transposed shared-memory "
                           f"store), got {jnp.dtype(out_dtype).name}")
-    if ws and (zfold or sfold or overlap or tile_n is not None or group_size == -1 or n % (2 * bn)):
+    if ws and (zfold or overlap or (sfold and cluster != 1) or tile_n is not None or group_size == -1
+               or n % (2 * bn)):
         raise ConfigError(f"wgmma_grouped_gemm: ws=True takes group-128 scales, plain words (no tile_n), no "
-                          f"zfold/sfold/overlap, and N={n} a multiple of 2·block_n={2 * bn}")
+                          f"zfold or overlap (sfold: without cluster), and N={n} a multiple of 2·block_n={2 * bn}")
     if gated is not None and (gated not in GATED_ACTIVATIONS or bn != 128 or split_k != 1):
         raise ConfigError(f"wgmma_grouped_gemm: gated={gated!r} needs an activation in {GATED_ACTIVATIONS}, "
                           f"block_n=128 and split_k=1, got block_n={bn}, split_k={split_k}")
@@ -976,8 +977,10 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         def step(_, w_smem, x_smem, s_smem, *rest):
             mine = pl.ds(wg * bn, bn)
             z_smem = rest[0].at[:, mine] if has_zp else None
-            ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
             acc_ref = acc_box[-1]
+            if sfold:                                 # each K-block's partial scaled into the carry
+                return accumulate(acc_ref, rest[-1], w_smem.at[mine], x_smem, s_smem.at[:, mine], z_smem, None)
+            ops = dequantized(w_smem.at[mine], s_smem.at[:, mine], z_smem)
             acc_ref[...] = rest[-1]
             for k0, w in ops:
                 plgpu.wgmma(acc_ref, w, transposed(x_smem).at[pl.ds(k0, 16)])
@@ -1521,6 +1524,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     slower, 224 vs 202 µs; NOTES.md v7) and for 32- to 63-row blocks whose programs stream 32 or
     more K-blocks (Mixtral 64 tokens 316–323 vs 333 µs); shorter streams at those blocks run without
     it, at 2 stages, two programs per SM (Qwen3 512 tokens 211–222 vs 243 µs; NOTES.md v12).
+    ``ws=True`` given also puts the scale-only fold GEMMs on ``ws`` (v24, not yet timed on the GPU:
+    its two compute warpgroups fold each K-block like the plain kernel; never clustered).
     ``out16``: GEMMs without a K split write their output in
     the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
@@ -1754,7 +1759,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         if auto:
             rs = None
         pers = (auto or bool(persistent)) and not overlap and not (fold and not sfold)
-        ws_ok = (want_ws or auto) and not fold and not overlap and group == BLOCK_K and n % (2 * bn) == 0
+        # ws=True given: the scale-only fold blocks take ws too (v24, the kernel's ws with sfold)
+        fold_ws = fold and sfold and ws is not None and bool(ws)
+        ws_ok = ((want_ws or auto) and (not fold or fold_ws) and not overlap and group == BLOCK_K
+                 and n % (2 * bn) == 0)
         # persistent with ws: the chained warp-specialized stream (no row scales or dest rows; its ring
         # depth must divide an item's steps, below); otherwise persistent runs without ws
         pws = pers and ws_ok and rs is None and dest is None
@@ -1787,7 +1795,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                 raise ConfigError(f"combine='add': GEMM2 cannot add its rows into the output here: {why}")
         # cluster: where the plain kernel or ws (the stream too) runs and the row tile splits evenly (else 1)
         if wsp:
-            cl = cluster if (n // (2 * bn)) % cluster == 0 and (bm // 8) % cluster == 0 else 1
+            cl = cluster if (n // (2 * bn)) % cluster == 0 and (bm // 8) % cluster == 0 and not fold else 1
         else:
             cl = cluster if (not pers and not (overlap and not fold) and not (fold and not sfold)
                              and (n // bn) % cluster == 0 and _cluster_splits(kpb, bm, cluster)) else 1

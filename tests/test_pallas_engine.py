@@ -431,7 +431,7 @@ def test_wgmma_kernel_lowers_to_mosaic_gpu():
                   s((4, 4, 256), jnp.bfloat16), s((4, 4, 256), jnp.bfloat16) if zp else None)
             fn = functools.partial(wgmma_grouped_gemm, block_m=64, ws=True, **opts)
             assert "mosaic_gpu" in jax.jit(fn).trace(*wa).lower(lowering_platforms=("cuda",)).as_text()
-    for bad in (dict(zfold=True), dict(sfold=True), dict(overlap=True), dict(block_n=256), dict(group_size=-1)):
+    for bad in (dict(zfold=True), dict(sfold=True, cluster=2), dict(overlap=True), dict(block_n=256), dict(group_size=-1)):
         with pytest.raises((ConfigError, ShapeError), match="ws=True|block_n|scales"):
             jax.jit(functools.partial(wgmma_grouped_gemm, block_m=64, ws=True, **bad)).trace(*wa)
     for opts in (dict(), dict(kpb=2, wide=True, shift32=True, sfold=True), dict(programs=3, stages=3)):   # persistent
@@ -691,7 +691,15 @@ _WGMMA_GPU_CASES = [
     (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=4, a_div=2)),
     (False, 128, 8, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
                             gated="silu", a_div=4)),
-    (True, -1, 8, 1, dict(block_n=64, a_div=3))]
+    (True, -1, 8, 1, dict(block_n=64, a_div=3)),
+    # v24: the scale-only fold in ws programs (64- and 128-column warpgroups), split, with the gated
+    # [M, N] epilogue and row scales, and the ws stream
+    (True, 128, 24, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2, n=512, k=2048)),
+    (False, 128, 16, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2, k=2048)),
+    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2, out16=True,
+                            tout=True, gated="silu", rs=True, n=512, k=2048)),
+    (True, 128, 16, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, sfold=True, ws=True, persistent=True,
+                            programs=5, stages=2, n=512, k=1024))]
 
 
 def test_wgmma_a_div_lowers_cpu():
@@ -723,6 +731,31 @@ def test_wgmma_a_div_lowers_cpu():
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, a_div=4)).trace(*args(8))
     with pytest.raises(ConfigError, match="a_div must be an int >= 1"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, a_div=0)).trace(*args(8))
+
+
+def test_wgmma_ws_sfold_lowers_cpu():
+    """``ws`` with the scale-only fold (v24): two compute warpgroups of 64 or 128 columns folding
+    each K-block's partial, split, the gated ``[M, N]`` epilogue where jax has it, and the ``ws``
+    stream, lower to Mosaic GPU; ``zfold`` and ``sfold`` with ``cluster`` stay ConfigErrors."""
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
+
+    s = jax.ShapeDtypeStruct
+
+    def args(bm, zp=True):
+        return (s((3 * bm, 1024), jnp.bfloat16), s((3,), jnp.int32), s((4, 512, 256), jnp.int16),
+                s((4, 8, 512), jnp.bfloat16), s((4, 8, 512), jnp.bfloat16) if zp else None)
+
+    fold = dict(kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2)
+    cases = [(24, True, dict(fold, block_n=64)), (16, False, dict(fold, block_n=128, split_k=2)),
+             (8, True, dict(fold, block_n=64, stages=4)), (16, True, dict(fold, block_n=64, persistent=True))]
+    if TRANSPOSED_STORE:
+        cases.append((24, True, dict(fold, block_n=128, gated="silu", tout=True, out_dtype=jnp.bfloat16)))
+    for bm, zp, opts in cases:
+        fn = functools.partial(wgmma_grouped_gemm, block_m=bm, **opts)
+        assert "mosaic_gpu" in jax.jit(fn).trace(*args(bm, zp)).lower(lowering_platforms=("cuda",)).as_text(), opts
+    for bad in (dict(fold, block_n=64, cluster=2), dict(fold, block_n=64, sfold=False, zfold=True)):
+        with pytest.raises(ConfigError, match="ws=True takes"):
+            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, **bad)).trace(*args(16))
 
 
 def test_wgmma_cluster_lowers_cpu():
@@ -1225,6 +1258,20 @@ def test_fused_moe_wgmma_clusters_lower_at_table_shapes():
             assert "mosaic_gpu" in text and ("cluster_block_id" in text) == (cl == 2), (e, t, cl)
 
 
+def test_fused_moe_wgmma_ws_fold_cpu(monkeypatch):
+    """``ws=True`` given (v24) puts the scale-only fold GEMMs (blocks of up to FOLD_ROWS rows) on
+    the kernel's ``ws`` with ``sfold``, 64- or 128-column warpgroups, never clustered; by default
+    and with ``zfold`` they keep the plain kernel; the layer stays right (kernels replaced by
+    their jnp contracts)."""
+    pick = lambda kw: (kw["ws"], kw["sfold"], kw.get("cluster", 1), kw["block_n"])     # noqa: E731
+    cases = [(dict(block_m=16, ws=True), [(True, True, 1, 128)] * 2),
+             (dict(block_m=24, ws=True, block_n=64), [(True, True, 1, 64)] * 2),
+             (dict(block_m=16, ws=1, cluster=2), [(True, True, 1, 128)] * 2),
+             (dict(block_m=16), [(False, True, 1, 128)] * 2),
+             (dict(block_m=16, ws=True, zfold=True, sfold=False), [(False, False, 1, 128)] * 2)]
+    _check_layer_picks(monkeypatch, pick, cases, 6, 256, 256, close=(0, 1, 4))
+
+
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
     and up always; 32- to 63-row blocks only where a program streams 32 or more K-blocks (here
@@ -1522,7 +1569,8 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
     unless forced (then up to 32), scale-only (``sfold``) unless ``sfold=False`` (v12); wide below
     128-row blocks, and then 2 stages; overlap never with a fold; ws (NOTES.md v7, v12) from 64
     rows, and from 32 rows for streams of 32+ K-blocks, where the columns split into 2·block_n,
-    never with a fold or overlap; explicit options win."""
+    never with overlap or ``zfold``, with the scale-only fold only when ``ws=True`` is given (v24);
+    explicit options win."""
     import pallas_kernels.wgmma_w4a16 as wgm
 
     calls = []
@@ -1546,7 +1594,9 @@ def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
         return tuple(o[n] for n in names)
 
     names = ("block_m", "stages", "kpb", "wide", "zfold", "overlap", "ws")
-    assert picks(block_m=128, ws=True)[2048]["ws"] and not picks(block_m=8, ws=True)[2048]["ws"]   # folds: no ws
+    assert picks(block_m=128, ws=True)[2048]["ws"] and not picks(block_m=8)[2048]["ws"]    # folds: no ws by default,
+    assert picks(block_m=8, ws=True)[2048]["ws"] and picks(block_m=8, ws=True)[2048]["sfold"]   # ws=True: the scale
+    assert not picks(block_m=8, ws=True, zfold=True, sfold=False)[2048]["ws"]        # fold on ws (v24), zfold never
     assert not picks(block_m=64, ws=True, overlap=True)[2048]["ws"]
     assert not picks(block_m=128, ws=False)[2048]["ws"] and not picks(block_m=16, zfold=False)[2048]["ws"]
     tr = wgm.TRANSPOSED_STORE                                      # tout: jax >= 0.11 only
@@ -2137,6 +2187,27 @@ def test_wgmma_token_rows_gpu(shape, key):
         for over in (dict(), dict(split1=1)):
             got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", token_rows=True, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"token_rows {over} T={t}")
+
+
+WS_FOLD_TOKENS = {"mixtral": (16, 64), "qwen3": (64,), "dsv2lite": (16,)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
+def test_wgmma_ws_fold_gpu(shape, key):
+    """``ws=True`` (v24: the scale-only fold GEMMs on the kernel's ``ws``, 128- and 64-column
+    warpgroups) at the blocked decode rows, on the weights the table prepares, expert 0 never
+    routed, fresh inputs per call, against the float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+    rng, k, w, wg = _table_weights(shape, key)
+    for t in WS_FOLD_TOKENS[shape]:
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        for over in (dict(ws=True), dict(ws=True, block_n=64)):
+            got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
+            _layer_close(got, ref, what=f"{over} T={t}")
 
 
 V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
