@@ -1760,7 +1760,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             rs = None
         pers = (auto or bool(persistent)) and not overlap and not (fold and not sfold)
         # ws=True given: the scale-only fold blocks take ws too (v24, the kernel's ws with sfold)
-        fold_ws = fold and sfold and ws is not None and bool(ws)
+        fold_ws = fold and sfold and bool(ws)
         ws_ok = ((want_ws or auto) and (not fold or fold_ws) and not overlap and group == BLOCK_K
                  and n % (2 * bn) == 0)
         # persistent with ws: the chained warp-specialized stream (no row scales or dest rows; its ring
