@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run); 32, 49, 71, 80, 81, 102 and 103 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1106,6 +1106,23 @@ elif [ "$part" = 103 ]; then   # prepared in v24, from part 101 (the decode fold
     logged "sweep_wsfold" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:16,64 qwen3:64 --reps 40 \
         --variants "wgmma=kernel:wgmma;ws fold=kernel:wgmma,ws:1;ws fold bn64=kernel:wgmma,ws:1,block_n:64;again=kernel:wgmma"
     grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_wsfold.log"
+elif [ "$part" = 104 ]; then   # v25 (run by hand): after part 103, the fold on ws at the rows whose default blocks
+    # are 24 rows (Mixtral 48 / 64 tokens: K streams of 32 / 112 K-blocks; Qwen3 256, DeepSeek-V2-Lite 128: 16 / 6
+    # and 16 / 11), A B A B; and token_rows' device time per kernel at Mixtral 1 and DeepSeek-V2-Lite 1 / 16 tokens
+    logged "sweep_wsfold2" 300 python3 benchmarks/moe_engine.py --sweep --rows mixtral:48,64 qwen3:256 dsv2lite:128 \
+        --reps 40 --variants "wgmma=kernel:wgmma;ws fold=kernel:wgmma,ws:1;again=kernel:wgmma;ws fold again=kernel:wgmma,ws:1"
+    grep -E "^##|µs|rror|rc " "$OUT/sweep_wsfold2.log"
+    logged "prof_tr2" 200 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 9 --rows mixtral:1 \
+        dsv2lite:1,16 --reps 10 --variants "wgmma=kernel:wgmma;token rows=kernel:wgmma,token_rows:1"
+    grep -E "^##|^  [a-z]|µs  ×1|rc " "$OUT/prof_tr2.log" | grep -vE "host|Execute|XLA GPU|command_buffer"
+elif [ "$part" = 105 ]; then   # v25: the new default (24-row scale-only fold blocks streaming 32+ K-blocks on ws):
+    # the v17-defaults GPU test (Mixtral 48 / 64 tokens now on ws) with the ws-fold test, and the table rows
+    # against ws=False (v24's default there). Prediction: Mixtral 48 / 64 10-15 µs faster, the others unchanged
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 200 "v17_defaults_gpu or ws_fold_gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
+    logged "sweep_v25" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:48,64 --reps 40 \
+        --variants "default=kernel:wgmma;v24 (ws off)=kernel:wgmma,ws:0;again=kernel:wgmma"
+    grep -E "^##|µs|rror|rc " "$OUT/sweep_v25.log"
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs

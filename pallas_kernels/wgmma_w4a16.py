@@ -1524,8 +1524,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     slower, 224 vs 202 µs; NOTES.md v7) and for 32- to 63-row blocks whose programs stream 32 or
     more K-blocks (Mixtral 64 tokens 316–323 vs 333 µs); shorter streams at those blocks run without
     it, at 2 stages, two programs per SM (Qwen3 512 tokens 211–222 vs 243 µs; NOTES.md v12).
-    ``ws=True`` given also puts the scale-only fold GEMMs on ``ws`` (v24, not yet timed on the GPU:
-    its two compute warpgroups fold each K-block like the plain kernel; never clustered).
+    The scale-only fold GEMMs take ``ws`` too (its two compute warpgroups fold each K-block like
+    the plain kernel; never clustered) by default in 24-row blocks whose programs stream 32 or more
+    K-blocks (v25: Mixtral 48 / 64 tokens 253–257 / 266–270 vs 271–272 / 279–281 µs; with shorter
+    streams slower, Qwen3 256 tokens, DeepSeek-V2-Lite 128; 8- and 16-row fold blocks slower too:
+    one ``ws`` program per SM), and wherever ``ws=True`` is given.
     ``out16``: GEMMs without a K split write their output in
     the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
@@ -1594,7 +1597,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     NOTES.md: Qwen3 4096 tokens 768–795 µs against 789–805 with XLA's gather); at fewer pairs XLA's
     gather, which fuses into the kernels around it (v23: DeepSeek-V2-Lite 16 tokens 91.6 against
     95.2–96.2 µs with the kernel).
-    ``token_rows`` (pair schedule; v24, off until timed on the GPU): GEMM1 reads each token's row
+    ``token_rows`` (pair schedule; v24, off by default — measured in v25 at no gain at 1 token, the
+    spread 0–0.1 µs shorter but GEMM1 up to 0.6 µs longer, and 1.3 µs of device time saved at Qwen3
+    16 tokens, part 102 / 104): GEMM1 reads each token's row
     from one 8-row block per token (the kernel's ``a_div = k``: a pair's block reads its token's
     block) instead of one 8-row block per routed pair — the XLA spread before GEMM1 writes ``k``×
     fewer rows (Qwen3 1 token: 32 KB instead of 256 KB). Not with act-order (each pair's expert
@@ -1725,8 +1730,15 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,
         # 243 with it; Mixtral 64 tokens, 32 rows, 32 / 56 K-blocks: 316–323 with ws, 333 without;
         # NOTES v12)
+        # v25: the scale-only fold blocks of 24 rows (FOLD_ROWS) take ws where a program streams 32+
+        # K-blocks too (Mixtral 48 / 64 tokens 253–257 / 266–270 µs against 271–272 / 279–281, part
+        # 104); with short streams it lost (Qwen3 256 tokens 161–185 against 157–161, DeepSeek-V2-Lite
+        # 128 152–154 against 142–145), and so did 8- and 16-row fold blocks (Mixtral GEMM1 168 / 165
+        # against 146 / 156 µs, part 103): one ws program per SM (168 registers)
         ws_default = ws is None
-        want_ws = (bm >= 64 or (bm >= 32 and n_kb // s >= 32)) if ws_default else ws
+        long_k = n_kb // s >= 32
+        want_ws = ((bm >= 64 or (bm >= 32 and long_k) or (fold and sfold and bm >= FOLD_ROWS and long_k))
+                   if ws_default else ws)
         chunk = steps // s                    # the K steps of one program (one item of the stream)
 
         def smem(st, tr, pers, wsp, rs):
@@ -1759,8 +1771,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         if auto:
             rs = None
         pers = (auto or bool(persistent)) and not overlap and not (fold and not sfold)
-        # ws=True given: the scale-only fold blocks take ws too (v24, the kernel's ws with sfold)
-        fold_ws = fold and sfold and bool(ws)
+        # the scale-only fold blocks on ws: by default the 24-row ones streaming 32+ K-blocks (above),
+        # every one where ws=True is given (v24, the kernel's ws with sfold)
+        fold_ws = fold and sfold and bool(want_ws)
         ws_ok = ((want_ws or auto) and (not fold or fold_ws) and not overlap and group == BLOCK_K
                  and n % (2 * bn) == 0)
         # persistent with ws: the chained warp-specialized stream (no row scales or dest rows; its ring

@@ -227,9 +227,10 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     assert q512["GEMM1"][1] == "48" and q512["GEMM1"][7] == "2" and q512["GEMM1"][13] == "1"
     assert q512["GEMM2"][7] == "3" and q512["GEMM1"][10] == q512["GEMM2"][10] == "132"
     assert {"ws", "persistent", "gated"} <= set(q512["GEMM1"][16:]) and "row_scale" not in q512["GEMM2"][16:]
-    assert m64["GEMM1"][1:3] == ["24", "13"] and m64["GEMM1"][13] == m64["GEMM2"][13] == "3"      # v17
-    assert all("sfold" in m64[g][16:] and "ws" not in m64[g][16:] for g in ("GEMM1", "GEMM2"))
-    assert m64["GEMM2"][10] == str(13 * 4096 // 128)
+    # v17: 24-row fold blocks; v25: on ws (K streams of 32 / 112 K-blocks), one program per SM
+    assert m64["GEMM1"][1:3] == ["24", "13"] and m64["GEMM1"][13] == m64["GEMM2"][13] == "1"
+    assert all({"sfold", "ws"} <= set(m64[g][16:]) for g in ("GEMM1", "GEMM2"))
+    assert m64["GEMM2"][10] == str(13 * 4096 // 256)      # a ws program covers 2·block_n columns
     assert "pair schedule, 8 pair blocks" in out and "blocked, 128.4 of 211 blocks live" in out
     assert "aligned by rank" in out and "aligned by compare" in out      # 4096 / 128 routed pairs (v16, v21)
     assert wgmma_plan.main(["--rows", "qwen3:512", "--set", "persistent:0"]) == 0

@@ -1286,8 +1286,13 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
              (dict(block_m=32), [(True, 2), (False, 4)]), (dict(block_m=48, ws=False), [(False, 4), (False, 4)]),
              (dict(block_m=48, stages=3), [(True, 3), (False, 3)]),
              (dict(block_m=48, wide=False, persistent=False), [(True, 4), (False, 2)]),
-             (dict(block_m=48, wide=False), [(True, 4), (True, 2)])]
-    _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256, close={0, 6})
+             (dict(block_m=48, wide=False), [(True, 4), (True, 2)]),
+             # v25: the 24-row scale-only fold blocks too where a program streams 32+ K-blocks (GEMM1 here),
+             # not 16-row ones, not without the scale-only fold, not ws=False
+             (dict(block_m=24), [(True, 2), (False, 4)]), (dict(block_m=16), [(False, 2), (False, 4)]),
+             (dict(block_m=24, sfold=False), [(False, 2), (False, 4)]),
+             (dict(block_m=24, ws=False), [(False, 2), (False, 4)])]
+    _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256, close={0, 6, 7})
 
 
 def test_fused_moe_wgmma_ws_stream_default_cpu(monkeypatch):
@@ -2269,7 +2274,7 @@ def test_wgmma_v16_defaults_gpu(shape, key):
         _layer_close(got, ref, what=f"{over} T={t}")
 
 
-V17_TOKENS = {"mixtral": (64,), "qwen3": (256,), "dsv2lite": (128,)}
+V17_TOKENS = {"mixtral": (48, 64), "qwen3": (256,), "dsv2lite": (128,)}
 
 
 @pytest.mark.gpu
@@ -2278,7 +2283,8 @@ V17_TOKENS = {"mixtral": (64,), "qwen3": (256,), "dsv2lite": (128,)}
 @pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
 def test_wgmma_v17_defaults_gpu(shape, key):
     """The rows v17's defaults change — 24-row blocks with the scale-only fold where v16 took 32-row
-    blocks (Mixtral 64 tokens: ws; Qwen3 256, DeepSeek-V2-Lite 128: plain) — through ``fused_moe``
+    blocks (Qwen3 256, DeepSeek-V2-Lite 128: plain kernels; Mixtral 48 and 64 tokens: on ``ws``
+    since v25, their K streams being 32+ K-blocks) — through ``fused_moe``
     on the weights the table prepares, and v16's form (``block_m=32``), expert 0 never routed,
     fresh inputs per call, against the float64 reference."""
     from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma, wgmma_block_m
