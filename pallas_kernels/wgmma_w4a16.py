@@ -1528,7 +1528,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     the plain kernel; never clustered) by default in 24-row blocks whose programs stream 32 or more
     K-blocks (v25: Mixtral 48 / 64 tokens 253–257 / 266–270 vs 271–272 / 279–281 µs; with shorter
     streams slower, Qwen3 256 tokens, DeepSeek-V2-Lite 128; 8- and 16-row fold blocks slower too:
-    one ``ws`` program per SM), and wherever ``ws=True`` is given.
+    one ``ws`` program per SM) unless ``cluster`` is given, and wherever ``ws=True`` is given.
     ``out16``: GEMMs without a K split write their output in
     the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
@@ -1734,11 +1734,12 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # K-blocks too (Mixtral 48 / 64 tokens 253–257 / 266–270 µs against 271–272 / 279–281, part
         # 104); with short streams it lost (Qwen3 256 tokens 161–185 against 157–161, DeepSeek-V2-Lite
         # 128 152–154 against 142–145), and so did 8- and 16-row fold blocks (Mixtral GEMM1 168 / 165
-        # against 146 / 156 µs, part 103): one ws program per SM (168 registers)
+        # against 146 / 156 µs, part 103): one ws program per SM (168 registers). A cluster asked for
+        # keeps those blocks on the plain kernel (ws folds unclustered)
         ws_default = ws is None
         long_k = n_kb // s >= 32
-        want_ws = ((bm >= 64 or (bm >= 32 and long_k) or (fold and sfold and bm >= FOLD_ROWS and long_k))
-                   if ws_default else ws)
+        want_ws = ((bm >= 64 or (bm >= 32 and long_k)
+                    or (fold and sfold and bm >= FOLD_ROWS and long_k and cluster == 1)) if ws_default else ws)
         chunk = steps // s                    # the K steps of one program (one item of the stream)
 
         def smem(st, tr, pers, wsp, rs):

@@ -1278,7 +1278,8 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
     GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per
     SM; since v15 those with 2+ steps run as the chained ``ws`` stream by default, see
     ``test_fused_moe_wgmma_ws_stream_default_cpu``); an explicit ``ws=False`` keeps the stage rule
-    of the blocks without it; the layer stays right."""
+    of the blocks without it; since v25 the 24-row scale-only fold blocks streaming 32+ K-blocks
+    too, unless ``cluster`` is asked for; the layer stays right."""
     # GEMM1: K = 4096, 16 steps of 256 (its ws programs fitted to shared memory at 3 stages); GEMM2:
     # K = 256, one step (32-row blocks keep the rule of decode blocks: 4 stages below 8 steps); in
     # 128-deep steps GEMM2's two steps take the ws stream unless persistent=False
@@ -1291,7 +1292,8 @@ def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
              # not 16-row ones, not without the scale-only fold, not ws=False
              (dict(block_m=24), [(True, 2), (False, 4)]), (dict(block_m=16), [(False, 2), (False, 4)]),
              (dict(block_m=24, sfold=False), [(False, 2), (False, 4)]),
-             (dict(block_m=24, ws=False), [(False, 2), (False, 4)])]
+             (dict(block_m=24, ws=False), [(False, 2), (False, 4)]),
+             (dict(block_m=24, cluster=2), [(False, 2), (False, 4)])]      # a cluster asked for: the plain kernel
     _check_layer_picks(monkeypatch, lambda kw: (kw["ws"], kw["stages"]), cases, 4, 4096, 256, close={0, 6, 7})
 
 
