@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25); 32, 49, 71, 80, 81 and 106 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1123,25 +1123,6 @@ elif [ "$part" = 105 ]; then   # v25: the new default (24-row scale-only fold bl
     logged "sweep_v25" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:48,64 --reps 40 \
         --variants "default=kernel:wgmma;v24 (ws off)=kernel:wgmma,ws:0;again=kernel:wgmma"
     grep -E "^##|µs|rror|rc " "$OUT/sweep_v25.log"
-elif [ "$part" = 106 ]; then   # prepared in v25: acc2 — two accumulators in the scale-only fold, K-block q's partial
-    # folded while q + 1's wgmmas run (part 101: the fold waits for each K-block's wgmmas with too few warps to
-    # cover it). (a) the kernel cases (6) and the layer test (9); (b) ptxas registers (one more [block_n, block_m]
-    # float32 accumulator: +8/16/24 per thread — 8-row blocks past 128 drop from 4 programs per SM to 3); (c) the
-    # GEMMs; (d) the layer A B A. Prediction: GEMM1 at 24 rows 176-186 -> 160-170 us (plain) and 180 -> 165-175
-    # (ws), 16 rows 3-6% faster, 8 rows slower if the registers pass 128; the layer follows (Mixtral 64 tokens
-    # 5-10 us faster, 16 tokens and 1-token rows no faster)
-    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 200 "(grouped_gemm_gpu and acc21) or acc2_gpu"
-    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
-    logged "ptx_acc2" 120 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 \
-        --only "bn128 st2 kpb2 wide shift32 sfold acc2" "bn128 st2 kpb4 shift32 sfold"   # (plain kpb2: 127/143/166)
-    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptx_acc2.log" | head -40
-    logged "gemm_acc2" 240 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 qwen3_1 --block-m 8 16 24 \
-        --reps 20 --only "bn128 st2 kpb2 wide shift32 sfold s" "bn128 st2 kpb2 wide shift32 sfold acc2" \
-        "bn128 st2 kpb4 shift32 sfold" "bn128 st2 kpb2 wide shift32 sfold ws"
-    grep -E "^\| m|^\| q|rc |rror|WRONG|FAIL" "$OUT/gemm_acc2.log" | sort -u
-    logged "sweep_acc2" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 qwen3:1,16 dsv2lite:16 \
-        --reps 40 --variants "wgmma=kernel:wgmma;acc2=kernel:wgmma,acc2:1;again=kernel:wgmma"
-    grep -E "^##|µs|FAIL|rc |rror" "$OUT/sweep_acc2.log"
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs

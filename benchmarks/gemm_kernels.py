@@ -42,7 +42,6 @@ BW, FLOPS = 4.3e12, 640e12
 # into each K-block's partial sum instead of applied per weight; "sfold": c − z into the wgmma,
 # only the scale per K-block partial (no Σx input); "ws": warp-specialized (two compute
 # warpgroups of block_n columns each, one copy warpgroup); "o16": bf16 output (no K split);
-# "acc2": two accumulators alternating over a step's K-blocks (with sfold);
 # "tout": the output written [M, N] through a transposed shared-memory store; "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
 # against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
@@ -51,7 +50,7 @@ def _variant_name(opts):
     """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
     (the names ``--only`` filters on)."""
     flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("overlap", "ovl"),
-             ("ws", "ws"), ("acc2", "acc2"), ("out_dtype", "o16"), ("tout", "tout"))
+             ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
     parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
     parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
     cl = [f"cl{opts['cluster']}"] if opts.get("cluster", 1) != 1 else []
@@ -99,12 +98,6 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=64, stages=3, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
-    # v25: two accumulators in the fold ("acc2": K-block q's fold while q + 1's wgmmas run), 2- and
-    # 4-K-block steps (the latter overlap 3 folds of 4), plain and ws
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, acc2=True)),
-    (16, dict(block_n=128, stages=2, kpb=4, shift32=True, sfold=True)),
-    (16, dict(block_n=128, stages=2, kpb=4, shift32=True, sfold=True, acc2=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True, acc2=True)),
     (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
     (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),

@@ -358,14 +358,14 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
                                              "gated", "persistent", "programs", "dest_rows", "lop3", "cluster",
-                                             "a_div", "acc2"))
+                                             "a_div"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
                        persistent: bool = False, programs: int | None = None, dest_rows: int | None = None,
-                       lop3: bool = True, cluster: int = 1, a_div: int = 1, acc2: bool = False):
+                       lop3: bool = True, cluster: int = 1, a_div: int = 1):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -456,12 +456,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     blocks — the pair schedule's ``k`` routed pairs of a token share that token's rows, spread
     once per token instead of once per pair. The output (and ``row_scale`` / ``dest``) keeps one
     block per expert id.
-    ``acc2`` (with ``sfold`` and ``kpb`` 2 or 4; v25, not yet timed on the GPU): two wgmma
-    accumulators per warpgroup, the K-blocks of a step alternating between them, so that K-block
-    ``q``'s fold waits only for its own wgmmas (``wgmma.wait_group`` leaving ``q + 1``'s in
-    flight) and runs while K-block ``q + 1``'s wgmmas do — instead of every K-block's wgmmas
-    waiting for the fold before them. The result is the same sums in the same order. ``block_m``
-    more float32 registers per thread (a second ``[block_n, block_m]`` accumulator).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -484,9 +478,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                          f"(1, 2 or 4, dividing the {n_kb // split_k} K-blocks per split) do not fit")
     if zfold and sfold:
         raise ConfigError("wgmma_grouped_gemm: zfold=True and sfold=True are two ways to fold; pick one")
-    if acc2 and (not sfold or kpb < 2):
-        raise ConfigError(f"wgmma_grouped_gemm: acc2=True (two accumulators alternating over a step's K-blocks) "
-                          f"needs sfold=True and kpb 2 or 4, got sfold={sfold}, kpb={kpb}")
     if overlap and (zfold or sfold):
         raise ConfigError("wgmma_grouped_gemm: overlap=True and zfold/sfold=True do not combine (a fold waits "
                           "for every K-block's partial)")
@@ -737,13 +728,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         xt = transposed(x_smem)
         return lambda k0: xt.at[pl.ds(k0, 16)]
 
-    def with_accs(fn):
-        """``fn`` run with its wgmma accumulator ref — with ``acc2`` a pair of them."""
-        f32_acc = plgpu.ACC((bn, bm), jnp.float32)
-        if acc2:
-            return pl.run_scoped(lambda r0, r1: fn((r0, r1)), f32_acc, plgpu.ACC((bn, bm), jnp.float32))
-        return pl.run_scoped(fn, f32_acc)
-
     def accumulate(acc_ref, acc, w_smem, x_smem, s_smem, z_smem, xs_smem):
         """``acc`` plus one pipeline step's product: the step's weights dequantized in registers
         (:func:`dequant_units`) against its activation tile, through ``acc_ref`` (the wgmma
@@ -756,26 +740,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 plgpu.wgmma(acc_ref, w, xk(k0))
             plgpu.wgmma_wait(0)
             return acc_ref[...]
-        if acc2:                                 # sfold: two refs, K-block q in acc_ref[q % 2]
-            per_q = len(ops) // kpb
-
-            def issue(q):
-                ref = acc_ref[q % 2]
-                ref[...] = zero()
-                for k0, w in ops[per_q * q: per_q * (q + 1)]:
-                    plgpu.wgmma(ref, w, xk(k0))
-                return ref
-
-            def scaled_part(q, ref, wait_n):    # K-block q's partial once at most wait_n groups fly
-                s_q = smem_load(s_smem.at[0 if channelwise else q], layout=row).astype(jnp.float32)
-                return (jax.lax.broadcast_in_dim(s_q, (bn, bm), (0,))
-                        * plgpu.wgmma_accumulator_load(ref, wait_n=wait_n))
-            prev = issue(0)
-            for q in range(1, kpb):
-                cur = issue(q)                   # q's wgmmas queued behind q - 1's, then q - 1 folded
-                acc = acc + scaled_part(q - 1, prev, per_q)
-                prev = cur
-            return acc + scaled_part(kpb - 1, prev, 0)
         for q in range(kpb):                     # one K-block (one scale group) per partial
             g = 0 if channelwise else q
 
@@ -881,7 +845,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
 
                 def with_acc(acc_ref):
                     store(scaled(finish(run_k(acc_ref, refs)), rs_smem), dst, dg_smem=dg_smem)
-                with_accs(with_acc)
+                pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             if not has_dst:                           # (dest: nothing to add)
                 @pl.when(ex < 0)
@@ -970,7 +934,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                     # every copy into it was awaited, and the last steps refill nothing
                     acc = pl.run_scoped(functools.partial(run_k, acc_ref), *ring)
                     store(scaled(finish(acc), rs_smem), dst, dg_smem=dg_smem)
-                with_accs(with_acc)
+                pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             if not has_dst:
                 @pl.when(ex < 0)
@@ -1056,7 +1020,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 def with_acc(acc_ref):
                     acc_box.append(acc_ref)
                     store(scaled(finish(run(zero())), rs_smem), dst, my_smem, dg_smem)
-                with_accs(with_acc)
+                pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
             @pl.when(ex >= 0)
             def _():
@@ -1152,7 +1116,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                     plgpu.emit_pipeline(step, grid=(count * chunk,), max_concurrent_steps=stages, in_specs=specs,
                                         init_carry=zero())(w_gmem, a_gmem, s_gmem, *([z_gmem] if has_zp else []),
                                                            *row_gmem)
-            with_accs(with_acc)
+            pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
             if has_dst:                               # (dest: nothing to add)
                 return
             mine = persistent_tail(p, programs, n_live, nb * nt)       # items of the blocks after it: zeros
@@ -1225,7 +1189,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                         @pl.when(ex < 0)                # a dead block inside the stream: its weights were
                         def _():                        # streamed (expert 0's) to keep the chain, its output is 0
                             store(zero(bno), dst, my_smem)
-                    with_accs(with_acc)
+                    pl.run_scoped(with_acc, plgpu.ACC((bn, bm), jnp.float32))
 
                 ws_pipeline(step, context, state)(*gmem_refs(jnp.maximum(ex, 0), blk, j, sp), allocations=allocs)
 
@@ -1515,8 +1479,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
                     row_gather: bool | None = None, token_rows: bool = False,
-                    persistent: bool | None | tuple = None, lop3: bool = True, cluster: int = 1,
-                    acc2: bool = False):
+                    persistent: bool | None | tuple = None, lop3: bool = True, cluster: int = 1):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1669,9 +1632,6 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``overlap``,
     ``zfold`` or the ``persistent`` stream without ``ws``) or ``ws`` (the chained ``ws`` stream
     too) and whose tiles and row tile split evenly; the others run unclustered.
-    ``acc2`` (v25, off until timed on the GPU): the kernel's ``acc2`` — two accumulators, one
-    K-block's fold running while the next K-block's wgmmas do — for every GEMM that folds with
-    ``sfold`` in steps of 2+ K-blocks.
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1859,7 +1819,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group, cluster=cl,
                                  a_div=a_div,
                                  split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
-                                 zfold=fold and not sfold, sfold=fold and sfold, acc2=acc2 and fold and sfold and kpb > 1,
+                                 zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
                                  tout=tr, gated=gated, persistent=pers, dest_rows=None if dest is None else t)
         if dest is not None:

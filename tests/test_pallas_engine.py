@@ -4,7 +4,6 @@ CPU (it is what the GPU compiles). Float64 references, fresh random data, poison
 
 import dataclasses
 import functools
-import re
 import warnings
 
 import jax
@@ -700,19 +699,7 @@ _WGMMA_GPU_CASES = [
     (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2, out16=True,
                             tout=True, gated="silu", rs=True, n=512, k=2048)),
     (True, 128, 16, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, sfold=True, ws=True, persistent=True,
-                            programs=5, stages=2, n=512, k=1024)),
-    # v25: acc2 — two accumulators alternating over a step's K-blocks (the fold of one running while the
-    # next one's wgmmas do): the plain kernel (kpb 2 and 4, split, channelwise, clusters), ws with the gated
-    # [M, N] epilogue and row scales, and the ws stream
-    (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, acc2=True, stages=2)),
-    (False, 128, 24, 2, dict(block_n=64, kpb=4, shift32=True, sfold=True, acc2=True, stages=2, k=2048)),
-    (True, -1, 8, 1, dict(block_n=128, kpb=2, shift32=True, sfold=True, acc2=True, stages=4)),
-    (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, acc2=True, cluster=2,
-                            stages=2, n=512, k=1024)),
-    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, ws=True, acc2=True, stages=2,
-                            out16=True, tout=True, gated="silu", rs=True, n=512, k=2048)),
-    (False, 128, 16, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, sfold=True, ws=True, persistent=True,
-                             programs=5, stages=2, acc2=True, n=512, k=1024))]
+                            programs=5, stages=2, n=512, k=1024))]
 
 
 def test_wgmma_a_div_lowers_cpu():
@@ -744,43 +731,6 @@ def test_wgmma_a_div_lowers_cpu():
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, a_div=4)).trace(*args(8))
     with pytest.raises(ConfigError, match="a_div must be an int >= 1"):
         jax.jit(functools.partial(wgmma_grouped_gemm, block_m=8, a_div=0)).trace(*args(8))
-
-
-def test_wgmma_acc2_lowers_cpu():
-    """``acc2`` (v25): two wgmma accumulators alternating over a step's K-blocks lower to Mosaic GPU
-    in every kernel form that folds with ``sfold`` — plain (``kpb`` 2 and 4, split, channelwise
-    scales, the gated ``[M, N]`` epilogue where jax has it), clustered, ``ws`` and its stream — and
-    the kernel waits for one K-block's wgmma group while the next one's are in flight
-    (``wgmma.wait_group`` with a count other than 0); without ``sfold`` or with ``kpb=1`` it is a
-    ConfigError naming both."""
-    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
-
-    s = jax.ShapeDtypeStruct
-
-    def args(bm, group=128, zp=True):
-        ng = 1 if group == -1 else 8
-        return (s((3 * bm, 1024), jnp.bfloat16), s((3,), jnp.int32), s((4, 512, 256), jnp.int16),
-                s((4, ng, 512), jnp.bfloat16), s((4, ng, 512), jnp.bfloat16) if zp else None)
-
-    fold = dict(shift32=True, sfold=True, acc2=True, stages=2)
-    cases = [(16, 128, dict(fold, kpb=2, wide=True)), (24, 128, dict(fold, kpb=4, block_n=64, split_k=2)),
-             (8, -1, dict(fold, kpb=2)), (16, 128, dict(fold, kpb=2, wide=True, cluster=2)),
-             (24, 128, dict(fold, kpb=2, wide=True, ws=True)),
-             (16, 128, dict(fold, kpb=2, wide=True, ws=True, block_n=64, persistent=True, programs=5))]
-    if TRANSPOSED_STORE:
-        cases.append((24, 128, dict(fold, kpb=2, wide=True, block_n=128, gated="silu", tout=True,
-                                    out_dtype=jnp.bfloat16)))
-    for bm, group, opts in cases:
-        fn = functools.partial(wgmma_grouped_gemm, block_m=bm, group_size=group, **opts)
-        text = jax.jit(fn).trace(*args(bm, group)).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, opts
-        # (jax 0.11's lowering carries the waits as inline PTX in the text; 0.10's does not)
-        waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", text))
-        if jax.__version_info__ >= (0, 11):
-            assert {"0", "8"} <= waits, (opts, waits)      # a K-block: 8 wgmma groups of 16-deep K
-    for bad in (dict(kpb=2, acc2=True), dict(kpb=1, sfold=True, acc2=True), dict(kpb=2, zfold=True, acc2=True)):
-        with pytest.raises(ConfigError, match="acc2=True .* needs sfold=True and kpb 2 or 4"):
-            jax.jit(functools.partial(wgmma_grouped_gemm, block_m=16, shift32=True, **bad)).trace(*args(16))
 
 
 def test_wgmma_ws_sfold_lowers_cpu():
@@ -1320,21 +1270,6 @@ def test_fused_moe_wgmma_ws_fold_cpu(monkeypatch):
              (dict(block_m=16), [(False, True, 1, 128)] * 2),
              (dict(block_m=16, ws=True, zfold=True, sfold=False), [(False, False, 1, 128)] * 2)]
     _check_layer_picks(monkeypatch, pick, cases, 6, 256, 256, close=(0, 1, 4))
-
-
-def test_fused_moe_wgmma_acc2_picks_cpu(monkeypatch):
-    """``acc2=True`` (v25) reaches the GEMMs that fold with ``sfold`` in steps of 2 K-blocks (the
-    pair schedule's and 8- to 24-row blocks; ``ws`` ones too) and no other — not 32-row blocks
-    (no fold), not ``zfold``; off by default; the layer stays right (kernels replaced by their jnp
-    contracts)."""
-    pick = lambda kw: (kw.get("acc2", False), kw["sfold"], kw["ws"])     # noqa: E731
-    cases = [(dict(block_m=16, acc2=True), [(True, True, False)] * 2),
-             (dict(schedule="pair", acc2=True), [(True, True, False)] * 2),
-             (dict(block_m=24, acc2=True, ws=True), [(True, True, True)] * 2),
-             (dict(block_m=32, acc2=True), [(False, False, False)] * 2),
-             (dict(block_m=16, acc2=True, zfold=True, sfold=False), [(False, False, False)] * 2),
-             (dict(block_m=16), [(False, True, False)] * 2)]
-    _check_layer_picks(monkeypatch, pick, cases, 6, 256, 256, close=(0, 1, 2))
 
 
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
@@ -2280,27 +2215,6 @@ def test_wgmma_ws_fold_gpu(shape, key):
         for over in (dict(ws=True), dict(ws=True, block_n=64)):
             got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
             _layer_close(got, ref, what=f"{over} T={t}")
-
-
-ACC2_TOKENS = {"mixtral": (1, 16, 64), "qwen3": (1, 16), "dsv2lite": (16, 128)}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-@pytest.mark.parametrize("key", sorted(WGMMA_SCHEMES))
-def test_wgmma_acc2_gpu(shape, key):
-    """``acc2=True`` (v25: two accumulators in the ``sfold`` GEMMs) at the pair schedule's rows and
-    the blocked decode rows (8-, 16- and 24-row blocks, Mixtral 64 tokens' on ``ws``), on the
-    weights the table prepares, expert 0 never routed, fresh inputs per call, against the float64
-    reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in ACC2_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        got = jax.jit(functools.partial(fused_moe_wgmma, acc2=True))(x, tw, ids, wg)
-        _layer_close(got, ref, what=f"acc2 T={t}")
 
 
 V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
