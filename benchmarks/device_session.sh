@@ -1123,6 +1123,27 @@ elif [ "$part" = 105 ]; then   # v25: the new default (24-row scale-only fold bl
     logged "sweep_v25" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:48,64 --reps 40 \
         --variants "default=kernel:wgmma;v24 (ws off)=kernel:wgmma,ws:0;again=kernel:wgmma"
     grep -E "^##|µs|rror|rc " "$OUT/sweep_v25.log"
+elif [ "$part" = 106 ]; then   # v26: the decode fold with fewer registers (part 101: latency-bound with 3-4 warps
+    # per scheduler; 16-row blocks held to 3 programs per SM by 143 registers where shared memory holds 4, 8-row
+    # blocks to 4 by 127 where it holds 5). half_tiles: the wide words as one 64-byte-swizzled tile per K-block, each
+    # loaded just before its K-block (the second K-block's 16 registers no longer live through the first);
+    # unit_wait: each 64-deep unit's wgmmas waited for before the next unit is dequantized (32 registers of
+    # operands live instead of 64). (a) ptxas; (b) the kernel's GPU cases (11 runs) and the GPU layer tests on the
+    # new shared helper (v26 refactor; the rest in part 107); (c) the GEMMs. Prediction, registers (8 / 16 / 24
+    # rows): half ~111 / 127 / 150, uw ~95 / 111 / 134, both ~80 / 95 / 118; GEMMs: 16 rows at 4 programs per SM
+    # like today's 8-row blocks (Mixtral GEMM1 ~146 against ~154), 8 rows +0-5% faster if 5 fit (uw may cost its
+    # serial wait), 24 rows within +-3% (shared memory holds 3 there); the 64-byte TMA rows could cost 0-5%
+    V="wgmma i16 bn128 st2 kpb2 wide shift32 sfold"
+    logged "ptx" 150 python3 benchmarks/ptxas_report.py --gemm mixtral1 --block-m 8 16 24 --exact --only \
+        "bn128 st2 kpb2 wide shift32 sfold" "bn128 st2 kpb2 wide shift32 sfold half" \
+        "bn128 st2 kpb2 wide shift32 sfold uw" "bn128 st2 kpb2 wide shift32 sfold half uw"
+    grep -E "^mixtral1|registers|spill|rc " "$OUT/ptx.log" | head -40
+    WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 230 "(grouped_gemm_gpu and (half_tiles1 or unit_wait1)) or \
+pair_defaults_gpu or ws_fold_gpu or v17_defaults_gpu or decode_layer_gpu or token_rows_gpu"
+    grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
+    logged "gemm_regs" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 8 16 24 --reps 20 \
+        --exact --only "$V s1" "$V half s1" "$V uw s1" "$V half uw s1"
+    grep -E "^\| m|rc |rror|WRONG|FAIL" "$OUT/gemm_regs.log" | sort -u
 elif [ "$part" = 94 ]; then    # prepared in v22: the GPU tests not run on main since the row-gather kernel and the
     # rank alignment (v20, v21): combine_add (9), the v16 defaults (9), the row gather (4), the batched prefill and
     # backward (1); and DeepSeek-V2-Lite 1 / 16 tokens A B A against the XLA row gather (the v22 table had them 3-11 µs

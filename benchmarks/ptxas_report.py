@@ -53,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--gemm", default="mixtral1")
     ap.add_argument("--block-m", nargs="*", type=int, default=[8, 64])
     ap.add_argument("--only", nargs="*", default=None, help="only variants whose name contains one of these")
+    ap.add_argument("--exact", action="store_true", help="--only names whole variant names")
     ap.add_argument("--keep", default=None, help="copy each variant's PTX into this directory")
     args = ap.parse_args(argv)
     dump = pathlib.Path(tempfile.mkdtemp(prefix="mosaic_dump_"))
@@ -77,7 +78,7 @@ def main(argv=None):
         a = jnp.zeros((e * bm, k), jnp.bfloat16)
         ids = jnp.arange(e, dtype=jnp.int32)
         for lay, name, opts in WGMMA_VARIANTS:
-            if args.only and not any(o in name for o in args.only):
+            if args.only and not any((o == name) if args.exact else (o in name) for o in args.only):
                 continue
             before = set(dump.iterdir())
             ops = to_wgmma_layout(words, scales, zeros, **layouts[lay])

@@ -699,7 +699,79 @@ _WGMMA_GPU_CASES = [
     (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2, out16=True,
                             tout=True, gated="silu", rs=True, n=512, k=2048)),
     (True, 128, 16, 1, dict(block_n=64, kpb=2, wide=True, shift32=True, sfold=True, ws=True, persistent=True,
-                            programs=5, stages=2, n=512, k=1024))]
+                            programs=5, stages=2, n=512, k=1024)),
+    # v26: half_tiles (the wide words copied as one 64-byte-swizzled tile per K-block, each loaded
+    # just before its K-block) and unit_wait (each 64-deep unit's wgmmas waited for before the next
+    # unit is dequantized) — the decode fold at 8 / 16 / 24 rows with both epilogues, split; no
+    # fold (channelwise, 128-deep steps, 32-bit words); ws's fold, the ws stream, a cluster
+    (True, 128, 8, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048,
+                           half_tiles=True)),
+    (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, k=2048,
+                            unit_wait=True)),
+    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True,
+                            gated="silu", stages=2, k=2048, half_tiles=True, unit_wait=True)),
+    (False, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, out16=True, tout=True, rs=True,
+                             stages=2, k=2048, half_tiles=True, unit_wait=True)),
+    (True, -1, 16, 2, dict(block_n=128, kpb=2, wide=True, shift32=True, stages=3, half_tiles=True, unit_wait=True)),
+    (True, 128, 16, 1, dict(block_n=128, shift32=True, sfold=True, stages=3, k=1024, unit_wait=True)),
+    (False, 128, 8, 1, dict(block_n=64, unit_wait=True)),
+    (True, 128, 24, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, ws=True, stages=2, n=512,
+                            k=2048, half_tiles=True, unit_wait=True)),
+    (True, 128, 48, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, persistent=True, programs=3,
+                            stages=2, out16=True, tout=True, gated="silu", k=1024, half_tiles=True)),
+    (True, 128, 16, 1, dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2, cluster=2, k=2048,
+                            half_tiles=True, unit_wait=True))]
+
+
+def test_wgmma_half_tiles_unit_wait_lower_cpu():
+    """``half_tiles`` and ``unit_wait`` (v26) lower to Mosaic GPU in every kernel form that takes
+    them — the decode fold (8 / 16 / 24 rows, split, the gated ``[M, N]`` epilogue where this jax
+    has it), no fold, 128-deep steps, ``zfold``, ``ws``'s fold, the ``ws`` stream and a cluster
+    (``half_tiles`` alone there) — and the forms that do not take them are ConfigErrors naming
+    the option."""
+    from pallas_kernels.wgmma_w4a16 import TRANSPOSED_STORE, wgmma_grouped_gemm
+
+    s = jax.ShapeDtypeStruct
+
+    def trace(bm, k=1024, n=512, **opts):
+        args = (s((3 * bm, k), jnp.bfloat16), s((3,), jnp.int32), s((4, n, k // 4), jnp.int16),
+                s((4, k // 128, n), jnp.bfloat16), s((4, k // 128, n), jnp.bfloat16))
+        return jax.jit(functools.partial(wgmma_grouped_gemm, block_m=bm, **opts)).trace(*args)
+
+    fold = dict(block_n=128, kpb=2, wide=True, shift32=True, sfold=True, stages=2)
+    both = dict(half_tiles=True, unit_wait=True)
+    forms = [(8, dict(fold, half_tiles=True)), (16, dict(fold, unit_wait=True)), (24, dict(fold, **both)),
+             (16, dict(fold, split_k=2, **both)), (16, dict(fold, cluster=2, **both)),
+             (16, dict(block_n=128, kpb=2, wide=True, stages=3, **both)),
+             (16, dict(block_n=128, shift32=True, sfold=True, stages=3, unit_wait=True)),
+             (16, dict(fold, sfold=False, zfold=True, **both)), (24, dict(fold, ws=True, **both)),
+             (48, dict(block_n=128, kpb=2, wide=True, shift32=True, ws=True, stages=2, persistent=True,
+                       half_tiles=True))]
+    if TRANSPOSED_STORE:
+        forms.append((24, dict(fold, out_dtype=jnp.bfloat16, tout=True, gated="silu", **both)))
+    for bm, opts in forms:
+        assert "mosaic_gpu" in trace(bm, **opts).lower(lowering_platforms=("cuda",)).as_text(), opts
+    for bad, what in ((dict(block_n=128, half_tiles=True), "half_tiles=True .* needs wide=True"),
+                      (dict(block_n=128, shift32=True, overlap=True, unit_wait=True), "unit_wait=True"),
+                      (dict(block_n=128, ws=True, unit_wait=True), "unit_wait=True"),
+                      (dict(block_n=128, persistent=True, unit_wait=True), "unit_wait=True")):
+        with pytest.raises(ConfigError, match=what):
+            trace(48, **bad)
+
+
+def test_fused_moe_wgmma_half_tiles_unit_wait_cpu(monkeypatch):
+    """The layer's ``half_tiles`` / ``unit_wait`` (v26, off by default) reach every GEMM that can
+    take them — ``half_tiles`` those with 256-deep steps, ``unit_wait`` the plain kernel and
+    ``ws``'s fold but not ``ws`` without it or the ``persistent`` stream — and the layer stays
+    right (kernels replaced by their jnp contracts)."""
+    pick = lambda kw: (kw["half_tiles"], kw["unit_wait"], kw["ws"], kw["persistent"])     # noqa: E731
+    cases = [(dict(block_m=16), [(False, False, False, False)] * 2),
+             (dict(block_m=16, half_tiles=True, unit_wait=True), [(True, True, False, False)] * 2),
+             (dict(block_m=16, half_tiles=True, unit_wait=True, wide=False), [(False, True, False, False)] * 2),
+             (dict(block_m=16, unit_wait=True, ws=True), [(False, True, True, False)] * 2),
+             (dict(block_m=64, unit_wait=True, half_tiles=True, ws=True), [(True, False, True, False)] * 2),
+             (dict(block_m=16, unit_wait=True, persistent=True), [(False, False, False, True)] * 2)]
+    _check_layer_picks(monkeypatch, pick, cases, 6, 256, 256, close=(0, 1, 2, 3))
 
 
 def test_wgmma_a_div_lowers_cpu():
@@ -2099,6 +2171,30 @@ def _table_weights(shape, key):
     return rng, k, w, TABLE[Backend.MARLIN].prepare(w.scheme, w)
 
 
+def _layer_rows(shape, key, rows, table=False, **fixed):
+    """The GPU layer tests' loop: on random ``WGMMA_SCHEMES[key]`` weights at ``GPU_SHAPES[shape]``
+    that the table prepares, for each ``(tokens, options)`` of ``rows`` fresh inputs with expert 0
+    never routed; with ``table`` the layer through ``fused_moe`` (the table's defaults), then
+    :func:`fused_moe_wgmma` with each option dict of ``options`` over ``fixed`` (one jitted function
+    per dict, so a repeated dict runs the same compiled program); every output against the
+    float64 reference."""
+    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    from wna16_jax.moe import fused_moe
+
+    rng, k, w, wg = _table_weights(shape, key)
+    jitted = {}
+    for t, options in rows:
+        x, tw, ids, ref = _routed_case(rng, w, t, k)
+        if table:
+            _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
+        for over in options:
+            opts = {**fixed, **over}
+            name = repr(sorted(opts.items()))
+            if name not in jitted:
+                jitted[name] = jax.jit(functools.partial(fused_moe_wgmma, **opts))
+            _layer_close(jitted[name](x, tw, ids, wg), ref, what=f"{opts} T={t}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
@@ -2107,13 +2203,7 @@ def test_wgmma_decode_layer_gpu(shape, key):
     """The one-kernel decode layer (``one_kernel=True``) on the weights the table prepares, at 1
     and 2 tokens with expert 0 never routed, three calls in a row with fresh inputs (its global
     semaphores must be back at zero after each call), against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    layer = jax.jit(functools.partial(fused_moe_wgmma, one_kernel=True))
-    for t in (1, 2, 1):
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        _layer_close(layer(x, tw, ids, wg), ref, what=f"one_kernel T={t}")
+    _layer_rows(shape, key, [(t, [dict(one_kernel=True)]) for t in (1, 2, 1)])
 
 
 @pytest.mark.gpu
@@ -2162,16 +2252,8 @@ def test_wgmma_pair_defaults_gpu(shape, key):
     on the weights the table prepares, at 1 token and at 3 (Mixtral: 4, the most whose pairs its
     8 experts hold; the layer picks the pair schedule for both), expert 0 never routed, fresh
     inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.moe import fused_moe
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in (1, 4 if shape == "mixtral" else 3):
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        for over in (dict(sfold=False), dict(static_sums=False), dict(sfold=True, split1=1)):
-            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", **over))(x, tw, ids, wg)
-            _layer_close(got, ref, what=f"pair {over} T={t}")
+    overs = (dict(sfold=False), dict(static_sums=False), dict(sfold=True, split1=1))
+    _layer_rows(shape, key, [(t, overs) for t in (1, 4 if shape == "mixtral" else 3)], table=True, schedule="pair")
 
 
 TOKEN_ROWS_TOKENS = {"mixtral": (1, 4), "qwen3": (1, 3, 16), "dsv2lite": (1, 3, 10)}
@@ -2186,14 +2268,8 @@ def test_wgmma_token_rows_gpu(shape, key):
     the pair schedule, with its default K split and unsplit (the gated epilogue), on the weights
     the table prepares (act-order keeps its per-pair rows), expert 0 never routed, fresh inputs
     per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in TOKEN_ROWS_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        for over in (dict(), dict(split1=1)):
-            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="pair", token_rows=True, **over))(x, tw, ids, wg)
-            _layer_close(got, ref, what=f"token_rows {over} T={t}")
+    _layer_rows(shape, key, [(t, (dict(), dict(split1=1))) for t in TOKEN_ROWS_TOKENS[shape]],
+                schedule="pair", token_rows=True)
 
 
 WS_FOLD_TOKENS = {"mixtral": (16, 64), "qwen3": (64,), "dsv2lite": (16,)}
@@ -2207,14 +2283,7 @@ def test_wgmma_ws_fold_gpu(shape, key):
     """``ws=True`` (v24: the scale-only fold GEMMs on the kernel's ``ws``, 128- and 64-column
     warpgroups) at the blocked decode rows, on the weights the table prepares, expert 0 never
     routed, fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in WS_FOLD_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        for over in (dict(ws=True), dict(ws=True, block_n=64)):
-            got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
-            _layer_close(got, ref, what=f"{over} T={t}")
+    _layer_rows(shape, key, [(t, (dict(block_n=128), dict(block_n=64))) for t in WS_FOLD_TOKENS[shape]], ws=True)
 
 
 V12_TOKENS = {"mixtral": (16,), "qwen3": (64, 512), "dsv2lite": (16, 256)}
@@ -2233,19 +2302,11 @@ def test_wgmma_blocked_defaults_gpu(shape, key):
     128-deep steps at 3 stages there, and the ``persistent`` GEMMs (since v14 also the chained ``ws``
     stream, with the router weights out of GEMM2), through ``fused_moe`` on the weights the table prepares,
     expert 0 never routed, fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.moe import fused_moe
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in V12_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        for over in ((dict(sfold=False), dict(persistent=True, split1=1, split2=1), dict(split2=2, tout=False))
-                     if t <= 64 else
-                     (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3),
-                      dict(persistent=True, ws=True, weight_in_gemm2=False), dict(persistent=False))):
-            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", **over))(x, tw, ids, wg)
-            _layer_close(got, ref, what=f"blocked {over} T={t}")
+    decode = (dict(sfold=False), dict(persistent=True, split1=1, split2=1), dict(split2=2, tout=False))
+    medium = (dict(ws=True), dict(wide=False, stages=3), dict(persistent=True), dict(persistent=True, stages=3),
+              dict(persistent=True, ws=True, weight_in_gemm2=False), dict(persistent=False))
+    _layer_rows(shape, key, [(t, decode if t <= 64 else medium) for t in V12_TOKENS[shape]], table=True,
+                schedule="blocked")
 
 
 V16_TOKENS = {"mixtral": (16, 32), "qwen3": (16, 64, 128), "dsv2lite": (16, 128)}
@@ -2264,16 +2325,8 @@ def test_wgmma_v16_defaults_gpu(shape, key):
     the count), through ``fused_moe`` on the weights the table prepares, and v15's forms
     (``tout=False, split2=2``; at 128 tokens the sorted alignment instead), expert 0 never
     routed, fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-    from wna16_jax.moe import fused_moe
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in V16_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        over = dict(align="sort") if t >= 128 else dict(tout=False, split2=2)
-        got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
-        _layer_close(got, ref, what=f"{over} T={t}")
+    _layer_rows(shape, key, [(t, [dict(align="sort") if t >= 128 else dict(tout=False, split2=2)])
+                             for t in V16_TOKENS[shape]], table=True)
 
 
 V17_TOKENS = {"mixtral": (48, 64), "qwen3": (256,), "dsv2lite": (128,)}
@@ -2289,16 +2342,11 @@ def test_wgmma_v17_defaults_gpu(shape, key):
     since v25, their K streams being 32+ K-blocks) — through ``fused_moe``
     on the weights the table prepares, and v16's form (``block_m=32``), expert 0 never routed,
     fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma, wgmma_block_m
-    from wna16_jax.moe import fused_moe
+    from pallas_kernels.wgmma_w4a16 import wgmma_block_m
 
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in V17_TOKENS[shape]:
-        assert wgmma_block_m(t * k, GPU_SHAPES[shape][0]) == 24
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        _layer_close(jax.jit(fused_moe)(x, tw, ids, wg), ref, what=f"fused_moe T={t}")
-        got = jax.jit(functools.partial(fused_moe_wgmma, block_m=32))(x, tw, ids, wg)
-        _layer_close(got, ref, what=f"block_m=32 T={t}")
+    e, k = GPU_SHAPES[shape][:2]
+    assert all(wgmma_block_m(t * k, e) == 24 for t in V17_TOKENS[shape])
+    _layer_rows(shape, key, [(t, [dict(block_m=32)]) for t in V17_TOKENS[shape]], table=True)
 
 
 CLUSTER_TOKENS = {"mixtral": ((1, dict(cluster=2)), (16, dict(cluster=2)), (16, dict(cluster=4, block_m=16)),
@@ -2318,13 +2366,7 @@ def test_wgmma_cluster_gpu(shape, key):
     of 4 over 16-row blocks — and at Qwen3 512 tokens, the chained ``ws`` stream (the plain ``ws``
     kernel's clusters: the kernel cases), on the weights the table prepares, expert 0 never
     routed, fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t, over in CLUSTER_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        got = jax.jit(functools.partial(fused_moe_wgmma, **over))(x, tw, ids, wg)
-        _layer_close(got, ref, what=f"{over} T={t}")
+    _layer_rows(shape, key, [(t, [over]) for t, over in CLUSTER_TOKENS[shape]])
 
 
 ADD_TOKENS = {"mixtral": (16, 512), "qwen3": (64, 512, 4096), "dsv2lite": (256,)}
@@ -2340,14 +2382,8 @@ def test_wgmma_combine_add_gpu(shape, key):
     scale-only fold (Mixtral 16, Qwen3 64 tokens), 48-row blocks without ``ws`` (Qwen3 512,
     DeepSeek-V2-Lite 256), 64- and 128-row ``ws`` blocks (Mixtral 512, Qwen3 4096) — and with the
     persistent GEMMs; expert 0 never routed, fresh inputs per call, against the float64 reference."""
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-    rng, k, w, wg = _table_weights(shape, key)
-    for t in ADD_TOKENS[shape]:
-        x, tw, ids, ref = _routed_case(rng, w, t, k)
-        for over in (dict(), dict(persistent=True)):
-            got = jax.jit(functools.partial(fused_moe_wgmma, schedule="blocked", combine="add", **over))(x, tw, ids, wg)
-            _layer_close(got, ref, what=f"combine=add {over} T={t}")
+    _layer_rows(shape, key, [(t, (dict(), dict(persistent=True))) for t in ADD_TOKENS[shape]], schedule="blocked",
+                combine="add")
 
 
 @pytest.mark.gpu
