@@ -44,15 +44,13 @@ BW, FLOPS = 4.3e12, 640e12
 # warpgroups of block_n columns each, one copy warpgroup); "o16": bf16 output (no K split);
 # "tout": the output written [M, N] through a transposed shared-memory store; "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
-# against the next step's dequantization, raced at 128-row blocks); "half": half_tiles (the wide words
-# as one 64-byte-swizzled tile per K-block, loaded just before it); "uw": unit_wait (each 64-deep
-# unit's wgmmas waited for before the next unit's dequantization: fewer registers). (kpb 2 without
-# wide measured no gain: RESULTS.md.)
+# against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
+# RESULTS.md; v26's half_tiles / unit_wait, measured and removed: NOTES.md v26.)
 def _variant_name(opts):
     """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
     (the names ``--only`` filters on)."""
     flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("overlap", "ovl"),
-             ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"), ("half_tiles", "half"), ("unit_wait", "uw"))
+             ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
     parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
     parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
     cl = [f"cl{opts['cluster']}"] if opts.get("cluster", 1) != 1 else []
@@ -107,13 +105,6 @@ WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
     (16, dict(block_n=128, stages=4, shift32=True, ws=True, out_dtype=jnp.bfloat16, tout=True)),
     (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True, out_dtype=jnp.bfloat16, tout=True)),
     (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True, out_dtype=jnp.bfloat16, tout=True)),
-    # v26: the decode fold with fewer registers — half_tiles, unit_wait, both (the plain kernel: 16-row
-    # blocks at 143 registers fit 3 programs per SM where shared memory holds 4; 8-row ones 4 of 5)
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, half_tiles=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, unit_wait=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, half_tiles=True, unit_wait=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True, half_tiles=True,
-              unit_wait=True)),
 ]]
 
 

@@ -358,15 +358,14 @@ def _check(a, expert_ids, words, scales, zeros, block_m, split_k, group_size, ro
 @functools.partial(jax.jit, static_argnames=("block_m", "split_k", "group_size", "stages", "block_n", "kpb",
                                              "wide", "shift32", "zfold", "sfold", "overlap", "ws", "out_dtype", "tout",
                                              "gated", "persistent", "programs", "dest_rows", "lop3", "cluster",
-                                             "a_div", "half_tiles", "unit_wait"))
+                                             "a_div"))
 def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, dest=None, *, block_m: int,
                        group_size: int = 128,
                        split_k: int = 1, stages: int = 3, block_n: int = BLOCK_N, kpb: int = 1, wide: bool = False,
                        shift32: bool = False, zfold: bool = False, sfold: bool = False, overlap: bool = False,
                        ws: bool = False, out_dtype=jnp.float32, tout: bool = False, gated: str | None = None,
                        persistent: bool = False, programs: int | None = None, dest_rows: int | None = None,
-                       lop3: bool = True, cluster: int = 1, a_div: int = 1, half_tiles: bool = False,
-                       unit_wait: bool = False):
+                       lop3: bool = True, cluster: int = 1, a_div: int = 1):
     """``out[s, r] = a[r] @ W[expert_ids[r // block_m]]ᵀ`` over split ``s``'s share of K.
 
     ``a [M, K]`` bf16/fp16 (rows sorted into blocks), ``expert_ids [M / block_m]`` (``-1``: zero
@@ -457,17 +456,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     blocks — the pair schedule's ``k`` routed pairs of a token share that token's rows, spread
     once per token instead of once per pair. The output (and ``row_scale`` / ``dest``) keeps one
     block per expert id.
-    ``half_tiles`` and ``unit_wait`` (v26, not yet timed on the GPU) hold fewer registers, so that
-    more programs fit an SM (NOTES.md v24: the decode fold waits on latency with 3–4 warps per
-    scheduler, its registers, not its shared memory, holding 16-row blocks to 3 programs).
-    ``half_tiles`` (with ``wide``): each step's words are copied as two 64-byte-swizzled
-    ``[block_n, 32]`` tiles, one per K-block, and each is loaded into registers just before its
-    K-block is dequantized — instead of the whole ``[block_n, 64]`` tile at the step's start,
-    whose second half stays live through the first K-block. ``unit_wait``: the wgmmas of each
-    64-deep quarter of a step (a unit: four ``[block_n, 16]`` register operands) are waited for
-    before the next unit is dequantized, so one unit's operands are live instead of a K-block's
-    (``[block_n, 128]``) or a step's; the price is that a program's dequantization no longer runs
-    while its own wgmmas do (the plain kernel and ``ws``'s fold; not with ``overlap``).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -496,12 +484,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     for flag, on in (("shift32", shift32), ("zfold", zfold), ("sfold", sfold)):
         if on and jnp.dtype(words.dtype) != jnp.dtype(jnp.int16):
             raise ConfigError(f"wgmma_grouped_gemm: {flag}=True needs 16-bit words, got {words.dtype}")
-    if half_tiles and not wide:
-        raise ConfigError("wgmma_grouped_gemm: half_tiles=True splits the wide word tile; it needs wide=True")
-    if unit_wait and (overlap or (ws and not sfold) or persistent):
-        raise ConfigError(f"wgmma_grouped_gemm: unit_wait=True is the plain kernel's and ws's scale-only fold's: "
-                          f"not with overlap, persistent or ws without sfold (got overlap={overlap}, "
-                          f"persistent={persistent}, ws={ws}, sfold={sfold})")
     if wide and (kpb != 2 or tile_n is not None or jnp.dtype(words.dtype) != jnp.dtype(jnp.int16)):
         raise ConfigError(f"wgmma_grouped_gemm: wide=True needs kpb=2 and 16-bit [E, N, K/4] words, got kpb={kpb}, "
                           f"words {words.dtype}{words.shape}")
@@ -590,7 +572,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     w16 = jnp.dtype(words.dtype) == jnp.dtype(jnp.int16)
     wcols = 32 if w16 else 16                 # words per row per K-block
     wswz = 32 if w16 else 64                  # bytes per 16-word tile row
-    wtile = wcols if half_tiles else 2 * wcols  # wide: words per swizzled tile row (one K-block's, or the step's)
     channelwise = group_size == -1
 
     planes = _nibble_planes(bn, dtype, lop3) if shift32 else None
@@ -673,11 +654,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                         sc = rows(s_smem, dtype)
                     if not zfold:
                         zc = rows(z_smem, dtype) if has_zp else jnp.asarray(magic_value(dtype) + 8.0, dtype)
-                    if wide and half_tiles:           # this K-block's [bn, 32] words, loaded at its first unit
-                        if len(whole) == q:
-                            whole.append(smem_load(w_smem.at[:, pl.ds(wcols * q, wcols)], layout=plgpu.Layout.WGMMA))
-                        tile = whole[q][:, 16 * u: 16 * u + 16]
-                    elif wide:
+                    if wide:
                         if not whole:
                             whole.append(smem_load(w_smem, layout=plgpu.Layout.WGMMA))
                         tile = whole[0][:, wcols * q + 16 * u: wcols * q + 16 * u + 16]
@@ -755,25 +732,13 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         """``acc`` plus one pipeline step's product: the step's weights dequantized in registers
         (:func:`dequant_units`) against its activation tile, through ``acc_ref`` (the wgmma
         accumulator); with ``zfold`` / ``sfold`` each K-block's partial folded in float32."""
-        if unit_wait:                            # each unit dequantized after the last one's wgmmas are done
-            units = dequant_units(w_smem, s_smem, z_smem)
-
-            def run(q):
-                for emit in units[2 * q: 2 * q + 2] if q is not None else units:
-                    for k0, w in emit():
-                        plgpu.wgmma(acc_ref, w, xk(k0))
-                    plgpu.wgmma_wait(0)
-        else:
-            ops = dequantized(w_smem, s_smem, z_smem)
-
-            def run(q):
-                for k0, w in ops if q is None else ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
-                    plgpu.wgmma(acc_ref, w, xk(k0))
-                plgpu.wgmma_wait(0)
+        ops = dequantized(w_smem, s_smem, z_smem)
         xk = x_operand(x_smem)
         if not (zfold or sfold):
             acc_ref[...] = acc
-            run(None)
+            for k0, w in ops:
+                plgpu.wgmma(acc_ref, w, xk(k0))
+            plgpu.wgmma_wait(0)
             return acc_ref[...]
         for q in range(kpb):                     # one K-block (one scale group) per partial
             g = 0 if channelwise else q
@@ -782,7 +747,9 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                 return jax.lax.broadcast_in_dim(smem_load(ref.at[g], layout=row).astype(jnp.float32),
                                                 (bn, bm), (0,))
             acc_ref[...] = zero()
-            run(q)
+            for k0, w in ops[len(ops) // kpb * q: len(ops) // kpb * (q + 1)]:
+                plgpu.wgmma(acc_ref, w, xk(k0))
+            plgpu.wgmma_wait(0)
             if sfold:                            # the partial is Σ (c − z)·x: scale it
                 acc = acc + cols(s_smem) * acc_ref[...]
                 continue
@@ -809,7 +776,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
             if tile_n else
             plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
-                            transforms=(plgpu.TilingTransform((8, wtile)), plgpu.SwizzleTransform(2 * wtile))) if wide else
+                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
             plgpu.BlockSpec((bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb), delay_release=1 if overlap else 0,
@@ -905,7 +872,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         i, sp = jax.lax.axis_index("b"), jax.lax.axis_index("s")
         j = jax.lax.axis_index("n") * cluster + jax.lax.axis_index("cn")
         st = min(stages, chunk)
-        w_tr = (plgpu.TilingTransform((8, wtile)), plgpu.SwizzleTransform(2 * wtile)) if wide else \
+        w_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if wide else \
             (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))
         n_g = 1 if channelwise else kpb
         ring = [plgpu.SMEM((st, bn, wcols * kpb), words.dtype, transforms=w_tr),
@@ -992,7 +959,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         (``block_n`` columns each), copy warpgroup 2; ``state``: its place in a chain of pipelines."""
         specs = [
             plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
-                            transforms=(plgpu.TilingTransform((8, wtile)), plgpu.SwizzleTransform(2 * wtile))) if wide else
+                            transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else
             plgpu.BlockSpec((2 * bn, wcols * kpb), lambda kb: (0, kb),
                             transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz))),
             plgpu.BlockSpec((bm, BLOCK_K * kpb), lambda kb: (0, kb),
@@ -1078,7 +1045,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
         row_gmem, o_gmem = rest[:-1], rest[-1]          # row_scale's and dest's rows (those given)
         p = jax.lax.axis_index("p")
         nt = n // bn * split_k                 # items per block: column tiles × K splits
-        wcol_spec = dict(transforms=(plgpu.TilingTransform((8, wtile)), plgpu.SwizzleTransform(2 * wtile))) if wide else \
+        wcol_spec = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))) if wide else \
             dict(transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(wswz)))
 
         def body(ids_smem, ids_bar, *o_smem):
@@ -1512,8 +1479,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
                     fuse_act: bool | None = None, align: str = "auto", one_kernel: bool | None = None,
                     weight_in_gemm2: bool | None = None, static_sums: bool = True, gather32: bool | None = None,
                     row_gather: bool | None = None, token_rows: bool = False,
-                    persistent: bool | None | tuple = None, lop3: bool = True, cluster: int = 1,
-                    half_tiles: bool = False, unit_wait: bool = False):
+                    persistent: bool | None | tuple = None, lop3: bool = True, cluster: int = 1):
     """The fused MoE layer on the v4 wgmma kernels (semantics of :func:`wna16_jax.moe.fused_moe`).
 
     ``schedule="blocked"``: rows sorted into ``block_m`` expert blocks (the alignment step; default
@@ -1666,10 +1632,6 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``overlap``,
     ``zfold`` or the ``persistent`` stream without ``ws``) or ``ws`` (the chained ``ws`` stream
     too) and whose tiles and row tile split evenly; the others run unclustered.
-    ``half_tiles`` / ``unit_wait`` (v26, off by default, not yet timed on the GPU): the kernel's
-    options of those names (fewer registers per program) — ``half_tiles`` for every GEMM with
-    256-deep steps, ``unit_wait`` for every GEMM on the plain kernel or folding on ``ws`` (not
-    the ``persistent`` stream or ``overlap``).
     Returns ``[T, H]`` in the input dtype; out-of-range ids give NaN rows."""
     from wna16_jax.moe import check_activation
     from .fused_moe_tiles import _layer_inputs, _local, _permute_cols, _sorted_blocks
@@ -1855,9 +1817,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             a = a.reshape(-1, bm, a.shape[1])[jnp.arange(experts.shape[0]) // a_div].reshape(-1, a.shape[1])
             a_div = 1
         out = wgmma_grouped_gemm(a, experts, *ops, row_scale=rs, dest=dest, block_m=bm, group_size=group, cluster=cl,
-                                 a_div=a_div, half_tiles=bool(half_tiles) and kpb == 2,
-                                 unit_wait=bool(unit_wait) and not pers and not (overlap and not fold)
-                                 and not (wsp and not (fold and sfold)),
+                                 a_div=a_div,
                                  split_k=s, block_n=bn, stages=st, kpb=kpb, wide=kpb == 2, shift32=shift32, lop3=lop3,
                                  zfold=fold and not sfold, sfold=fold and sfold,
                                  overlap=overlap and not fold, ws=wsp, out_dtype=a.dtype if o16 else jnp.float32,
