@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25; also a reduced acc2 probe by hand, after which acc2 was removed); 106, 107 and 108 in the twenty-seventh (v26; half_tiles and unit_wait were removed after 106); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25; also a reduced acc2 probe by hand, after which acc2 was removed); 106–109 in the twenty-seventh (v26; half_tiles and unit_wait were removed after 106); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1127,6 +1127,18 @@ elif [ "$part" = 107 ]; then   # v26: the GPU layer tests on the shared helper (
     WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 300 \
         "blocked_defaults_gpu or v16_defaults_gpu or cluster_gpu or combine_add_gpu"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
+elif [ "$part" = 109 ]; then   # v26: the ring depth per GEMM (stages as a pair). At Mixtral 1 token GEMM2 runs 256
+    # programs (64 tiles x split 4, 14 steps each), about 2 per SM, at 2 stages: 64 KB in flight per SM, about what
+    # 4.3 TB/s needs at ~2 us of latency (32.6 GB/s per SM x 2 us = 65 KB); its 20.7 us are 1.43x its bytes' time
+    # (GEMM1, 4 programs per SM: 1.31x). Prediction: GEMM2 with 4 stages 16-18 us, the layer 67 -> 63-65 us; both GEMMs
+    # at 4 stages (GEMM1 then 3 programs per SM by shared memory) no better than GEMM2 alone; Mixtral 16 tokens
+    # (8-row blocks, ~4 programs per SM) flat or slower; Mixtral 64 (24-row ws, one program per SM) within +-2%
+    logged "sweep_stages" 330 python3 benchmarks/moe_engine.py --sweep --rows mixtral:1,16,64 --reps 40 \
+        --variants "wgmma=kernel:wgmma;gemm2 st4=kernel:wgmma,stages:-/4;st4=kernel:wgmma,stages:4;again=kernel:wgmma"
+    grep -E "^##|µs|rror|rc " "$OUT/sweep_stages.log"
+    logged "prof_stages" 150 python3 benchmarks/moe_engine.py --sweep --profile --profile-top 6 --rows mixtral:1 \
+        --reps 10 --variants "wgmma=kernel:wgmma;gemm2 st4=kernel:wgmma,stages:-/4;gemm2 st3=kernel:wgmma,stages:-/3"
+    grep -E "^##|^  [a-z]|µs  ×1|rc " "$OUT/prof_stages.log" | grep -vE "host|Execute|XLA GPU|command_buffer"
 elif [ "$part" = 108 ]; then   # v26: combine="add" against the bound of its bf16 top-k sum (part 107: 1.59e-2 at Qwen3
     # 64 tokens against the 1.5e-2 of a float32 sum)
     WORKERS=9 PYTEST_EXTRA="--durations=5" gpu_tests 240 "combine_add_gpu"

@@ -1472,7 +1472,8 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeights", *, activation: str = "silu",
                     apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, schedule: str | None = None, block_m: int | None = None,
-                    split1: int | None = None, split2: int | None = None, block_n: int = 128, stages: int | None = None,
+                    split1: int | None = None, split2: int | None = None, block_n: int = 128,
+                    stages: int | None | tuple = None,
                     wide: bool | None = None, shift32: bool = True, zfold: bool | None = None,
                     sfold: bool | None = None, overlap: bool = False, ws: bool | None = None,
                     out16: bool | None = None, tout: bool | None = None, combine: str = "gather",
@@ -1502,7 +1503,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     301 vs 330 µs at 16 tokens, 450 vs 493 at 64), else 4; given or default, lowered until the
     program fits the 227 KB of shared memory (:func:`wgmma_smem_bytes`): 3 at 128-row blocks
     with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no ``tout`` at
-    128-row blocks with 256-deep steps. ``shift32`` (default on): the kernel's 32-bit nibble
+    128-row blocks with 256-deep steps; a pair ``(GEMM1's, GEMM2's)`` sets the two GEMMs apart
+    (``None`` in it: that GEMM's default). ``shift32`` (default on): the kernel's 32-bit nibble
     extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (NOTES.md
     v14). ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
@@ -1650,6 +1652,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     if len(pers_of) != 2 or any(p not in (None, True, False) for p in pers_of):
         raise ConfigError(f"persistent: expected True, False, None or a pair of them (GEMM1, GEMM2), got {persistent!r}")
     pers_of = tuple(None if p is None else bool(p) for p in pers_of)
+    st_of = tuple(stages) if isinstance(stages, (tuple, list)) else (stages, stages)
+    if len(st_of) != 2 or any(not (d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1))
+                              for d in st_of):
+        raise ConfigError(f"stages: expected None, a ring depth >= 1 or a pair of them (GEMM1, GEMM2), got {stages!r}")
     t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
                                                     global_num_experts)
     if t == 0:
@@ -1689,14 +1695,14 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             and activation in GATED_ACTIVATIONS and weights.w13_bias is None and not apply_router_weight_on_input)
 
     def gemm(a, experts, bm, ops, n, kdim, split, gate=None, rs=None, dest=None, per_sm4=False, whole=False,
-             rs_optional=False, persistent=None, a_div=1):
+             rs_optional=False, persistent=None, a_div=1, stages=None):
         """``(output [rows, N] — or [rows, N/2] act(gate)·up where gated —, gated, rs applied)``: the
         kernel's own output without a K split (16-bit with ``out16``), else the float32 sum of the
         splits; with ``dest`` (``combine="add"``) the ``[T, N]`` sums of the rows by destination.
         ``rs_optional``: the row scales may be left to the caller (the third value says whether
         the kernel applied them), so that the default ``ws`` stream, which takes none, can run.
-        ``persistent``: this GEMM's share of the layer's option. ``whole``: no K split unless one is
-        asked for (the 16-bit ``tout`` output, no float32 partials for XLA to sum). ``a_div``: ``a``
+        ``persistent`` / ``stages``: this GEMM's share of the layer's options. ``whole``: no K split
+        unless one is asked for (the 16-bit ``tout`` output, no float32 partials for XLA to sum). ``a_div``: ``a``
         holds one block per ``a_div`` expert blocks (the kernel's ``a_div``); spread out per block
         here where the GEMM does not run the plain kernel."""
         bn = block_n if n % block_n == 0 else BLOCK_N
@@ -1893,7 +1899,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     else:
         a1 = _permute_cols(spread(x_rows), weights.w13_perm, row_expert)
     h, gated, _ = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, split1, activation if fuse else None,
-                       per_sm4=schedule == "pair", persistent=pers_of[0], a_div=a_div)
+                       per_sm4=schedule == "pair", persistent=pers_of[0], a_div=a_div, stages=st_of[0])
     if schedule == "pair" and gated and weights.w2_perm is None and h.dtype == cdt:
         # GEMM1 wrote act(gate)·up in 8-row blocks whose rows 1–7 are act(0)·0 = 0: already
         # GEMM2's input, with no XLA pass between the two kernels
@@ -1921,7 +1927,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             raise ConfigError("combine='add' sums GEMM2's rows as the kernel writes them: the router weights must "
                               "be applied in GEMM2 (weight_in_gemm2 not False) or on the input")
         out = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, dest=jnp.where(live, tok, -1).astype(jnp.int32),
-                   persistent=pers_of[1])[0].astype(jnp.float32)
+                   persistent=pers_of[1], stages=st_of[1])[0].astype(jnp.float32)
         if weights.w2_bias is not None:                 # Σ_j w_j · b[e_j] over each token's routed pairs
             on = local >= 0
             w = on.astype(jnp.float32) if apply_router_weight_on_input else jnp.where(on, tw.reshape(t, k), 0.0)
@@ -1932,7 +1938,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     # tiles (tout) leave XLA no float32 partials to sum and transpose (Mixtral 16 tokens 216.2 µs
     # against 227.0 at split 2, both with tout; 236.0–236.4 for v15: part 56)
     y, _, in_gemm2 = gemm(a2, experts, bm, ops2, h_dim, i_dim, split2, rs=rs, whole=schedule == "blocked" and bm <= 16,
-                          rs_optional=weight_in_gemm2 is None, persistent=pers_of[1])
+                          rs_optional=weight_in_gemm2 is None, persistent=pers_of[1], stages=st_of[1])
     y = first_rows(y).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if weights.w2_bias is not None:

@@ -2473,3 +2473,22 @@ def test_persistent_schedule_covers_every_item_once(nb, tiles, split, chunk, pro
             seen.append((item // ipb, item % ipb // split, item % ipb % split))
     assert sorted(seen) == [(b, j, s) for b in range(nb) for j in range(tiles) for s in range(split)]
     assert max(counts) - min(counts) <= 1 and sum(counts) == n_live
+
+
+def test_fused_moe_wgmma_stages_pair_cpu(monkeypatch):
+    """``stages`` as a pair ``(GEMM1's, GEMM2's)`` (v26) sets the two GEMMs' ring depths apart
+    (``None`` in it: that GEMM's default), one value sets both, and anything else is a
+    ConfigError naming the option; the layer stays right (kernels replaced by their jnp
+    contracts)."""
+    import pallas_kernels.wgmma_w4a16 as wgm
+
+    # GEMM1: K = 4096 in 256-deep steps (2 stages by default at 16-row blocks); GEMM2: K = 256, one step (4)
+    cases = [(dict(block_m=16), [2, 4]), (dict(block_m=16, stages=(None, 3)), [2, 3]),
+             (dict(block_m=16, stages=(3, None)), [3, 4]), (dict(block_m=16, stages=3), [3, 3]),
+             (dict(schedule="pair", stages=[None, 2]), [2, 2])]
+    _check_layer_picks(monkeypatch, lambda kw: kw["stages"], cases, 4, 4096, 256, close={1, 4})
+    w, x, tw, ids, _ = _layer_case(np.random.default_rng(), WGMMA_SCHEMES["awq_g128"], 4, 256, 256, 4, 2)
+    wg = wgm.convert_wgmma(w.to_jax())
+    for bad in ((2, 3, 4), 0, (2, "x"), True, (None, -1)):
+        with pytest.raises(ConfigError, match="stages: expected"):
+            jax.eval_shape(functools.partial(wgm.fused_moe_wgmma, stages=bad), x, tw, ids, wg)
