@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -1504,7 +1505,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     program fits the 227 KB of shared memory (:func:`wgmma_smem_bytes`): 3 at 128-row blocks
     with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no ``tout`` at
     128-row blocks with 256-deep steps; a pair ``(GEMM1's, GEMM2's)`` sets the two GEMMs apart
-    (``None`` in it: that GEMM's default). ``shift32`` (default on): the kernel's 32-bit nibble
+    (``None`` in it: that GEMM's default; v26: GEMM2 at 3 or 4 stages left Mixtral's 1-token
+    GEMM2 at 20.5–21.0 µs against 21.1 at 2, NOTES.md v26). ``shift32`` (default on): the kernel's 32-bit nibble
     extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (NOTES.md
     v14). ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
@@ -1653,9 +1655,10 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         raise ConfigError(f"persistent: expected True, False, None or a pair of them (GEMM1, GEMM2), got {persistent!r}")
     pers_of = tuple(None if p is None else bool(p) for p in pers_of)
     st_of = tuple(stages) if isinstance(stages, (tuple, list)) else (stages, stages)
-    if len(st_of) != 2 or any(not (d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1))
-                              for d in st_of):
+    if len(st_of) != 2 or any(not (d is None or (isinstance(d, numbers.Integral) and not isinstance(d, bool)
+                                                 and d >= 1)) for d in st_of):
         raise ConfigError(f"stages: expected None, a ring depth >= 1 or a pair of them (GEMM1, GEMM2), got {stages!r}")
+    st_of = tuple(None if d is None else int(d) for d in st_of)
     t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
                                                     global_num_experts)
     if t == 0:
