@@ -3,7 +3,7 @@
 # $OUT. From the repository root on the GPU machine:
 #     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
 # Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
-# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25; also a reduced acc2 probe by hand, after which acc2 was removed); 106–109 in the twenty-seventh (v26; half_tiles and unit_wait were removed after 106); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
+# (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25; also a reduced acc2 probe by hand, after which acc2 was removed); 106–109 in the twenty-seventh (v26; half_tiles and unit_wait were removed after 106); 110, 111 and 80–81 in the twenty-eighth (v27, the closing runs); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
 # 1: the wgmma GPU tests (kernel cases incl. overlap; the layer the dispatch table runs on the
@@ -1123,6 +1123,15 @@ elif [ "$part" = 105 ]; then   # v25: the new default (24-row scale-only fold bl
     logged "sweep_v25" 200 python3 benchmarks/moe_engine.py --sweep --rows mixtral:48,64 --reps 40 \
         --variants "default=kernel:wgmma;v24 (ws off)=kernel:wgmma,ws:0;again=kernel:wgmma"
     grep -E "^##|µs|rror|rc " "$OUT/sweep_v25.log"
+elif [ "$part" = 110 ] || [ "$part" = 111 ]; then   # v27: the closing table on main (110: Mixtral, 111: Qwen3
+    # and DeepSeek-V2-Lite), every alternative the issue names (the wgmma engine on AWQ and GPTQ, the project's XLA path,
+    # ragged_dot on bf16 weights, dequantize-then-ragged_dot) and the same-run dense bf16 rate; the Triton-lowered
+    # engine's columns and engine<-Marlin (v19 / v22 tables) are left out to fit the device time
+    rows=$([ "$part" = 110 ] && echo "mixtral" || echo "qwen3 dsv2lite")
+    logged "table_full" 570 python3 benchmarks/moe_engine.py --rows $rows --reps 40 \
+        --skip "engine AWQ,engine GPTQ,engine←Marlin" \
+        --append "$OUT/RESULTS_engine.md" --json "$OUT/results.json"
+    grep -E "^\| |rc |rror" "$OUT/table_full.log"
 elif [ "$part" = 107 ]; then   # v26: the GPU layer tests on the shared helper (v26 refactor) that part 106 left out
     WORKERS=14 PYTEST_EXTRA="--durations=5" gpu_tests 300 \
         "blocked_defaults_gpu or v16_defaults_gpu or cluster_gpu or combine_add_gpu"
