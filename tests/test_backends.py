@@ -1,10 +1,16 @@
 """The dispatch table: completeness, per-platform priority, selection, reasons, forcing."""
 
+import warnings
+
+import numpy as np
 import pytest
 
 from wna16_jax.backends import (
+    _FALLBACK_WARNED,
+    CONVERTING_BACKENDS,
     TABLE,
     Backend,
+    BackendFallbackWarning,
     Device,
     backend_reasons,
     priority_backends,
@@ -27,8 +33,10 @@ CT8_ASYM = QuantScheme("compressed-tensors", 8, 64, True)
 
 
 def test_table_is_complete():
-    assert set(TABLE) == set(Backend) and len(Backend) == 6
-    assert {b.name for b in Backend} == {"CPU", "XPU", "MARLIN", "BATCHED_MARLIN", "FLASHINFER_TRTLLM", "HUMMING"}
+    assert set(TABLE) == set(Backend) and len(Backend) == 7
+    assert {b.name for b in CONVERTING_BACKENDS} == {"CPU", "XPU", "MARLIN", "BATCHED_MARLIN",
+                                                     "FLASHINFER_TRTLLM", "HUMMING"}
+    assert Backend.LOADER not in CONVERTING_BACKENDS
     for b, spec in TABLE.items():
         assert spec.backend is b and spec.layout and spec.executes_on
 
@@ -54,17 +62,49 @@ def test_current_device():
         assert select_backend(GPTQ) is Backend.MARLIN
 
 
+def _fallback(scheme, device, **request):
+    """select_backend's fallback: LOADER, with one warning that lists every refused row."""
+    _FALLBACK_WARNED.clear()
+    with pytest.warns(BackendFallbackWarning) as rec:
+        assert select_backend(scheme, device, **request) is Backend.LOADER
+    msg = str(rec[0].message)
+    for b in CONVERTING_BACKENDS:        # every row is listed with its reason
+        assert f"  {b.name}: " in msg
+    with warnings.catch_warnings():      # once per scheme and device
+        warnings.simplefilter("error")
+        assert select_backend(scheme, device, **request) is Backend.LOADER
+    return msg
+
+
 def test_selection_on_cpu():
     assert select_backend(AWQ, CPU) is Backend.CPU
     assert select_backend(GPTQ, CPU) is Backend.CPU
+    assert "act-order" in _fallback(GPTQ_ACT, CPU)
+    assert "kInt8Static" in _fallback(GPTQ8, CPU)
+    # the fallback cannot take int8 activations: then selection fails with every reason
     with pytest.raises(BackendSelectionError) as ei:
-        select_backend(GPTQ_ACT, CPU)
-    msg = str(ei.value)
-    for b in Backend:        # every backend is listed with its reason
-        assert b.name in msg
-    assert "act-order" in msg
-    with pytest.raises(BackendSelectionError, match="kInt8Static"):
-        select_backend(GPTQ8, CPU)
+        select_backend(GPTQ8, CPU, input_dtype="int8")
+    assert "LOADER" in str(ei.value) and "kInt8Static" in str(ei.value)
+
+
+def test_forced_backend_from_environment(monkeypatch):
+    monkeypatch.setenv("WNA16_JAX_BACKEND", "loader")
+    assert select_backend(GPTQ, CPU) is Backend.LOADER
+    monkeypatch.setenv("WNA16_JAX_BACKEND", "humming")
+    with pytest.raises(UnsupportedError, match="HUMMING was forced"):
+        select_backend(GPTQ, CPU)
+    monkeypatch.setenv("WNA16_JAX_BACKEND", "nope")
+    with pytest.raises(ConfigError, match="WNA16_JAX_BACKEND.*nope"):
+        select_backend(GPTQ, CPU)
+
+
+def test_loader_row_converts_nothing():
+    from wna16_jax.checkpoint import random_checkpoint_weights
+
+    w = random_checkpoint_weights(np.random.default_rng(0), GPTQ8, 2, 128, 128)
+    assert TABLE[Backend.LOADER].layout_supports(GPTQ8) is None
+    assert TABLE[Backend.LOADER].convert(GPTQ8, w) is w
+    assert TABLE[Backend.LOADER].prepare(GPTQ8, w, device=CPU) is w
 
 
 def test_selection_on_gpus():
@@ -76,11 +116,10 @@ def test_selection_on_gpus():
     r = TABLE[Backend.FLASHINFER_TRTLLM].supports(CT_G32, H200)
     assert "SM100" in r
     # 8-bit asym: only Humming's key family covers it, and Humming needs AWQ/GPTQ configs
-    with pytest.raises(BackendSelectionError) as ei:
-        select_backend(CT8_ASYM, H200)
-    assert "kInt8StaticAsym" in str(ei.value) and "compressed-tensors" in str(ei.value)
-    with pytest.raises(BackendSelectionError, match="ROCm"):
-        select_backend(GPTQ, ROCM)
+    msg = _fallback(CT8_ASYM, H200)
+    assert "kInt8StaticAsym" in msg and "compressed-tensors" in msg
+    assert "ROCm" in _fallback(GPTQ, ROCM)
+    assert "NVIDIA" in _fallback(GPTQ, Device("tpu", "TPU v5e"))
 
 
 def test_trtllm_opt_in(monkeypatch):
@@ -136,6 +175,6 @@ def test_forced_backend():
 
 def test_reasons_listing_and_errors_are_typed():
     reasons = backend_reasons(GPTQ, CPU)
-    assert set(reasons) == set(Backend) and reasons[Backend.CPU] is None
+    assert set(reasons) == set(Backend) and reasons[Backend.CPU] is None and reasons[Backend.LOADER] is None
     assert issubclass(BackendSelectionError, WNA16Error)
     assert issubclass(UnsupportedError, NotImplementedError)

@@ -23,7 +23,7 @@ def test_demo_runs_and_passes():
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "all results within tolerance" in out
-    for name in ("AWQ g128", "GPTQ 4b g64 act-order", "CT 4b g64 asym", "MARLIN", "HUMMING"):
+    for name in ("AWQ g128", "GPTQ 4b g64 actorder", "CT 4b g64 asym", "MARLIN", "HUMMING"):
         assert name in out
     import jax
 
@@ -42,7 +42,7 @@ def test_inspect(tmp_path, scheme):
     for b in ("CPU", "XPU", "MARLIN", "BATCHED_MARLIN", "FLASHINFER_TRTLLM", "HUMMING"):
         assert b in out
     if scheme.act_order:
-        assert "no backend selected" in out and "act-order" in out
+        assert "SELECTED (fallback" in out and "LOADER" in out and "act-order" in out
     else:
         assert "SELECTED" in out
     assert "needs an NVIDIA CUDA GPU" in out and "SM100" in out
@@ -50,4 +50,19 @@ def test_inspect(tmp_path, scheme):
 
 def test_inspect_bad_dir(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
-    assert "ConfigError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and len(err.strip().splitlines()) == 1
+
+
+def test_inspect_converted_folder(tmp_path):
+    from wna16_jax.serialize import convert_checkpoint
+
+    scheme = QuantScheme("awq", 4, 64, True)
+    write_checkpoint(tmp_path / "src", scheme, [random_moe_layer(np.random.default_rng(), 4, 128, 128)],
+                     model_type="qwen3_moe")
+    convert_checkpoint(tmp_path / "src", "marlin", tmp_path / "out", progress=False)
+    buf = io.StringIO()
+    assert run_inspect(str(tmp_path / "out"), out=buf) == 0
+    out = buf.getvalue()
+    assert "backend:    MARLIN" in out and scheme.describe() in out and "4 experts" in out
+    assert "experts.w13_qweight" in out and "MarlinWeights" in out

@@ -4,9 +4,12 @@ A port of the seed oracle's backend selection (``_get_priority_backends`` and th
 classes' support checks, spec ``vllm_wna16_formats.md`` §9) onto JAX platforms. The table
 (:data:`TABLE`) is one literal mapping ``Backend → BackendSpec``; each spec's ``supports``
 returns ``None`` or the reason it refuses. :func:`select_backend` walks the platform's priority
-list and returns the first backend whose check passes; when none does it raises
-:class:`BackendSelectionError` listing every backend with its reason. Forcing an unsupported
-backend raises with the reason; there is never a silent fallback.
+list and returns the first backend whose check passes. When none does (vLLM raises there), it
+returns :attr:`Backend.LOADER` — the checkpoint's own layout, which the XLA executor runs on
+every platform — and warns once with every refused row and its reason
+(:class:`BackendFallbackWarning`). Forcing a backend that refuses raises with the reason; the
+fallback is never silent. ``WNA16_JAX_BACKEND`` forces a backend the same way (like vLLM's
+``--moe-backend``).
 
 Every backend's layout also has an XLA decode (``<Backend>Weights.decode``), so any converted
 pytree runs on any platform through :func:`wna16_jax.moe.fused_moe`; the device gates below say
@@ -36,6 +39,8 @@ class Backend(str, Enum):
     BATCHED_MARLIN = "batched_marlin"
     FLASHINFER_TRTLLM = "flashinfer_trtllm"
     HUMMING = "humming"
+    #: no conversion: the loader layout, run by the XLA executor (selected when no row above is)
+    LOADER = "loader"
 
     def __str__(self) -> str:
         return self.name
@@ -240,6 +245,15 @@ def _supports_cpu(req: Request, dev: Device) -> str | None:
     )
 
 
+def _supports_loader(req: Request, dev: Device) -> str | None:
+    del dev
+    return _first(
+        "int8 / fp8 activations are a Marlin-layout feature; the XLA executor takes 16/32-bit "
+        "activations" if req.input_dtype else None,
+        None if req.activation_format == "standard" else "standard activation format only",
+    )
+
+
 def _supports_xpu(req: Request, dev: Device) -> str | None:
     s = req.scheme
     return _first(
@@ -311,7 +325,20 @@ class BackendSpec:
         return getattr(mod, fn, None)
 
     def convert(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
-        """Convert a loader-layout pytree (jit-compiled once per scheme, shapes and input dtype)."""
+        """Convert a loader-layout pytree (jit-compiled once per scheme, shapes and input dtype).
+
+        The weights are checked against ``scheme`` first (every field's shape and dtype)."""
+        from .weights import CheckpointWeights
+
+        if not isinstance(weights, CheckpointWeights):
+            raise ConfigError(f"weights: expected the loader layout (CheckpointWeights) to convert, "
+                              f"got {type(weights).__name__}")
+        if weights.scheme != scheme:
+            raise ConfigError(f"scheme: {scheme.describe()} differs from the weights' own "
+                              f"{weights.scheme.describe() if weights.scheme else None}")
+        weights.validate()
+        if self.backend is Backend.LOADER:
+            return weights
         fn = self.converter()
         if fn is None:
             raise UnsupportedError(f"{self.backend}: layout converter not implemented yet")
@@ -361,6 +388,8 @@ class BackendSpec:
         configurations outside the engine: :meth:`convert` (the backend's own layout).
         """
         dev = device or Device.current()
+        if self.backend is Backend.LOADER:
+            return self.convert(scheme, weights, input_dtype)
         if self.executor_reason(weights, dev, input_dtype) is None:
             import jax
 
@@ -430,11 +459,32 @@ TABLE: dict[Backend, BackendSpec] = {
     Backend.HUMMING: BackendSpec(
         Backend.HUMMING, ("gpu",), "Humming canonical weight schema (spec §7)", "XLA decode",
         _supports_humming, "wna16_jax.convert.humming:convert_humming"),
+    Backend.LOADER: BackendSpec(
+        Backend.LOADER, ("cpu", "gpu", "rocm", "tpu", "xpu"),
+        "the checkpoint's own layout (no conversion)", "XLA executor (dequantizes on the fly)",
+        _supports_loader, "wna16_jax.backends:_no_conversion"),
 }
+
+#: the rows vLLM's oracle has (every row but :attr:`Backend.LOADER`).
+CONVERTING_BACKENDS: tuple[Backend, ...] = tuple(b for b in Backend if b is not Backend.LOADER)
+
+
+def _no_conversion(scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
+    del scheme, input_dtype
+    return weights
+
+
+class BackendFallbackWarning(UserWarning):
+    """No row of the dispatch table converts this scheme on this device: the loader layout runs
+    on the XLA executor. The message lists every refused row with its reason."""
+
+
+_FALLBACK_WARNED: set = set()
 
 
 def priority_backends(device: Device | None = None) -> list[Backend]:
-    """The seed's ``_get_priority_backends`` on JAX platforms."""
+    """The seed's ``_get_priority_backends`` on JAX platforms (the converting rows; when none of
+    them accepts a layer, :func:`select_backend` falls back to :attr:`Backend.LOADER`)."""
     dev = device or Device.current()
     if dev.platform == "cpu":
         return [Backend.CPU]
@@ -454,11 +504,16 @@ def select_backend(scheme: QuantScheme, device: Device | None = None, *, backend
                    **request: Any) -> Backend:
     """The first backend of the device's priority list that supports the request.
 
-    ``backend`` forces one: if it does not support the request, :class:`UnsupportedError`
-    carries the reason (no fallback). Raises :class:`BackendSelectionError` listing every
-    backend's reason when none applies.
+    ``backend`` (or, when it is None, the ``WNA16_JAX_BACKEND`` environment variable) forces
+    one: if it does not support the request, :class:`UnsupportedError` carries the reason (no
+    fallback). Without a forced backend, when no row of the priority list accepts the request,
+    returns :attr:`Backend.LOADER` (the XLA executor runs the checkpoint's layout) and warns
+    once per scheme and device with every row's reason. Raises :class:`BackendSelectionError`
+    only when not even that can run the request (int8 / fp8 activations need Marlin).
     """
     dev = device or Device.current()
+    if backend is None:
+        backend = env_forced_backend()
     if backend is not None:
         b = Backend.parse(backend)
         reason = TABLE[b].supports(scheme, dev, **dict(request))
@@ -473,12 +528,28 @@ def select_backend(scheme: QuantScheme, device: Device | None = None, *, backend
             return b
     lines = "\n".join(f"  {b}: {reasons[b] or 'supported, but not in this platform priority list'}"
                       + ("" if b in prio else " [not in this platform's priority list]")
-                      for b in Backend)
+                      for b in CONVERTING_BACKENDS)
+    if reasons[Backend.LOADER] is None:
+        key = (scheme, dev, tuple(sorted(request.items(), key=str)))
+        if key not in _FALLBACK_WARNED:
+            _FALLBACK_WARNED.add(key)
+            import warnings
+
+            warnings.warn(f"no WNA16 MoE backend converts {scheme.describe()} on {dev.describe()}; "
+                          f"running the loader layout on the XLA executor. Refused rows:\n{lines}",
+                          BackendFallbackWarning, stacklevel=2)
+        return Backend.LOADER
     raise BackendSelectionError(
-        f"no WNA16 MoE backend supports {scheme.describe()} on {dev.describe()}:\n{lines}")
+        f"no WNA16 MoE backend supports {scheme.describe()} on {dev.describe()}:\n{lines}\n"
+        f"  {Backend.LOADER}: {reasons[Backend.LOADER]}")
 
 
 def env_forced_backend() -> Backend | None:
     """``WNA16_JAX_BACKEND`` (like vLLM's ``--moe-backend``) forces a backend when set."""
     v = os.environ.get("WNA16_JAX_BACKEND")
-    return Backend.parse(v) if v else None
+    if not v:
+        return None
+    try:
+        return Backend.parse(v)
+    except ConfigError as e:
+        raise ConfigError(f"WNA16_JAX_BACKEND: {e}") from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections import defaultdict
@@ -35,14 +36,19 @@ import numpy as np
 from . import packing
 from .errors import (
     ConfigError,
+    CorruptFileError,
+    DTypeError,
     MissingTensorError,
     ShapeError,
     UnexpectedTensorError,
+    UnsafePathError,
+    UnsupportedError,
     ValueRangeError,
     check_divisible,
 )
 from .quantize import quantize_rtn
-from .schemes import QuantMethod, QuantScheme
+from .safetensors_io import SafetensorsFile, confined_path, load_json
+from .schemes import QuantConfig, QuantMethod, QuantScheme
 from .weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
 
 # --------------------------------------------------------------------------- naming
@@ -91,40 +97,80 @@ class MoEModelConfig:
     def grouped(self) -> bool:
         return bool(self.num_expert_group) and self.num_expert_group > 1
 
+    #: the config.json keys the sizes came from (for messages)
+    num_experts_field: str = "num_experts"
+    hidden_size_field: str = "hidden_size"
+    intermediate_size_field: str = "moe_intermediate_size"
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "MoEModelConfig":
-        mt = str(config.get("model_type", "unknown"))
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"config.json: expected a JSON object, got {type(config).__name__}")
+        mt = config.get("model_type", "unknown")
+        if not isinstance(mt, str):
+            raise ConfigError(f"config.json: field 'model_type' must be a string, got {mt!r}")
 
-        def first(*keys, default=None):
+        def first(*keys) -> tuple[str, int]:
             for k in keys:
                 if config.get(k) is not None:
-                    return config[k]
-            if default is None:
-                raise ConfigError(f"config.json: none of the fields {keys} is present (model_type {mt!r})")
-            return default
+                    return k, _positive_int(config, k)
+            raise ConfigError(f"config.json: none of the fields {keys} is present (model_type {mt!r})")
 
-        e = int(first("num_local_experts", "num_experts", "n_routed_experts"))
+        def opt_int(key):
+            return None if config.get(key) is None else _positive_int(config, key)
+
+        def opt(key, kinds, default):
+            v = config.get(key)
+            if v is None:
+                return default
+            if not isinstance(v, kinds) or (bool not in kinds and isinstance(v, bool)):
+                raise ConfigError(f"config.json: field {key!r} must be {kinds[0].__name__}, got {v!r}")
+            return v
+
+        e_key, e = first("num_local_experts", "num_experts", "n_routed_experts")
+        _, top_k = first("num_experts_per_tok")
+        h_key, h = first("hidden_size")
+        i_key, i = first("moe_intermediate_size", "intermediate_size")
+        if top_k > e:
+            raise ConfigError(f"config.json: num_experts_per_tok ({top_k}) exceeds {e_key} ({e})")
         topk_method = config.get("topk_method")
         grouped = topk_method in ("group_limited_greedy", "noaux_tc")
-        act = str(config.get("hidden_act", "silu"))
+        act = opt("hidden_act", (str,), "silu")
         act = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu",
                "gelu_pytorch_tanh": "gelu"}.get(act, act)
         default_renorm = mt == "mixtral" or mt.startswith("qwen3")
+        scoring = opt("scoring_func", (str,), "softmax")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"config.json: field 'scoring_func' must be 'softmax' or 'sigmoid', got {scoring!r}")
+        n_group = opt_int("n_group") if grouped else None
+        topk_group = opt_int("topk_group") if grouped else None
+        if n_group and e % n_group:
+            raise ConfigError(f"config.json: n_group ({n_group}) does not divide {e_key} ({e})")
+        if n_group and topk_group and topk_group > n_group:
+            raise ConfigError(f"config.json: topk_group ({topk_group}) exceeds n_group ({n_group})")
+        scale = opt("routed_scaling_factor", (int, float), 1.0) or 1.0
+        if not math.isfinite(scale):
+            raise ConfigError(f"config.json: field 'routed_scaling_factor' must be finite, got {scale!r}")
+        shared_i = opt_int("shared_expert_intermediate_size")
+        n_shared = config.get("n_shared_experts")
+        n_shared = (1 if shared_i else 0) if n_shared in (None, 0) else _positive_int(config, "n_shared_experts")
         return cls(
             model_type=mt,
             num_experts=e,
-            top_k=int(first("num_experts_per_tok")),
-            hidden_size=int(first("hidden_size")),
-            moe_intermediate_size=int(first("moe_intermediate_size", "intermediate_size")),
-            renormalize=bool(config.get("norm_topk_prob", default_renorm)),
-            scoring_func=str(config.get("scoring_func", "softmax")),
-            num_expert_group=int(config["n_group"]) if grouped and config.get("n_group") else None,
-            topk_group=int(config["topk_group"]) if grouped and config.get("topk_group") else None,
-            routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+            top_k=top_k,
+            hidden_size=h,
+            moe_intermediate_size=i,
+            renormalize=opt("norm_topk_prob", (bool,), default_renorm),
+            scoring_func=scoring,
+            num_expert_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float(scale),
             activation=act,
-            num_shared_experts=int(config.get("n_shared_experts") or
-                                   (1 if config.get("shared_expert_intermediate_size") else 0)),
-            shared_expert_intermediate_size=config.get("shared_expert_intermediate_size"),
+            num_shared_experts=n_shared,
+            shared_expert_intermediate_size=shared_i,
+            num_experts_field=e_key,
+            hidden_size_field=h_key,
+            intermediate_size_field=i_key,
         )
 
 
@@ -170,55 +216,151 @@ class MoELayer:
 
 # --------------------------------------------------------------------------- reading
 
+#: one regex per tensor name, run once per checkpoint: ``<prefix>.layers.L.<block>.<rest>``.
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp))\.(?P<rest>.+)$")
+_EXPERT_REST = re.compile(r"^experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_]+)$")
+_SHARED_REST = re.compile(r"^(?P<which>shared_experts|shared_expert)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_]+)$")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclasses.dataclass
+class _LayerNames:
+    """The tensor names of one MoE layer, indexed once when the checkpoint is opened."""
+
+    prefix: str
+    experts: dict = dataclasses.field(default_factory=dict)     # e -> proj -> suffix -> name
+    shared: dict = dataclasses.field(default_factory=dict)      # proj -> suffix -> name
+    shared_prefix: str | None = None
+    router: str | None = None
+    score_bias: str | None = None
+    shared_gate: str | None = None
+    naming: str = ""
+
+
+def _index_names(names) -> dict[int, _LayerNames]:
+    layers: dict[int, _LayerNames] = {}
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m is None:
+            continue
+        rest = m["rest"]
+        if rest.startswith("experts."):
+            x = _EXPERT_REST.match(rest)
+            if x is None:
+                continue
+            info = layers.setdefault(int(m["layer"]), _LayerNames(m["prefix"]))
+            info.experts.setdefault(int(x["expert"]), {}).setdefault(x["proj"], {})[x["suffix"]] = name
+        elif rest.startswith("shared_expert"):
+            x = _SHARED_REST.match(rest)
+            info = layers.setdefault(int(m["layer"]), _LayerNames(m["prefix"]))
+            if x is not None:
+                info.shared_prefix = f"{m['prefix']}.{x['which']}"
+                info.shared.setdefault(x["proj"], {})[x["suffix"]] = name
+            elif rest == "shared_expert_gate.weight":
+                info.shared_gate = name
+        elif rest in ("gate.weight", "gate.e_score_correction_bias"):
+            info = layers.setdefault(int(m["layer"]), _LayerNames(m["prefix"]))
+            if rest == "gate.weight":
+                info.router = name
+            else:
+                info.score_bias = name
+    # Keep layers with routed experts only (a dense layer's mlp.gate_proj is not indexed above).
+    return {li: info for li, info in sorted(layers.items()) if info.experts}
+
+
+def _positive_int(config: Mapping[str, Any], key: str, where: str = "config.json") -> int:
+    v = config[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and not v.is_integer() \
+            or v < 1:
+        raise ConfigError(f"{where}: field {key!r} must be a positive integer, got {v!r}")
+    return int(v)
+
 
 class Checkpoint:
-    """A Hugging Face checkpoint directory with quantized MoE experts, read lazily."""
+    """A Hugging Face checkpoint folder with quantized MoE experts, read lazily.
+
+    Opening reads ``config.json``, the index (or the one safetensors file's header) and indexes
+    every tensor name by layer, expert and projection once; :meth:`load_layer` then reads just
+    that layer's tensors. Every file name taken from the index must stay inside the folder
+    (symbolic links inside it are followed); pickled ``*.bin`` weights are never read.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"{self.path!r}: not a folder (expected a checkpoint folder with "
+                              "config.json and safetensors files)")
         cfg_path = os.path.join(self.path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"config.json: not found in {self.path!r}")
-        with open(cfg_path) as f:
-            try:
-                self.config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config.json in {self.path!r}: not valid JSON ({e})") from None
-        self.scheme = QuantScheme.from_hf_config(self.config)
+        self.config = load_json(cfg_path, what="config.json")
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
+        self.quant_config = QuantConfig.from_hf_config(self.config)
         self.model_config = MoEModelConfig.from_hf_config(self.config)
+        self._files: dict[str, SafetensorsFile] = {}
         self._weight_map = self._read_weight_map()
-        self._index_experts()
+        self._layers = _index_names(self._weight_map)
+        self._check_names()
+        self.scheme = self.quant_config.experts_scheme(
+            (f"{info.prefix}.experts.{e}.{proj}" for info in self._layers.values()
+             for e, projs in info.experts.items() for proj in projs),
+            where=cfg_path)
 
     # ------------------------------------------------------------------ files
     def _read_weight_map(self) -> dict[str, str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                wm = json.load(f).get("weight_map")
+            doc = load_json(index, what="the safetensors index")
+            wm = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(wm, dict) or not wm:
-                raise ConfigError(f"{index}: no 'weight_map'")
+                raise CorruptFileError(f"{index}: expected an object with a non-empty 'weight_map' "
+                                       f"object, got {type(wm).__name__ if wm is not None else 'none'}")
+            for tensor, fname in wm.items():
+                confined_path(self.path, fname, source=f"{index}: weight_map[{tensor!r}]")
+                if not fname.endswith(".safetensors"):
+                    raise UnsafePathError(f"{index}: weight_map[{tensor!r}] names {fname!r}; only "
+                                          "*.safetensors files are read (never pickled weights)")
             missing = sorted({v for v in wm.values() if not os.path.isfile(os.path.join(self.path, v))})
             if missing:
                 raise MissingTensorError(f"{index}: shard files not found: {missing}")
             return dict(wm)
-        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        listing = os.listdir(self.path)
+        files = sorted(f for f in listing if f.endswith(".safetensors"))
         if not files:
-            raise MissingTensorError(f"{self.path!r}: no *.safetensors file and no model.safetensors.index.json")
+            pickles = sorted(f for f in listing if f.endswith(_PICKLE_SUFFIXES))
+            if pickles:
+                raise UnsupportedError(
+                    f"{self.path!r}: only pickled weights ({pickles[:4]}); this library never "
+                    "unpickles files (loading a pickle can run code): save the model as safetensors")
+            raise MissingTensorError(f"{self.path!r}: no *.safetensors file and no "
+                                     "model.safetensors.index.json")
         if len(files) > 1:
             raise ConfigError(
                 f"{self.path!r}: {len(files)} safetensors files but no model.safetensors.index.json: {files}")
-        from safetensors import safe_open
+        return {k: files[0] for k in self._file(files[0]).keys()}
 
-        with safe_open(os.path.join(self.path, files[0]), framework="numpy") as f:
-            return {k: files[0] for k in f.keys()}
+    def _file(self, fname: str) -> SafetensorsFile:
+        f = self._files.get(fname)
+        if f is None:
+            f = self._files[fname] = SafetensorsFile(os.path.join(self.path, fname))
+        return f
 
     def tensor_names(self) -> list[str]:
         return sorted(self._weight_map)
 
-    def _read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """Read the named tensors, opening each shard file once."""
-        from safetensors import safe_open
+    def tensor_info(self, name: str):
+        """Header entry (dtype, shape, offsets) of tensor ``name``, without reading its data."""
+        if name not in self._weight_map:
+            raise MissingTensorError(f"{name}: tensor not found in {self.path!r}")
+        return self._file(self._weight_map[name]).info(name)
 
+    def read_tensor(self, name: str) -> np.ndarray:
+        """Read one tensor (any tensor of the checkpoint) as a numpy array."""
+        return self._read([name])[name]
+
+    def _read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Read the named tensors, one descriptor per shard file, in file order."""
         by_file: dict[str, list[str]] = defaultdict(list)
         for n in names:
             if n not in self._weight_map:
@@ -226,52 +368,54 @@ class Checkpoint:
             by_file[self._weight_map[n]].append(n)
         out = {}
         for fname, ns in by_file.items():
-            with safe_open(os.path.join(self.path, fname), framework="numpy") as f:
-                for n in ns:
-                    out[n] = f.get_tensor(n)
+            f = self._file(fname)
+            fd = f.open_fd()
+            try:
+                for n in sorted(ns, key=lambda n: f.info(n).begin):
+                    out[n] = f.read(n, fd)
+            finally:
+                os.close(fd)
         return out
 
     # ------------------------------------------------------------------ naming
-    def _index_experts(self) -> None:
-        layers: dict[int, dict] = {}
-        for name in self._weight_map:
-            m = _EXPERT_RE.match(name)
-            if not m:
-                continue
-            li = int(m["layer"])
-            info = layers.setdefault(li, {"prefix": m["prefix"], "block": m["block"],
-                                          "experts": set(), "projs": set()})
-            info["experts"].add(int(m["expert"]))
-            info["projs"].add(m["proj"])
-        if not layers:
+    def _check_names(self) -> None:
+        if not self._layers:
             sample = sorted({re.sub(r"\.\d+\.", ".N.", n).rsplit(".", 1)[0] for n in self._weight_map})[:12]
             raise ConfigError(
                 f"{self.path!r}: no MoE expert tensors recognised (expected names like "
                 "'model.layers.L.block_sparse_moe.experts.E.w1.qweight' or "
                 f"'model.layers.L.mlp.experts.E.gate_proj.qweight'); found e.g. {sample}")
-        for li, info in layers.items():
-            projs = info["projs"]
+        cfg = self.model_config
+        for li, info in self._layers.items():
+            projs = set().union(*(set(p) for p in info.experts.values()))
             naming = "mixtral" if projs & {"w1", "w2", "w3"} else "qwen"
             want = {_NAMINGS[naming][r] for r in ("gate", "up", "down")}
             if projs != want:
                 raise ConfigError(
                     f"layer {li}: expert projections {sorted(projs)} do not match a known naming "
                     f"(expected {sorted(want)})")
-            info["naming"] = naming
-            n = len(info["experts"])
-            if info["experts"] != set(range(n)):
+            info.naming = naming
+            n = len(info.experts)
+            if set(info.experts) != set(range(n)):
                 raise MissingTensorError(
-                    f"layer {li}: experts must be numbered 0..{n - 1}, found {sorted(info['experts'])}")
-        self._layers = dict(sorted(layers.items()))
+                    f"layer {li}: experts must be numbered 0..{n - 1}, found {sorted(info.experts)}")
+            for e, p in info.experts.items():
+                if set(p) != want:
+                    raise MissingTensorError(
+                        f"{info.prefix}.experts.{e}: projections {sorted(want - set(p))} missing")
+            if n != cfg.num_experts:
+                raise ConfigError(
+                    f"config.json: {cfg.num_experts_field} says {cfg.num_experts} experts, but layer "
+                    f"{li} has tensors for {n} ({info.prefix}.experts.0..{n - 1})")
 
     @property
     def moe_layer_indices(self) -> list[int]:
         return list(self._layers)
 
     def num_experts(self, layer_index: int) -> int:
-        return len(self._layer_info(layer_index)["experts"])
+        return len(self._layer_info(layer_index).experts)
 
-    def _layer_info(self, layer_index: int) -> dict:
+    def _layer_info(self, layer_index: int) -> _LayerNames:
         if layer_index not in self._layers:
             raise ValueRangeError(
                 f"layer_index: {layer_index} is not a MoE layer of {self.path!r}; "
@@ -280,30 +424,54 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ loading
     def load_layer(self, layer_index: int, *, tp_size: int = 1, tp_rank: int = 0) -> MoELayer:
-        """Load one MoE layer (routed experts, router, shared experts) into the loader layout."""
-        if tp_size < 1 or not 0 <= tp_rank < tp_size:
-            raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
+        """Load one MoE layer (routed experts, router, shared experts) into the loader layout.
+
+        Every tensor is checked against the scheme (dtype and shape from the file header, before
+        any data is read), the sizes against ``config.json``, the scales for NaN / Inf and the
+        group indices for range; errors name the tensor as the file names it.
+        """
+        if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+            raise ConfigError(f"tp_size: expected a positive integer, got {tp_size!r}")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank!r}")
         info = self._layer_info(layer_index)
-        prefix, names = info["prefix"], _NAMINGS[info["naming"]]
-        e = len(info["experts"])
-        experts = _load_experts(self, f"{prefix}.experts.{{e}}", names, e, tp_size, tp_rank,
-                                layer=f"layer {layer_index}")
-        router_name = f"{prefix}.gate.weight"
-        t = self._read([router_name])[router_name] if router_name in self._weight_map else None
-        if t is None:
-            raise MissingTensorError(f"{router_name}: router weight not found")
-        if t.shape != (e, experts.hidden_size):
-            raise ShapeError(f"{router_name}: expected shape {(e, experts.hidden_size)}, got {t.shape}")
-        bias_name = f"{prefix}.gate.e_score_correction_bias"
-        e_bias = self._read([bias_name])[bias_name] if bias_name in self._weight_map else None
-        shared, shared_gate = None, None
-        for sp in (f"{prefix}.shared_experts", f"{prefix}.shared_expert"):
-            if any(k.startswith(sp + ".") for k in self._weight_map):
-                shared = _load_shared(self, sp, tp_size, tp_rank, layer=f"layer {layer_index}")
-        sg = f"{prefix}.shared_expert_gate.weight"
-        if sg in self._weight_map:
-            shared_gate = self._read([sg])[sg]
-        return MoELayer(layer_index, experts, t, e_bias, shared, shared_gate)
+        names = _NAMINGS[info.naming]
+        layer = f"layer {layer_index}"
+        experts = _ExpertLoader(self, self.scheme, names, layer).load(info.experts, tp_size, tp_rank)
+        cfg = self.model_config
+        for field, want, got in ((cfg.hidden_size_field, experts.hidden_size, cfg.hidden_size),
+                                 (cfg.intermediate_size_field, experts.intermediate_size * tp_size,
+                                  cfg.moe_intermediate_size)):
+            if want != got:
+                raise ConfigError(f"config.json: {field} is {got}, but the expert tensors of {layer} "
+                                  f"have {want} ({info.prefix}.experts.0)")
+        e = len(info.experts)
+        if info.router is None:
+            raise MissingTensorError(f"{info.prefix}.gate.weight: router weight not found")
+        router = self._checked_float(info.router, (e, experts.hidden_size))
+        e_bias = None if info.score_bias is None else self._checked_float(info.score_bias, (e,))
+        shared = None
+        if info.shared:
+            shared = _load_shared(self, info, tp_size, tp_rank, layer=layer, hidden=experts.hidden_size)
+        shared_gate = None
+        if info.shared_gate is not None:
+            if shared is None:
+                raise MissingTensorError(f"{info.shared_gate}: a shared-expert gate without shared "
+                                         f"expert tensors ({info.prefix}.shared_expert.*)")
+            shared_gate = self._checked_float(info.shared_gate, (1, experts.hidden_size))
+        return MoELayer(layer_index, experts, router, e_bias, shared, shared_gate)
+
+    def _checked_float(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        t = self.tensor_info(name)
+        where = f"{name} in {self._weight_map[name]}"
+        if t.dtype.kind != "f" and t.dtype_name not in ("BF16",):
+            raise DTypeError(f"{where}: expected a float tensor, got {t.dtype_name}")
+        if tuple(t.shape) != tuple(shape):
+            raise ShapeError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        a = self.read_tensor(name)
+        if not np.isfinite(a.astype(np.float32)).all():
+            raise ValueRangeError(f"{where}: holds NaN or Inf")
+        return a
 
     def iter_layers(self, *, tp_size: int = 1, tp_rank: int = 0, progress: bool = True
                     ) -> Iterator[MoELayer]:
@@ -323,186 +491,266 @@ def _tp_slice(n: int, tp_size: int, tp_rank: int, unit: int, what: str) -> slice
     return slice(tp_rank * local // unit, (tp_rank + 1) * local // unit)
 
 
-def _load_experts(ckpt: Checkpoint, fmt: str, names: dict, e: int, tp_size: int, tp_rank: int,
-                  *, layer: str) -> CheckpointWeights:
-    """Stack experts ``fmt.format(e=...)`` and fuse gate/up into w13 (gate first)."""
-    scheme = ckpt.scheme
-    m, g, pf = scheme.method, scheme.group_size, scheme.pack_factor
-    suff = _SUFFIXES[m]
-    prefixes = [fmt.format(e=i) for i in range(e)]
-    roles = ("gate", "up", "down")
-    wanted = ["qweight", "scales"]
-    if scheme.zero_point:
-        wanted.append("qzeros")
-    if scheme.act_order:
-        wanted.append("g_idx")
-    optional = ["bias"] + (["qzeros"] if not scheme.zero_point else []) + \
-        (["g_idx"] if m is QuantMethod.GPTQ and not scheme.act_order else []) + \
-        (["shape"] if m is QuantMethod.COMPRESSED_TENSORS else [])
-    known = {suff.get(k, k) for k in wanted + optional}
-    names_needed = []
-    for p in prefixes:
-        for r in roles:
-            base = f"{p}.{names[r]}"
-            for k in wanted:
-                names_needed.append(f"{base}.{suff[k]}")
-            for k in optional:
-                n = f"{base}.{suff.get(k, k)}"
-                if n in ckpt._weight_map:
-                    names_needed.append(n)
-            for n in ckpt._weight_map:
-                if n.startswith(base + ".") and n[len(base) + 1:] not in known:
-                    raise UnexpectedTensorError(
-                        f"{n}: unexpected tensor for a {scheme.describe()} expert "
-                        f"(known suffixes: {sorted(known)})")
-    t = ckpt._read(names_needed)
+_INT_DTYPES = ("I32",)
+_INDEX_DTYPES = ("I32", "I64")
+_SCALE_DTYPES = ("F16", "BF16", "F32")
 
-    def get(i: int, role: str, key: str):
-        return t.get(f"{prefixes[i]}.{names[role]}.{suff.get(key, key)}")
 
-    # Sizes from expert 0's gate and down projections.
-    q_gate, q_down = get(0, "gate", "qweight"), get(0, "down", "qweight")
-    for nm, arr in ((f"{prefixes[0]}.{names['gate']}.{suff['qweight']}", q_gate),
-                    (f"{prefixes[0]}.{names['down']}.{suff['qweight']}", q_down)):
-        if arr.ndim != 2:
-            raise ShapeError(f"{nm}: expected a rank-2 packed tensor, got shape {arr.shape}")
-    if m is QuantMethod.AWQ:
-        h, i_full = q_gate.shape[0], q_gate.shape[1] * pf
-    elif m is QuantMethod.GPTQ:
-        h, i_full = q_gate.shape[0] * pf, q_gate.shape[1]
-    else:
-        i_full = q_gate.shape[0]
-        shape_t = get(0, "gate", "shape")
-        h = int(shape_t[1]) if shape_t is not None else q_gate.shape[1] * pf
-    if g != -1:
-        check_divisible(f"{layer}: hidden size", h, g, "group_size must divide H")
-        check_divisible(f"{layer}: intermediate size", i_full, g, "group_size must divide I")
+def _st_names(names) -> list[str]:
+    """safetensors dtype names with numpy's beside them: ``I32 (int32)``."""
+    from .safetensors_io import DTYPES
 
-    # The slice of the TP-sharded axis (N of gate/up, K of down), in packed or group units.
-    i_local = i_full // tp_size
+    return [f"{n} ({DTYPES[n].name})" if n in DTYPES else n for n in names]
 
-    def sl_n(unit):  # slice of the gate/up output axis (N) in units of `unit`
-        return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} gate/up")
 
-    def sl_k(unit):  # slice of the down input axis (K) in units of `unit`
-        return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} down")
+class _ExpertLoader:
+    """Reads one layer's experts (``E`` × gate / up / down) into a :class:`CheckpointWeights`.
 
-    stacks: dict[str, list] = defaultdict(list)
-    full_w2_groups = scheme.act_order and tp_size > 1
-    for ei in range(e):
-        parts: dict[str, list] = defaultdict(list)
-        for role in ("gate", "up"):
-            qw, sc, qz = get(ei, role, "qweight"), get(ei, role, "scales"), get(ei, role, "qzeros")
-            if m is QuantMethod.AWQ:  # [H, I/8], [G, I], [G, I/8]: N is the last axis
-                parts["qweight"].append(qw[:, sl_n(pf)])
-                parts["scales"].append(sc[:, sl_n(1)])
-                if scheme.zero_point:
-                    parts["qzeros"].append(qz[:, sl_n(pf)])
-            elif m is QuantMethod.GPTQ:  # [H/pf, I], [G, I], [G, I/pf]
-                parts["qweight"].append(qw[:, sl_n(1)])
-                parts["scales"].append(sc[:, sl_n(1)])
-                if scheme.zero_point:
-                    parts["qzeros"].append(qz[:, sl_n(pf)])
-            else:  # [I, H/pf], [I, G], [I/pf, G]: N is the first axis
-                parts["qweight"].append(qw[sl_n(1)])
-                parts["scales"].append(sc[sl_n(1)])
-                if scheme.zero_point:
-                    check_divisible(f"{layer}: intermediate size for packed zero points", i_local, pf)
-                    parts["qzeros"].append(qz[sl_n(pf)])
-            bias = get(ei, role, "bias")
-            if bias is not None:
-                parts["bias"].append(bias[sl_n(1)])
-        axis = 0 if m is QuantMethod.COMPRESSED_TENSORS else 1
-        for k in ("qweight", "scales", "qzeros"):
-            if parts[k]:
-                stacks["w13_" + k].append(np.concatenate(parts[k], axis=axis))
-        if parts["bias"]:
-            if len(parts["bias"]) != 2:
-                raise MissingTensorError(f"{prefixes[ei]}: gate and up biases must both be present")
-            stacks["w13_bias"].append(np.concatenate(parts["bias"]))
-        if scheme.act_order:
-            gi_gate, gi_up = get(ei, "gate", "g_idx"), get(ei, "up", "g_idx")
-            if not np.array_equal(gi_gate, gi_up):
-                raise ValueRangeError(
-                    f"{prefixes[ei]}: gate and up g_idx differ; the fused w13 holds one g_idx per expert")
-            stacks["w13_g_idx"].append(gi_gate)
-        qw, sc, qz = get(ei, "down", "qweight"), get(ei, "down", "scales"), get(ei, "down", "qzeros")
-        if m is QuantMethod.AWQ:  # [I, H/8], [I/g, H], [I/g, H/8]
-            stacks["w2_qweight"].append(qw[sl_k(1)])
-            stacks["w2_scales"].append(sc[sl_k(g)])
-            if scheme.zero_point:
-                stacks["w2_qzeros"].append(qz[sl_k(g)])
-        elif m is QuantMethod.GPTQ:  # [I/pf, H], [G2, H], [G2, H/pf]
-            stacks["w2_qweight"].append(qw[sl_k(pf)])
+    1. From the file headers alone: every tensor's suffix is known, its dtype is the scheme's,
+       its shape is what expert 0's sizes imply (``H``, ``I``, groups, packing) — errors name the
+       tensor and its file.
+    2. One read per tensor into a preallocated stack (peak memory: the layer plus one tensor).
+    3. Values: scales finite, ``g_idx`` in range (and trivial without act-order), gate and up
+       sharing one ``g_idx``, symmetric GPTQ zero points equal to the implicit offset.
+    """
+
+    def __init__(self, ckpt: Checkpoint, scheme: QuantScheme, names: dict, layer: str):
+        self.ckpt, self.scheme, self.names, self.layer = ckpt, scheme, names, layer
+        self.suff = _SUFFIXES[scheme.method]
+
+    def _where(self, name: str) -> str:
+        return f"{name} (in {self.ckpt._weight_map[name]})"
+
+    def _expected(self, h: int, i: int) -> dict[str, dict[str, tuple[tuple[int, ...], tuple[str, ...]]]]:
+        """role → file suffix → (per-expert shape, allowed dtypes) for sizes ``h``, ``i``."""
+        s, pf, g = self.scheme, self.scheme.pack_factor, self.scheme.group_size
+        m = s.method
+        cdiv = lambda a, b: -(-a // b)  # noqa: E731
+        out = {}
+        for role, (n, k) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            groups = s.num_groups(k)
+            if m is QuantMethod.AWQ:
+                d = {"qweight": ((k, n // pf), _INT_DTYPES), "scales": ((groups, n), _SCALE_DTYPES),
+                     "qzeros": ((groups, n // pf), _INT_DTYPES)}
+            elif m is QuantMethod.GPTQ:
+                d = {"qweight": ((k // pf, n), _INT_DTYPES), "scales": ((groups, n), _SCALE_DTYPES),
+                     "qzeros": ((groups, n // pf), _INT_DTYPES), "g_idx": ((k,), _INDEX_DTYPES)}
+            else:
+                d = {"weight_packed": ((n, cdiv(k, pf)), _INT_DTYPES),
+                     "weight_scale": ((n, groups), _SCALE_DTYPES),
+                     "weight_zero_point": ((cdiv(n, pf), groups), _INT_DTYPES),
+                     "weight_g_idx": ((k,), _INDEX_DTYPES), "weight_shape": ((2,), _INDEX_DTYPES)}
+            if not s.act_order and m is not QuantMethod.GPTQ:
+                d.pop("weight_g_idx", None)    # GPTQ writes a trivial g_idx; the others only with act-order
+            d["bias"] = ((n,), _SCALE_DTYPES)
+            out[role] = d
+        del g
+        return out
+
+    def _sizes(self, e0: dict) -> tuple[int, int]:
+        """``(H, I)`` from expert 0's gate and down packed weights (header shapes only)."""
+        m, pf = self.scheme.method, self.scheme.pack_factor
+        q = self.suff["qweight"]
+        for role in ("gate", "down"):
+            if q not in e0[self.names[role]]:
+                raise MissingTensorError(f"{self._prefix0(e0)}.{self.names[role]}.{q}: required by "
+                                         f"{self.scheme.describe()}, not found")
+        gate_name, down_name = e0[self.names["gate"]][q], e0[self.names["down"]][q]
+        gi, di = self.ckpt.tensor_info(gate_name), self.ckpt.tensor_info(down_name)
+        for nm, t in ((gate_name, gi), (down_name, di)):
+            if len(t.shape) != 2:
+                raise ShapeError(f"{self._where(nm)}: expected a rank-2 packed tensor, got shape {t.shape}")
+        if m is QuantMethod.AWQ:
+            return gi.shape[0], gi.shape[1] * pf
+        if m is QuantMethod.GPTQ:
+            return gi.shape[0] * pf, gi.shape[1]
+        shape_name = e0[self.names["gate"]].get("weight_shape")
+        h = gi.shape[1] * pf
+        if shape_name is not None:
+            st = self.ckpt.read_tensor(shape_name)
+            if st.shape != (2,) or st.dtype.kind not in "iu" or int(st[0]) != gi.shape[0] or \
+                    not 0 < int(st[1]) <= h or -(-int(st[1]) // pf) != gi.shape[1]:
+                raise ShapeError(f"{self._where(shape_name)}: expected [{gi.shape[0]}, K] with "
+                                 f"ceil(K / {pf}) == {gi.shape[1]}, got {st.tolist()}")
+            h = int(st[1])
+        return h, gi.shape[0]
+
+    def _prefix0(self, e0: dict) -> str:
+        name = next(iter(next(iter(e0.values())).values()))
+        return name.rsplit(".", 2)[0]
+
+    def load(self, experts: dict, tp_size: int, tp_rank: int) -> CheckpointWeights:
+        s, layer = self.scheme, self.layer
+        m, g, pf = s.method, s.group_size, s.pack_factor
+        e = len(experts)
+        h, i_full = self._sizes(experts[0])
+        if g != -1:
+            check_divisible(f"{layer}: hidden size", h, g, "group_size must divide H")
+            check_divisible(f"{layer}: intermediate size", i_full, g, "group_size must divide I")
+        expected = self._expected(h, i_full)
+        required = {self.suff["qweight"], self.suff["scales"]}
+        if s.zero_point:
+            required.add(self.suff["qzeros"])
+        if s.act_order:
+            required.add(self.suff["g_idx"])
+        # 1. headers: names, dtypes, shapes of every tensor of every expert.
+        has_bias = None
+        for ei in range(e):
+            for role in ("gate", "up", "down"):
+                tensors = experts[ei][self.names[role]]
+                for suffix, name in tensors.items():
+                    if suffix not in expected[role]:
+                        raise UnexpectedTensorError(
+                            f"{self._where(name)}: unexpected tensor for a {s.describe()} expert "
+                            f"(known suffixes: {sorted(expected[role])})")
+                    shape, dtypes = expected[role][suffix]
+                    t = self.ckpt.tensor_info(name)
+                    if t.dtype_name not in dtypes:
+                        raise DTypeError(f"{self._where(name)}: expected dtype "
+                                         f"{' or '.join(_st_names(dtypes))}, got {_st_names([t.dtype_name])[0]}")
+                    if tuple(t.shape) != shape:
+                        raise ShapeError(f"{self._where(name)}: expected shape {shape} (H={h}, I={i_full}, "
+                                         f"{s.describe()}), got {tuple(t.shape)}")
+                base = next(iter(tensors.values())).rsplit(".", 1)[0]
+                for suffix in sorted(required - set(tensors)):
+                    raise MissingTensorError(f"{base}.{suffix}: required by {s.describe()}, not found")
+                bias = "bias" in tensors
+                if has_bias is None:
+                    has_bias = bias
+                if bias != has_bias:
+                    raise MissingTensorError(f"{base}.bias: {'present' if bias else 'missing'}, but "
+                                             f"{'absent' if has_bias else 'present'} in "
+                                             f"{self._prefix0(experts[0])}; all projections or none carry biases")
+        # 2. reads into preallocated stacks.
+        i_local = i_full // tp_size
+
+        def sl_n(unit):
+            return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} gate/up")
+
+        def sl_k(unit):
+            return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} down")
+
+        full_w2_groups = s.act_order and tp_size > 1
+        if s.zero_point and m is QuantMethod.COMPRESSED_TENSORS:
+            check_divisible(f"{layer}: intermediate size for packed zero points", i_local, pf)
+        n_axis = 0 if m is QuantMethod.COMPRESSED_TENSORS else 1     # gate/up output axis
+        stacks: dict[str, np.ndarray] = {}
+
+        def put(key: str, ei: int, value: np.ndarray) -> None:
+            if key not in stacks:
+                stacks[key] = np.empty((e,) + value.shape, value.dtype)
+            stacks[key][ei] = value
+
+        fields13 = ["qweight", "scales"] + (["qzeros"] if s.zero_point else [])
+        for ei in range(e):
+            names = {role: experts[ei][self.names[role]] for role in ("gate", "up", "down")}
+            t = self.ckpt._read([n for role in names.values() for sfx, n in role.items()
+                                 if sfx != "weight_shape" and (sfx != self.suff["qzeros"] or s.zero_point)
+                                 and (sfx != self.suff.get("g_idx") or s.act_order or m is QuantMethod.GPTQ)])
+
+            def get(role, key, _names=names, _t=t):
+                n = _names[role].get(self.suff.get(key, key))
+                return None if n is None else _t.get(n)
+
+            def nm(role, key, _names=names):
+                return _names[role].get(self.suff.get(key, key))
+
+            for key in ("scales",):
+                for role in ("gate", "up", "down"):
+                    sc = get(role, key)
+                    if not np.isfinite(sc.astype(np.float32)).all():
+                        bad = np.argwhere(~np.isfinite(sc.astype(np.float32)))[0].tolist()
+                        raise ValueRangeError(f"{self._where(nm(role, key))}: scales must be finite, "
+                                              f"found {sc[tuple(bad)]} at {bad} (expert {ei})")
+            for key in fields13:
+                # the unit of the output (N) axis: packed words where N is packed (AWQ weights,
+                # every zero-point tensor), one entry otherwise
+                packed_n = key == "qzeros" or (key == "qweight" and m is QuantMethod.AWQ)
+                sl = sl_n(pf if packed_n else 1)
+                parts = [get(role, key)[sl] if n_axis == 0 else get(role, key)[:, sl]
+                         for role in ("gate", "up")]
+                put("w13_" + key, ei, np.concatenate(parts, axis=n_axis))
+            if has_bias:
+                put("w13_bias", ei, np.concatenate([get("gate", "bias")[sl_n(1)], get("up", "bias")[sl_n(1)]]))
+                put("w2_bias", ei, get("down", "bias"))
+            qw, sc, qz = get("down", "qweight"), get("down", "scales"), get("down", "qzeros")
             gsl = slice(None) if (g == -1 or full_w2_groups) else sl_k(g)
-            stacks["w2_scales"].append(sc[gsl])
-            if scheme.zero_point:
-                stacks["w2_qzeros"].append(qz[gsl])
-        else:  # [H, I/pf], [H, G2], [H/pf, G2]
-            stacks["w2_qweight"].append(qw[:, sl_k(pf)])
-            gsl = slice(None) if (g == -1 or full_w2_groups) else sl_k(g)
-            stacks["w2_scales"].append(sc[:, gsl])
-            if scheme.zero_point:
-                stacks["w2_qzeros"].append(qz[:, gsl])
-        if scheme.act_order:
-            stacks["w2_g_idx"].append(get(ei, "down", "g_idx")[sl_k(1)])
-        bias = get(ei, "down", "bias")
-        if bias is not None:
-            stacks["w2_bias"].append(bias)
-        elif stacks.get("w13_bias"):
-            raise MissingTensorError(f"{prefixes[ei]}.{names['down']}.bias: missing (gate/up have biases)")
-        # GPTQ without act-order: g_idx, if present, must be the trivial k // g.
-        if m is QuantMethod.GPTQ and not scheme.act_order:
-            for role, k in (("gate", h), ("down", i_full)):
-                gi = get(ei, role, "g_idx")
-                triv = np.zeros(k, np.int64) if g == -1 else np.arange(k) // g
-                if gi is not None and not np.array_equal(gi, triv):
-                    raise ConfigError(
-                        f"{prefixes[ei]}.{names[role]}.g_idx: rows are not in natural group order, "
-                        "but the config has desc_act=false")
-    arrays = {}
-    for k, v in stacks.items():
-        if not v:
-            continue
-        if len(v) != e:
-            raise MissingTensorError(f"{layer}: {k} present for {len(v)} of {e} experts")
-        try:
-            arrays[k] = np.stack(v)
-        except ValueError:
-            raise ShapeError(f"{layer}: {k} shapes differ between experts: "
-                             f"{sorted({tuple(x.shape) for x in v})}") from None
-    for k in ("w13_g_idx", "w2_g_idx"):
-        if k in arrays:
-            arrays[k] = arrays[k].astype(np.int32)
-    weights = CheckpointWeights(**arrays, scheme=scheme, hidden_size=h, intermediate_size=i_local)
-    weights = weights.validate()
-    _check_g_idx(weights, layer)
-    return weights
+            if m is QuantMethod.AWQ:      # [I, H/8], [I/g, H], [I/g, H/8]
+                put("w2_qweight", ei, qw[sl_k(1)])
+                put("w2_scales", ei, sc[sl_k(g)])
+                if s.zero_point:
+                    put("w2_qzeros", ei, qz[sl_k(g)])
+            elif m is QuantMethod.GPTQ:   # [I/pf, H], [G2, H], [G2, H/pf]
+                put("w2_qweight", ei, qw[sl_k(pf)])
+                put("w2_scales", ei, sc[gsl])
+                if s.zero_point:
+                    put("w2_qzeros", ei, qz[gsl])
+            else:                         # [H, I/pf], [H, G2], [H/pf, G2]
+                put("w2_qweight", ei, qw[:, sl_k(pf)])
+                put("w2_scales", ei, sc[:, gsl])
+                if s.zero_point:
+                    put("w2_qzeros", ei, qz[:, gsl])
+            # 3. values: group indices and symmetric zero points.
+            if s.act_order:
+                gi_gate, gi_up, gi_down = get("gate", "g_idx"), get("up", "g_idx"), get("down", "g_idx")
+                for role, gi, k in (("gate", gi_gate, h), ("up", gi_up, h), ("down", gi_down, i_full)):
+                    ng = s.num_groups(k)
+                    if gi.size and (gi.min() < 0 or gi.max() >= ng):
+                        raise ValueRangeError(
+                            f"{self._where(nm(role, 'g_idx'))}: group indices must lie in [0, {ng}), "
+                            f"got [{gi.min()}, {gi.max()}] ({layer} w{'13' if role != 'down' else '2'}_g_idx, "
+                            f"expert {ei})")
+                if not np.array_equal(gi_gate, gi_up):
+                    raise ValueRangeError(
+                        f"{self._where(nm('gate', 'g_idx'))}: gate and up g_idx differ; the fused w13 "
+                        "holds one g_idx per expert")
+                put("w13_g_idx", ei, gi_gate.astype(np.int32))
+                put("w2_g_idx", ei, gi_down[sl_k(1)].astype(np.int32))
+            elif m is QuantMethod.GPTQ:
+                for role, k in (("gate", h), ("up", h), ("down", i_full)):
+                    gi = get(role, "g_idx")
+                    triv = np.zeros(k, np.int64) if g == -1 else np.arange(k) // g
+                    if gi is not None and not np.array_equal(gi, triv):
+                        raise ConfigError(
+                            f"{self._where(nm(role, 'g_idx'))}: rows are not in natural group order, "
+                            "but the config has desc_act=false")
+            if m is QuantMethod.GPTQ and not s.zero_point:
+                want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
+                word = np.int32(np.uint32(sum(want << (s.bits * j) for j in range(pf))).view(np.int32))
+                for role in ("gate", "up", "down"):
+                    qz = get(role, "qzeros")
+                    if qz is not None and qz.size and not (qz == word).all():
+                        raise ValueRangeError(
+                            f"{self._where(nm(role, 'qzeros'))}: the config says sym=true, so every "
+                            f"zero point must be the implicit {s.implicit_zero} (word "
+                            f"{np.uint32(word.view(np.uint32)):#010x}), found other values")
+        weights = CheckpointWeights(**stacks, scheme=s, hidden_size=h, intermediate_size=i_local)
+        return weights.validate()
 
 
-def _check_g_idx(w: CheckpointWeights, layer: str) -> None:
-    for name, gi, scales_axis in (("w13_g_idx", w.w13_g_idx, None), ("w2_g_idx", w.w2_g_idx, None)):
-        if gi is None:
-            continue
-        sc = w.w13_scales if name == "w13_g_idx" else w.w2_scales
-        ng = sc.shape[2] if w.scheme.method is QuantMethod.COMPRESSED_TENSORS else sc.shape[1]
-        if gi.size and (gi.min() < 0 or gi.max() >= ng):
-            raise ValueRangeError(
-                f"{layer} {name}: group indices must lie in [0, {ng}), got [{gi.min()}, {gi.max()}]")
-        del scales_axis
-
-
-def _load_shared(ckpt: Checkpoint, prefix: str, tp_size: int, tp_rank: int, *, layer: str):
+def _load_shared(ckpt: Checkpoint, info: _LayerNames, tp_size: int, tp_rank: int, *, layer: str,
+                 hidden: int):
     """Shared expert(s) as one expert: quantized (same scheme) or float (``ignore``d)."""
     names = _NAMINGS["qwen"]
-    if f"{prefix}.gate_proj.weight" in ckpt._weight_map:
-        t = ckpt._read([f"{prefix}.{names[r]}.weight" for r in ("gate", "up", "down")])
-        gate, up, down = (t[f"{prefix}.{names[r]}.weight"] for r in ("gate", "up", "down"))
+    missing = [names[r] for r in ("gate", "up", "down") if names[r] not in info.shared]
+    if missing:
+        raise MissingTensorError(f"{info.shared_prefix}: shared-expert projections {missing} not found")
+    if all(set(info.shared[names[r]]) <= {"weight", "bias"} for r in ("gate", "up", "down")):
+        t = ckpt._read([info.shared[names[r]]["weight"] for r in ("gate", "up", "down")
+                        if "weight" in info.shared[names[r]]])
+        gate, up, down = (t.get(info.shared[names[r]].get("weight")) for r in ("gate", "up", "down"))
+        for r, a in zip(("gate", "up", "down"), (gate, up, down)):
+            if a is None or a.ndim != 2:
+                raise ShapeError(f"{info.shared_prefix}.{names[r]}.weight: expected a rank-2 float weight")
         i_full = gate.shape[0]
+        if gate.shape != (i_full, hidden) or up.shape != gate.shape or down.shape != (hidden, i_full):
+            raise ShapeError(f"{info.shared_prefix}: expected gate/up [{i_full}, {hidden}] and down "
+                             f"[{hidden}, {i_full}], got {gate.shape}, {up.shape}, {down.shape}")
         sl = _tp_slice(i_full, tp_size, tp_rank, 1, f"{layer} shared expert")
         return DenseWeights(np.concatenate([gate[sl], up[sl]])[None], down[:, sl][None],
                             hidden_size=gate.shape[1], intermediate_size=i_full // tp_size)
-    return _load_experts(ckpt, prefix, names, 1, tp_size, tp_rank, layer=f"{layer} shared expert")
+    return _ExpertLoader(ckpt, ckpt.scheme, names, f"{layer} shared expert").load(
+        {0: info.shared}, tp_size, tp_rank)
 
 
 # --------------------------------------------------------------------------- writing

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .errors import ConfigError, WNA16Error
+from .errors import ConfigError, OutputPathError, WNA16Error
 
 # --------------------------------------------------------------------------- demo
 
@@ -33,7 +34,7 @@ DEMO_CASES: tuple[DemoCase, ...] = (
                          "version": "gemm"}, "qwen3_moe"),
     DemoCase("GPTQ 4b g128", {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
                               "sym": True}, "qwen3_moe", bias=True),
-    DemoCase("GPTQ 4b g64 act-order", {"quant_method": "gptq", "bits": 4, "group_size": 64,
+    DemoCase("GPTQ 4b g64 actorder", {"quant_method": "gptq", "bits": 4, "group_size": 64,
                                        "desc_act": True, "sym": True}, "mixtral"),
     DemoCase("GPTQ 8b channel", {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False,
                                  "sym": True}, "mixtral"),
@@ -101,40 +102,66 @@ def _np_dequant(lq) -> np.ndarray:
     return (np.asarray(lq.codes, np.int64) - np.asarray(z, np.int64)) * np.asarray(s, np.float64)
 
 
+#: the demo table's columns after format and selection: every layout, the loader's first.
+_DEMO_COLUMNS = ("LOADER", "CPU", "XPU", "MARLIN", "BATCHED_MARLIN", "FLASHINFER_TRTLLM", "HUMMING")
+_DEMO_SHORT = {"BATCHED_MARLIN": "BMARLIN", "FLASHINFER_TRTLLM": "TRTLLM"}
+
+
+def _say(msg: str, out) -> None:
+    print(msg, file=out, flush=True)
+
+
 def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermediate: int = 256,
-             seed: int | None = None, out=sys.stdout) -> int:
-    """Write the tiny MoE in every format, load, select, run under jit, compare. Returns exit code."""
+             seed: int = 0, out=sys.stdout, progress=sys.stderr, keep: str | None = None) -> int:
+    """Write the tiny MoE in every format, load, select, run under jit, compare. Returns exit code.
+
+    Each row is printed (and flushed) as soon as its format is done; ``progress`` gets a line
+    before each format. ``keep``: a folder (new or empty) that keeps the written checkpoints.
+    """
+    import warnings
+
     import jax
     import jax.numpy as jnp
 
-    from .backends import TABLE, Backend, Device, select_backend
+    from .backends import (TABLE, Backend, BackendFallbackWarning, Device, backend_reasons, priority_backends,
+                           select_backend)
     from .checkpoint import Checkpoint, random_moe_layer, write_checkpoint
-    from .errors import BackendSelectionError
     from .moe import fused_moe, shared_expert_moe
     from .schemes import QuantScheme
 
+    for name, v in (("--tokens", tokens), ("experts", experts), ("hidden", hidden),
+                    ("intermediate", intermediate)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
+    if keep is not None:
+        keep = os.fspath(keep)
+        if os.path.lexists(keep) and (not os.path.isdir(keep) or os.listdir(keep)):
+            raise OutputPathError(f"--out {keep!r}: must be a new or empty folder")
     rng = np.random.default_rng(seed)
     dev = Device.current()
-    print(f"wna16-jax demo on {dev.describe()} (jax {jax.__version__}); tiny MoE E={experts} "
-          f"H={hidden} I={intermediate}, {tokens} bf16 tokens. Per layout: relative error "
-          f"max|out-ref| / max|ref| vs a float64 per-token reference (tolerance {DEMO_TOLERANCE:g}); "
-          "'max abs' and ms/call are for the selected backend's layout (the loader layout when "
-          "none is selected)", file=out)
-    cols = ["loader"] + [b.name for b in Backend]
-    header = (f"{'format':<22} {'scheme':<34} {'selected':<9} {'max abs':>9} "
-              + " ".join(f"{c:>14}" for c in cols) + "   ms/call")
-    print(header, file=out)
-    print("-" * len(header), file=out)
+    _say(f"wna16-jax demo on {dev.describe()} (jax {jax.__version__}), seed {seed}: a tiny MoE "
+         f"(E={experts}, H={hidden}, I={intermediate}) in {len(DEMO_CASES)} formats, {tokens} bf16 "
+         f"tokens.", out)
+    _say(f"Cells: relative error max|out - ref| / max|ref| of each layout against a float64 "
+         f"reference (tolerance {DEMO_TOLERANCE:g}); '-': the layout cannot hold the format. "
+         "ms: one call of the selected layout.", out)
+    header = (f"{'format':<21}{'selected':<8}" + "".join(f"{_DEMO_SHORT.get(c, c):>9}" for c in _DEMO_COLUMNS)
+              + f"{'ms':>8}")
+    _say(header, out)
+    _say("-" * len(header), out)
     failures = 0
     notes = []
-    fused = jax.jit(fused_moe, static_argnames=("activation",))
+    fused = jax.jit(fused_moe)
     with tempfile.TemporaryDirectory() as tmp:
-        for case in DEMO_CASES:
+        root = keep or tmp
+        for n, case in enumerate(DEMO_CASES, 1):
+            _say(f"[{n}/{len(DEMO_CASES)}] {case.name}: writing, loading, converting to every layout, "
+                 "compiling and running ...", progress)
             scheme = QuantScheme.from_quant_config(case.quant_config)
             layer_f = random_moe_layer(rng, experts, hidden, intermediate, bias=case.bias,
                                        shared_intermediate=intermediate if case.shared else None,
                                        score_bias=case.grouped)
-            path = f"{tmp}/{case.name.replace(' ', '_')}"
+            path = os.path.join(root, case.name.replace(" ", "_"))
             write_checkpoint(path, scheme, [layer_f], model_type=case.model_type,
                              top_k=2 if not case.grouped else 4,
                              renormalize=True, scoring_func="sigmoid" if case.grouped else "softmax",
@@ -150,57 +177,47 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
             if layer.shared_experts is not None:
                 ref = ref + _reference(np.asarray(x.astype(jnp.float32)), np.ones((tokens, 1)),
                                        np.zeros((tokens, 1), np.int64), layer.shared_experts)
-            try:
-                selected = select_backend(scheme, dev, has_bias=layer.experts.has_bias()).name
-            except BackendSelectionError as e:
-                selected = "none"
-                reason = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
-                notes.append(f"{case.name}: no backend selected on this device ({reason}); "
-                             "fused_moe runs the loader layout with XLA")
-            cells, timing, abs_err = [], "", ""
-            layouts: list[tuple[str, Any]] = [("loader", layer.experts)]
-            for b in Backend:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", BackendFallbackWarning)
+                selected = select_backend(scheme, dev, has_bias=layer.experts.has_bias())
+            if selected is Backend.LOADER:
+                del caught
+                reasons = backend_reasons(scheme, dev, has_bias=layer.experts.has_bias())
+                notes.append(f"{case.name}: runs the loader layout; "
+                             + "; ".join(f"{b.name}: {reasons[b]}" for b in priority_backends(dev)))
+            cells, timing = [], ""
+            for col in _DEMO_COLUMNS:
+                b = Backend[col]
                 spec = TABLE[b]
-                why = spec.layout_supports(scheme, has_bias=layer.experts.has_bias())
-                if why:
-                    layouts.append((b.name, why))
+                if spec.layout_supports(scheme, has_bias=layer.experts.has_bias()):
+                    cells.append("-")
                     continue
-                try:
-                    layouts.append((b.name, spec.convert(scheme, layer.experts.to_jax())))
-                except WNA16Error as e:
-                    layouts.append((b.name, f"convert refused: {e}"))
-            for name, w in layouts:
-                if isinstance(w, str):
-                    cells.append("—")
-                    continue
-                wj = w.to_jax()
-                y = fused(x, tw, ids, wj).astype(jnp.float32)
+                w = spec.convert(scheme, layer.experts.to_jax())
+                y = fused(x, tw, ids, w).astype(jnp.float32)
                 if layer.shared_experts is not None:
                     y = y + shared_expert_moe(x, layer.shared_experts.to_jax()).astype(jnp.float32)
                 y = np.asarray(y, np.float64)
                 err = float(np.abs(y - ref).max() / np.abs(ref).max()) if np.isfinite(y).all() else float("inf")
                 ok = err <= DEMO_TOLERANCE
                 failures += not ok
-                cells.append(f"{err:10.2e} {'ok' if ok else 'FAIL'}")
-                if name == (selected if selected != "none" else "loader"):
-                    abs_err = f"{float(np.abs(y - ref).max()):9.2e}"
-                    fused(x, tw, ids, wj).block_until_ready()
-                    t0 = time.perf_counter()
+                cells.append(f"{err:.1e}" if ok else "FAIL")
+                if b is selected:
+                    fused(x, tw, ids, w).block_until_ready()
                     reps = 5
+                    t0 = time.perf_counter()
                     for _ in range(reps):
-                        fused(x, tw, ids, wj).block_until_ready()
-                    timing = f"{(time.perf_counter() - t0) / reps * 1e3:9.2f}"
-            print(f"{case.name:<22} {scheme.describe():<34} {selected:<9} {abs_err:>9} "
-                  + " ".join(f"{c:>14}" for c in cells) + f"  {timing}", file=out)
-    print("-" * len(header), file=out)
-    print("'—': the layout cannot represent that scheme (see `wna16-jax inspect`); every layout is "
-          "executed through its XLA decode on this device.", file=out)
-    for n in notes:
-        print("note: " + n, file=out)
+                        fused(x, tw, ids, w).block_until_ready()
+                    timing = f"{(time.perf_counter() - t0) / reps * 1e3:.2f}"
+            _say(f"{case.name:<21}{selected.name:<8}" + "".join(f"{c:>9}" for c in cells) + f"{timing:>8}", out)
+    _say("-" * len(header), out)
+    for note in notes:
+        _say("fallback: " + note, out)
+    if keep:
+        _say(f"checkpoints kept in {keep}", out)
     if failures:
-        print(f"FAILED: {failures} result(s) out of tolerance", file=out)
+        _say(f"FAILED: {failures} result(s) out of tolerance", out)
         return 1
-    print("all results within tolerance", file=out)
+    _say("all results within tolerance", out)
     return 0
 
 
@@ -208,7 +225,18 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
 
 
 def run_inspect(path: str, out=sys.stdout, device=None) -> int:
-    from .backends import TABLE, Backend, Device, priority_backends
+    """Describe a checkpoint folder, or a folder written by ``wna16-jax convert``."""
+    from .serialize import MANIFEST
+
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return _inspect_converted(path, out)
+    return _inspect_checkpoint(path, out, device)
+
+
+def _inspect_checkpoint(path: str, out, device) -> int:
+    import warnings
+
+    from .backends import TABLE, Backend, BackendFallbackWarning, Device, priority_backends, select_backend
     from .checkpoint import Checkpoint
 
     ckpt = Checkpoint(path)
@@ -235,15 +263,18 @@ def run_inspect(path: str, out=sys.stdout, device=None) -> int:
     dev = device or Device.current()
     prio = priority_backends(dev)
     req = dict(has_bias=w.has_bias(), hidden_size=w.hidden_size, intermediate_size=w.intermediate_size)
-    print(f"backends on {dev.describe()} (priority: {', '.join(b.name for b in prio) or 'none'}):", file=out)
-    selected = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendFallbackWarning)
+        selected = select_backend(s, dev, **req)
+    print(f"backends on {dev.describe()} (priority: {', '.join(b.name for b in prio) or 'none'}, "
+          "then LOADER):", file=out)
     for b in Backend:
         reason = TABLE[b].supports(s, dev, **req)
-        if reason is None and b in prio and selected is None:
-            selected = b
-            status = "SELECTED"
+        if b is selected:
+            status = "SELECTED" + (" (fallback: no converting row accepts this layer)"
+                                   if b is Backend.LOADER else "")
         elif reason is None:
-            status = "supported" + ("" if b in prio else " (not in this platform's list)")
+            status = "supported" + ("" if b in prio or b is Backend.LOADER else " (not in this platform's list)")
         else:
             status = "no: " + reason
         layout = TABLE[b].layout_supports(s, **req)
@@ -251,8 +282,31 @@ def run_inspect(path: str, out=sys.stdout, device=None) -> int:
         print(f"  {'':<18} layout: {TABLE[b].layout}; "
               f"{'convertible here (runs via ' + TABLE[b].executes_on + ')' if layout is None else 'not convertible: ' + layout}",
               file=out)
-    if selected is None:
-        print("no backend selected; fused_moe runs the loader layout with the XLA executor", file=out)
+    return 0
+
+
+def _inspect_converted(path: str, out) -> int:
+    from .safetensors_io import SafetensorsFile, confined_path
+    from .serialize import ConvertedCheckpoint
+
+    conv = ConvertedCheckpoint(path)
+    m, cfg = conv.manifest, conv.model_config
+    print(f"converted checkpoint: {path}", file=out)
+    print(f"backend:    {conv.backend.name}  (input dtype {m.get('input_dtype') or '16-bit'})", file=out)
+    print(f"scheme:     {conv.scheme.describe()}", file=out)
+    if cfg is not None:
+        print(f"model:      {cfg.model_type}: {cfg.num_experts} experts, top-{cfg.top_k}, "
+              f"H={cfg.hidden_size}, I={cfg.moe_intermediate_size}", file=out)
+    src = m.get("source") if isinstance(m.get("source"), dict) else {}
+    print(f"source:     {src.get('path', '?')}", file=out)
+    idx = conv.moe_layer_indices
+    print(f"MoE layers: {len(idx)}" + (f" ({idx[0]}..{idx[-1]})" if idx else ""), file=out)
+    if idx:
+        entry = m["layers"][str(idx[0])]
+        f = SafetensorsFile(confined_path(path, entry["file"], source="manifest"))
+        print(f"layer {idx[0]} tensors ({entry['experts'].get('class')}, from the file header):", file=out)
+        for name, t in f.tensors.items():
+            print(f"  {name:<32} {str(t.shape):<22} {t.dtype.name}", file=out)
     return 0
 
 
@@ -264,13 +318,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="write the tiny MoE in every format, run it, compare with float64")
     p_demo.add_argument("--tokens", type=int, default=16)
-    p_demo.add_argument("--seed", type=int, default=None)
-    p_inspect = sub.add_parser("inspect", help="scheme, MoE layers, shapes, backend selection of a checkpoint")
+    p_demo.add_argument("--seed", type=int, default=0, help="random seed (default 0: the same data every run)")
+    p_demo.add_argument("--out", default=None, help="keep the written checkpoints in this new or empty folder")
+    p_inspect = sub.add_parser("inspect", help="scheme, MoE layers, shapes, backend selection of a "
+                                               "checkpoint (or of a converted folder)")
     p_inspect.add_argument("path")
     p_conv = sub.add_parser("convert", help="convert every MoE layer into a backend layout (safetensors + manifest)")
     p_conv.add_argument("path")
-    p_conv.add_argument("--backend", required=True, help="cpu, xpu, marlin, batched_marlin, flashinfer_trtllm, humming")
-    p_conv.add_argument("--out", required=True)
+    p_conv.add_argument("--backend", required=True,
+                        help="cpu, xpu, marlin, batched_marlin, flashinfer_trtllm, humming, loader")
+    p_conv.add_argument("--out", required=True, help="a new or empty folder (not inside the source)")
+    p_conv.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p_conv.add_argument("--input-dtype", default=None, help="marlin only: int8 or float8_e4m3fn activations")
     p_conv.add_argument("--expert-chunk", type=int, default=1, help="experts converted at a time (memory bound)")
     p_conv.add_argument("--tp-size", type=int, default=1)
@@ -278,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-            return run_demo(tokens=args.tokens, seed=args.seed)
+            return run_demo(tokens=args.tokens, seed=args.seed, keep=args.out)
         if args.command == "inspect":
             return run_inspect(args.path)
         if args.command == "convert":
@@ -291,13 +349,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtype = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}.get(args.input_dtype)
                 if dtype is None:
                     raise ConfigError(f"--input-dtype: expected int8 or float8_e4m3fn, got {args.input_dtype!r}")
+            if args.expert_chunk < 1:
+                raise ConfigError(f"--expert-chunk: expected a positive integer, got {args.expert_chunk}")
             out = convert_checkpoint(args.path, args.backend, args.out, input_dtype=dtype,
-                                     expert_chunk=args.expert_chunk, tp_size=args.tp_size, tp_rank=args.tp_rank)
+                                     expert_chunk=args.expert_chunk, tp_size=args.tp_size, tp_rank=args.tp_rank,
+                                     overwrite=args.overwrite)
             print(f"wrote {out}")
             return 0
     except WNA16Error as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: " + " | ".join(str(e).splitlines()), file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 1  # pragma: no cover
 
 

@@ -47,6 +47,20 @@ class BackendSelectionError(WNA16Error, RuntimeError):
     """No backend of the dispatch table supports the request; the message lists every reason."""
 
 
+class CorruptFileError(WNA16Error, ValueError):
+    """A file is not in the format it claims (a safetensors header, an index or manifest that is
+    not valid JSON, offsets past the end of the file, ...). The message names the file."""
+
+
+class UnsafePathError(WNA16Error, ValueError):
+    """A path read from an index or a manifest would leave the checkpoint folder, or names a
+    file kind that is never read (pickled ``*.bin`` weights)."""
+
+
+class OutputPathError(WNA16Error, ValueError):
+    """An output folder is refused: it is the input, lies inside it, is a file, or is not empty."""
+
+
 def _fmt_shape(shape: Any) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from . import routing
-from .backends import TABLE, select_backend
+from .backends import TABLE, Backend, select_backend
 from .checkpoint import Checkpoint, DenseWeights, MoELayer
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError
 from .moe import check_activation
@@ -42,7 +42,7 @@ from .weights import CheckpointWeights
 _FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 #: ``backend=`` value that keeps the loader layout (runs anywhere through the XLA decode).
-LOADER_LAYOUT = "loader"
+LOADER_LAYOUT = Backend.LOADER.value
 
 
 class QuantizedExperts(nnx.Variable):
@@ -73,10 +73,11 @@ def _is_float(dtype) -> bool:
 
 def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None):
     """Convert loader-layout experts into the layout ``backend``'s executor reads (``None`` →
-    backend selected by the table, ``"loader"`` → unchanged): the backend's own layout, or on an
-    NVIDIA GPU for the MARLIN rows the engine's tile layout. Returns ``(weights, backend_name)``."""
-    if isinstance(experts, DenseWeights) or backend == LOADER_LAYOUT:
-        return experts, LOADER_LAYOUT
+    backend selected by the table, falling back to ``"loader"`` with a warning where no row
+    converts the scheme; ``"loader"`` → unchanged): the backend's own layout, or on an NVIDIA GPU
+    for the MARLIN rows the engine's layout. Returns ``(weights, backend_name)``."""
+    if isinstance(experts, DenseWeights):
+        return experts, str(Backend.LOADER)
     if not isinstance(experts, CheckpointWeights):
         return experts, type(experts).__name__        # already converted
     b = select_backend(experts.scheme, backend=backend, has_bias=experts.has_bias(),

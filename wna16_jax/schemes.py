@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .errors import ConfigError
 from .packing import SUPPORTED_BITS
@@ -298,17 +299,23 @@ def _parse_gptq(qc: Mapping[str, Any]) -> QuantScheme:
     )
 
 
-def _parse_ct(qc: Mapping[str, Any]) -> QuantScheme:
+def _ct_groups(qc: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], QuantScheme]]:
+    """Every ``config_groups`` entry of a compressed-tensors config as ``(name, targets, scheme)``."""
     where = "quantization_config"
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ConfigError(f"{where}.config_groups: expected a non-empty object, got {groups!r}")
-    parsed = []
+    ignore = _string_list(qc.get("ignore"), f"{where}.ignore")
     top_format = qc.get("format")
+    out = []
     for name, group in groups.items():
         gw = f"{where}.config_groups.{name}"
         if not isinstance(group, Mapping):
             raise ConfigError(f"{gw}: expected an object, got {group!r}")
+        targets = _string_list(group.get("targets"), f"{gw}.targets")
+        if not targets:
+            raise ConfigError(f"{gw}.targets: expected a non-empty list of module names, 're:' "
+                              f"patterns or class names, got {group.get('targets')!r}")
         fmt = group.get("format") or top_format
         if fmt != "pack-quantized":
             raise ConfigError(f"{gw}.format: only 'pack-quantized' is supported, got {fmt!r}")
@@ -344,17 +351,194 @@ def _parse_ct(qc: Mapping[str, Any]) -> QuantScheme:
             raise ConfigError(f"{ww}.actorder: expected one of {_CT_ACTORDERS}, got {actorder!r}")
         if w.get("dynamic", False):
             raise ConfigError(f"{ww}.dynamic: dynamic weight quantization is not a checkpoint format")
-        parsed.append(((bits, group_size, not symmetric, actorder, strategy), name))
-    distinct = {p for p, _ in parsed}
-    if len(distinct) != 1:
-        listed = "; ".join(f"{n}: {p}" for p, n in parsed)
+        scheme = QuantScheme(
+            QuantMethod.COMPRESSED_TENSORS, bits, group_size, zero_point=not symmetric,
+            act_order=actorder == "group" and group_size != -1,
+            ct_strategy=strategy, ct_actorder=actorder, ignore=ignore)
+        out.append((str(name), targets, scheme))
+    return out
+
+
+def _parse_ct(qc: Mapping[str, Any]) -> QuantScheme:
+    groups = _ct_groups(qc)
+    if len({s for _, _, s in groups}) != 1:
+        listed = "; ".join(f"{n}: {s.describe()} for {list(t)}" for n, t, s in groups)
         raise ConfigError(
-            f"{where}.config_groups: groups with different weight schemes are not supported ({listed})"
+            "quantization_config.config_groups: the groups quantize modules differently "
+            f"({listed}); one scheme for the whole model needs module names — "
+            "QuantConfig.scheme_for(name) (or Checkpoint, which picks the experts' group) resolves it"
         )
-    bits, group_size, zp, actorder, strategy = parsed[0][0]
-    return QuantScheme(
-        QuantMethod.COMPRESSED_TENSORS, bits, group_size, zero_point=zp,
-        act_order=actorder == "group" and group_size != -1,
-        ct_strategy=strategy, ct_actorder=actorder,
-        ignore=tuple(qc.get("ignore") or ()),
-    )
+    return groups[0][2]
+
+
+def _string_list(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
+            not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+    return tuple(value)
+
+
+# ---------------------------------------------------------------------- per-module schemes
+def _ct_match(target: str, module: str) -> int | None:
+    """How ``target`` matches ``module`` (compressed-tensors rules): 0 exact name, 1 ``re:``
+    pattern (matched from the start of the name), 2 the class name ``Linear`` (every quantized
+    tensor this library reads is a Linear's); None if it does not."""
+    if target.startswith("re:"):
+        try:
+            return 1 if re.match(target[3:], module) else None
+        except re.error as e:
+            raise ConfigError(f"quantization_config: target {target!r} is not a valid regular "
+                              f"expression ({e})") from None
+    if target == module:
+        return 0
+    if target == "Linear":
+        return 2
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's whole ``quantization_config``: which scheme quantizes which module.
+
+    AutoAWQ and AutoGPTQ configs have one scheme (:attr:`default`), with modules left out by
+    ``modules_to_not_convert`` (AWQ: any entry contained in the module name) or GPTQModel's
+    ``dynamic`` rules (``"-:pattern"`` leaves matching modules unquantized; ``"+:pattern"`` or a
+    bare pattern overrides ``bits`` / ``group_size`` / ``sym`` / ``desc_act`` for them).
+    compressed-tensors configs map module names to groups through each group's ``targets``
+    (exact name, then ``re:`` pattern, then class ``Linear``) and leave out what ``ignore``
+    matches, so attention at 8 bits and experts at 4 bits is one config.
+    """
+
+    method: QuantMethod
+    default: QuantScheme | None = None
+    groups: tuple[tuple[str, tuple[str, ...], QuantScheme], ...] = ()
+    ignore: tuple[str, ...] = ()
+    dynamic: tuple[tuple[str, bool, QuantScheme | None], ...] = ()
+
+    @classmethod
+    def from_quant_config(cls, qc: Mapping[str, Any]) -> "QuantConfig":
+        if not isinstance(qc, Mapping):
+            raise ConfigError(f"quantization_config: expected a JSON object, got {type(qc).__name__}")
+        method = qc.get("quant_method")
+        if method == "compressed-tensors":
+            return cls(QuantMethod.COMPRESSED_TENSORS, groups=tuple(_ct_groups(qc)),
+                       ignore=_string_list(qc.get("ignore"), "quantization_config.ignore"))
+        base = QuantScheme.from_quant_config(qc)
+        if base.method is QuantMethod.AWQ:
+            return cls(base.method, base, ignore=_string_list(qc.get("modules_to_not_convert"),
+                                                              "quantization_config.modules_to_not_convert"))
+        return cls(base.method, base, dynamic=_gptq_dynamic(qc, base))
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "QuantConfig":
+        qc = config.get("quantization_config", config.get("compression_config"))
+        if qc is None:
+            raise ConfigError("config.json: no 'quantization_config' (or 'compression_config') block; "
+                              "the checkpoint is not quantized")
+        return cls.from_quant_config(qc)
+
+    def scheme_for(self, module: str) -> QuantScheme | None:
+        """The scheme that quantizes the Linear module ``module`` (e.g.
+        ``model.layers.0.mlp.experts.3.gate_proj``), or None if it is left in 16 bits."""
+        return self._resolve(module)[0]
+
+    def group_for(self, module: str) -> str | None:
+        """The name of the config group (or rule) that decides ``module``, for messages."""
+        return self._resolve(module)[1]
+
+    def _resolve(self, module: str) -> tuple[QuantScheme | None, str | None]:
+        if self.method is QuantMethod.COMPRESSED_TENSORS:
+            hit = next((t for t in self.ignore if _ct_match(t, module) is not None), None)
+            if hit is not None:
+                return None, f"ignore {hit!r}"
+            best: list[tuple[int, str, QuantScheme]] = []
+            for name, targets, scheme in self.groups:
+                ranks = [r for r in (_ct_match(t, module) for t in targets) if r is not None]
+                if ranks:
+                    best.append((min(ranks), name, scheme))
+            if not best:
+                return None, None
+            top = min(r for r, _, _ in best)
+            winners = [(n, s) for r, n, s in best if r == top]
+            if len({s for _, s in winners}) > 1:
+                raise ConfigError(
+                    f"quantization_config.config_groups: module {module!r} is matched equally by "
+                    + " and ".join(f"{n} ({s.describe()})" for n, s in winners))
+            return winners[0][1], winners[0][0]
+        if self.method is QuantMethod.AWQ:
+            hit = next((m for m in self.ignore if m and m in module), None)
+            if hit is not None:
+                return None, f"modules_to_not_convert {hit!r}"
+            return self.default, "quantization_config"
+        for pattern, positive, scheme in self.dynamic:
+            if re.match(pattern, module):
+                if not positive:
+                    return None, f"dynamic '-:{pattern}'"
+                return scheme, f"dynamic {pattern!r}"
+        return self.default, "quantization_config"
+
+    def uniform_scheme(self) -> QuantScheme:
+        """The one scheme of the config (refuses compressed-tensors configs whose groups differ)."""
+        if self.default is not None:
+            return self.default
+        schemes = {s for _, _, s in self.groups}
+        if len(schemes) != 1:
+            listed = "; ".join(f"{n}: {s.describe()} for {list(t)}" for n, t, s in self.groups)
+            raise ConfigError(f"quantization_config.config_groups: the groups quantize modules "
+                              f"differently ({listed}); ask for a module's scheme with scheme_for()")
+        return next(iter(schemes))
+
+    def experts_scheme(self, modules: "Iterable[str]", *, where: str = "config.json") -> QuantScheme:
+        """The one scheme that quantizes every module in ``modules`` (the experts' Linears).
+
+        Refuses, naming the modules and groups: an expert left unquantized (ignored, or matched
+        by no group), and experts quantized by groups with different schemes.
+        """
+        found: dict[QuantScheme, tuple[str, str | None]] = {}
+        for module in modules:
+            scheme, group = self._resolve(module)
+            if scheme is None:
+                why = (f"listed by {group}" if group else "matched by no config group's targets")
+                raise ConfigError(f"{where}: expert module {module!r} is not quantized ({why}); "
+                                  "this library runs quantized experts only")
+            if scheme not in found:
+                found[scheme] = (module, group)
+                if len(found) > 1:
+                    (m0, g0), (m1, g1) = found.values()
+                    s0, s1 = found
+                    raise ConfigError(
+                        f"{where}: the experts mix quantization schemes: {m0!r} by {g0} "
+                        f"({s0.describe()}) and {m1!r} by {g1} ({s1.describe()}); one layer's "
+                        "experts must share one scheme")
+        if not found:
+            return self.uniform_scheme()
+        return next(iter(found))
+
+
+def _gptq_dynamic(qc: Mapping[str, Any], base: QuantScheme) -> tuple:
+    dyn = qc.get("dynamic")
+    if dyn is None:
+        return ()
+    where = "quantization_config.dynamic"
+    if not isinstance(dyn, Mapping):
+        raise ConfigError(f"{where}: expected an object of pattern → overrides, got {dyn!r}")
+    rules = []
+    for key, overrides in dyn.items():
+        positive = not key.startswith("-:")
+        pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"{where}: key {key!r} is not a valid regular expression ({e})") from None
+        scheme = None
+        if positive:
+            if not isinstance(overrides, Mapping):
+                raise ConfigError(f"{where}.{key}: expected an object of overrides, got {overrides!r}")
+            merged = dict(base.to_quant_config())
+            merged.update({k: v for k, v in overrides.items()
+                           if k in ("bits", "group_size", "sym", "desc_act")})
+            scheme = _parse_gptq(merged)
+        rules.append((pattern, positive, scheme))
+    return tuple(rules)
