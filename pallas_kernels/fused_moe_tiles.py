@@ -191,7 +191,7 @@ def max_blocks(num_pairs: int, block_m: int, num_experts: int) -> int:
 
 def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: str | None = None,
                   block_m: int | None = None, **overrides) -> EngineConfig:
-    """The engine's static schedule for ``num_tokens`` tokens (measured: benchmarks/NOTES.md)."""
+    """The engine's static schedule for ``num_tokens`` tokens (measured: docs/journal/notes.md)."""
     e = weights.num_experts
     pairs = num_tokens * top_k
     h, i = weights.hidden_size, weights.intermediate_size
@@ -201,7 +201,7 @@ def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: st
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     sms = num_sms()
     if mode == "pair":
-        # Measured (NOTES.md, v2): 64-column tiles and many split-K programs (~16 per SM) keep the
+        # Measured (docs/journal/notes.md, v2): 64-column tiles and many split-K programs (~16 per SM) keep the
         # most weight loads in flight; Mixtral 1 token 143 µs (128 cols, 2 splits) → 103 µs.
         bn1 = _divisor(2 * i, (64, 32, 16))
         bn2 = _divisor(h, (64, 32, 16))

@@ -353,10 +353,10 @@ class BackendSpec:
 
         MARLIN on a Hopper GPU, 4-bit with group 128 or channelwise scales: the wgmma kernels'
         layout (:class:`pallas_kernels.wgmma_w4a16.WgmmaWeights`, faster than the Triton-lowered
-        kernels at most measured rows: ``benchmarks/RESULTS.md``); see :meth:`wgmma_reason`.
+        kernels at most measured rows: ``docs/journal/results-history.md``); see :meth:`wgmma_reason`.
         MARLIN / BATCHED_MARLIN on other NVIDIA GPUs and for the other configurations the engine
         takes: the engine's kernel-native tile layout
-        (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``benchmarks/NOTES.md`` measures it
+        (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``docs/journal/notes.md`` measures it
         against re-laying the Marlin layout on every call). Everywhere else, and for
         configurations outside the engine: :meth:`convert` (the backend's own layout).
         """

@@ -194,7 +194,7 @@ def expert_gemm2(a, w2, b2, cdt):
 
 
 def choose_formulation(num_tokens: int, top_k: int, num_experts: int, platform: str | None = None) -> str:
-    """Static choice of the XLA formulation, from the measurements in ``benchmarks/RESULTS.md``.
+    """Static choice of the XLA formulation, from the measurements in ``docs/journal/results-history.md``.
 
     CPU: the blocked schedule was fastest or tied at every measured size. Accelerators: one
     gather per routed pair while the pairs are no more than the experts, all experts densely

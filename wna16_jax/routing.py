@@ -329,7 +329,7 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
 ALIGN_METHODS = ("auto", "sort", "count", "compare", "rank")
 RANK_MIN_PAIRS = 1024       # "auto" ranks from this many routed pairs on, above COMPARE_MAX_PAIRS (v17–v20: counted)
 # "auto" compares all pairs up to this many routed pairs: on the H200 the wgmma layer with the
-# compared alignment, same runs (NOTES v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
+# compared alignment, same runs (docs/journal/notes.md v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
 # 124.8–125.2 sorted, DeepSeek-V2-Lite 16 tokens 96.4 against 107.2–107.4, DeepSeek-V2-Lite 128
 # tokens (768 pairs) 145.3 against 171.6–171.7, Qwen3 128 tokens (1024 pairs) 133.0 against
 # 146.8–150.1 counted (its inverse: 2944 padded rows × 1024 pairs); not timed beyond, so "auto"
@@ -347,7 +347,7 @@ def _counting_order(k, num_keys: int):
     chunks), plus its equals earlier in its own chunk (a 256 × 256 comparison per chunk). Every
     step is a small scatter, gather or reduction — no sort passes (XLA's GPU sort of the routed
     pairs took 32 µs of Qwen3's 512-token layer and ~34 µs, four radix passes and their memsets,
-    of its 4096-token one: NOTES v9)."""
+    of its 4096-token one: docs/journal/notes.md v9)."""
     n = k.shape[0]
     c = min(_COUNT_CHUNK, n)
     nc = -(-n // c)
@@ -382,7 +382,7 @@ def _padded_from_ranks(k, rank, counts, block_size: int, max_padded: int, invers
     # materialized once: left to XLA, the rows (a gather from the blocks' cumulative sum, itself a
     # reduce-window) fuse into every consumer — in the layer's top-k sum that is one recomputation
     # of both cumulative sums per output element (on the H200 that fusion took 142.5 µs at Qwen3
-    # 512 tokens against 6.9 for the same sum over materialized rows, 1134 at 4096: NOTES.md v21)
+    # 512 tokens against 6.9 for the same sum over materialized rows, 1134 at 4096: docs/journal/notes.md v21)
     row = jax.lax.optimization_barrier(row)
     sorted_ids = inverse(row).astype(jnp.int32)
     b = jnp.arange(max_padded // block_size, dtype=jnp.int32)
@@ -400,7 +400,7 @@ def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentin
     compares) — reductions and elementwise work only, no sort, scatter or search (each of which
     is a GPU kernel of its own: with the sort, the alignment and the inverse of its order were
     about 8 of a Mixtral 16-token layer's 14 small XLA kernels; compared, the wgmma layer at
-    Qwen3 64 tokens took 110 µs against 125, NOTES v16). ``k``: keys, ``num_buckets`` for
+    Qwen3 64 tokens took 110 µs against 125, docs/journal/notes.md v16). ``k``: keys, ``num_buckets`` for
     invalid positions. Also returns the padded row of each position (``max_padded`` for invalid
     ones)."""
     n = k.shape[0]
@@ -423,7 +423,7 @@ def _align_rank(k, num_buckets: int, block_size: int, max_padded: int, sentinel:
     their rows gives the padded list. Each block's expert is read from its first row. Returns,
     like :func:`_align_compare`, the padded row of each position too (``max_padded`` for invalid
     ones), so a caller needs no scatter to invert the order. ``k``: keys, ``num_buckets`` for
-    invalid positions. ``"auto"``'s pick from :data:`RANK_MIN_PAIRS` pairs on since v21 (NOTES.md:
+    invalid positions. ``"auto"``'s pick from :data:`RANK_MIN_PAIRS` pairs on since v21 (docs/journal/notes.md:
     Qwen3 4096 tokens 755 against 779 µs counted; v17's 363 / 1869 µs at 512 / 4096 tokens were
     XLA recomputing the rows inside the top-k sum, fixed in :func:`_padded_from_ranks`)."""
     n = k.shape[0]
@@ -541,7 +541,7 @@ def moe_align_block_size(
     sorting below; ``"rank"`` — each slot's rank within its expert from per-chunk counts, and the
     padded list by one scatter (:func:`_align_rank`; on the H200 the wgmma layer with it runs 17
     kernels at Qwen3 512 tokens against 27 counted, 203.8 against 218.1 µs of device time, and
-    755 against 779 µs at 4096 tokens, NOTES v21).
+    755 against 779 µs at 4096 tokens, docs/journal/notes.md v21).
     """
     return _moe_align(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=ignore_invalid_experts,
                       method=method)[0]
