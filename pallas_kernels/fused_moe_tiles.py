@@ -357,7 +357,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
 
 def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeights, *, activation: str = "silu",
                           block_m: int | None = None, interpret: bool = False, poison_outputs: bool = False):
-    """The BatchedExperts format on the engine (BATCHED_MARLIN's activations, spec §2.8).
+    """The BatchedExperts format on the engine (BATCHED_MARLIN's activations, docs/moe-semantics.md §2.8).
 
     ``batched_hidden [E, M, H]`` (first ``expert_num_tokens[e]`` rows of expert ``e`` valid) →
     ``[E, M, H]`` float32 expert outputs, invalid rows zero, no router weights — the semantics of

@@ -71,7 +71,7 @@ def test_compare_pytorch_notebook_executes(monkeypatch):
     nb = _execute(monkeypatch, "compare_pytorch.ipynb")
     text = _text(nb)
     assert "| AWQ g128 | PyTorch |" in text and "| CT 8b channel | MARLIN |" in text
-    assert "library repack == spec §3.3 formula" in text
+    assert "library repack == docs/formats.md §3.3 formula" in text
     assert len([o for o in _outputs(nb, "display_data") if "image/png" in o.get("data", {})]) >= 3
 
 

@@ -1,6 +1,6 @@
 """MoE routing, block alignment and the batched-experts layout, in pure JAX.
 
-Spec ``vllm_moe_compute.md`` §1.1 (routing), §1.2 (alignment), §1.4 (EP expert maps) and
+``docs/moe-semantics.md`` §1.1 (routing), §1.2 (alignment), §1.4 (EP expert maps) and
 §2.8 (batched-experts form). Every function is pure and jit-able: sizes that shape arrays
 (``topk``, ``block_size``, ``num_experts``, ``max_tokens_per_expert``, ...) must be static
 Python ints, while ids, weights and expert maps may be traced.
@@ -172,7 +172,7 @@ def _check_gating(gating_output: Any):
 
 
 def fused_topk(gating_output, topk: int, *, renormalize: bool, scoring_func: str = "softmax"):
-    """Plain top-k routing (spec §1.1 "Default").
+    """Plain top-k routing (docs/moe-semantics.md §1.1 "Plain top-k").
 
     Scores all ``E`` logits of ``gating_output [T, E]`` with softmax or sigmoid (in float32),
     takes the ``topk`` largest (descending), and with ``renormalize`` rescales the ``topk``
@@ -204,7 +204,7 @@ def grouped_topk(
     e_score_correction_bias=None,
     routed_scaling_factor: float = 1.0,
 ):
-    """Group-limited top-k routing with DeepSeek-V2/V3 semantics (spec §1.1).
+    """Group-limited top-k routing with DeepSeek-V2/V3 semantics (docs/moe-semantics.md §1.1).
 
     1. ``scores`` = softmax/sigmoid of ``gating_output [T, E]`` in float32;
        ``choice = scores + e_score_correction_bias`` when a bias ``[E]`` is given (selection only).
@@ -280,7 +280,7 @@ def grouped_topk(
 
 @dataclasses.dataclass(frozen=True)
 class AlignedBlocks:
-    """Flat token ids sorted by expert and padded to whole blocks (spec §1.2).
+    """Flat token ids sorted by expert and padded to whole blocks (docs/moe-semantics.md §1.2).
 
     * ``sorted_token_ids`` int32 ``[max_padded]``: expert ``e``'s rows occupy a run of
       ``ceil(count_e / block_size)`` blocks, ids in ascending order, padded with the sentinel
@@ -516,7 +516,7 @@ def moe_align_block_size(
     ignore_invalid_experts: bool = False,
     method: str = "auto",
 ) -> AlignedBlocks:
-    """Sort flat token ids by expert and pad each expert's run to whole blocks (spec §1.2).
+    """Sort flat token ids by expert and pad each expert's run to whole blocks (docs/moe-semantics.md §1.2).
 
     ``topk_ids [T, k]`` (integer) holds global expert ids in ``[0, num_experts)``. Flat id
     ``t*k + j`` is listed under its expert, ascending within an expert (a stable order), and
@@ -598,7 +598,7 @@ def _moe_align(topk_ids, block_size, num_experts, expert_map=None, *, ignore_inv
 
 @dataclasses.dataclass(frozen=True)
 class BatchedTokens:
-    """Tokens bucketed per local expert ("BatchedExperts" format, spec §2.8).
+    """Tokens bucketed per local expert ("BatchedExperts" format, docs/moe-semantics.md §2.8).
 
     * ``hidden_states`` ``[E_local, max_tokens, H]``: row ``r`` of expert ``e`` holds the
       hidden state of the token whose flat id is ``token_index[e, r]``; unused rows are zero.
