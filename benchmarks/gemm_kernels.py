@@ -45,7 +45,7 @@ BW, FLOPS = 4.3e12, 640e12
 # "tout": the output written [M, N] through a transposed shared-memory store; "ovl": overlap (each half of a
 # step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
 # against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
-# RESULTS.md; v26's half_tiles / unit_wait, measured and removed: NOTES.md v26.)
+# docs/journal/results-history.md; v26's half_tiles / unit_wait, measured and removed: docs/journal/notes.md v26.)
 def _variant_name(opts):
     """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
     (the names ``--only`` filters on)."""

@@ -1,5 +1,5 @@
 """What one launch costs inside a jitted program, per kind of kernel — the fixed cost under a
-1-token MoE layer (NOTES.md v9: the one-kernel Qwen3 decode layer is 24 µs device-busy but takes
+1-token MoE layer (docs/journal/notes.md v9: the one-kernel Qwen3 decode layer is 24 µs device-busy but takes
 47–69 µs per layer; Mosaic GPU encodes its TMA descriptors on the host at every launch).
 
 Each variant is a chain of dependent tiny calls on an ``[8, 256]`` bf16 array, timed as one

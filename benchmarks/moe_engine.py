@@ -10,7 +10,7 @@ row; µs per layer, timed as jitted programs of dependent calls (a fori_loop; ``
 unrolled`` for straight-line calls), each on its own random routing (R routings, used in turn, so
 the experts a call touches are not all still in L2 from the call before): per layer =
 (time of the 2R-call program − time of the R-call program) / R, median of 5 such pairs, so the
-fixed cost of starting a program and waiting for it (0.08–0.45 ms on the H200, NOTES.md v11)
+fixed cost of starting a program and waiting for it (0.08–0.45 ms on the H200, docs/journal/notes.md v11)
 is not spread over the layers; in the table the alternatives' runs are interleaved round-robin
 (one pair of each, five times), so clock drift affects every column alike.
 Alternatives in the same run:
@@ -145,7 +145,7 @@ def runner(layer, x, tw_all, ids_all, operands, reps):
     code (no while loop around them). Both differential: the programs of ``reps`` and
     ``2·reps`` calls each run once and the difference is returned, which leaves out what a
     program costs once (dispatch, argument handling, the final synchronization; before v11 it
-    was divided into the layers: 8–45 µs per layer at 10 calls, NOTES.md v11).
+    was divided into the layers: 8–45 µs per layer at 10 calls, docs/journal/notes.md v11).
     ``"calls"``: one jitted call per layer, dispatched from Python back to back (how a serving
     loop steps), synchronized once at the end (not differential: the dispatch is what it
     measures). The loop and the straight-line program measured the same on the H200 in v3; in

@@ -10,7 +10,7 @@ kernel's K loop (the pipeline's step; see :func:`loops`). Printed per file: ptxa
 instruction count and its opcode histogram. The counts are static: every instruction of the
 span once, including rarely taken paths inside it (a barrier's retry, say), so they measure
 what one step issues only approximately — but exactly enough to compare two forms of a kernel
-(NOTES.md v14: 806 against 679 instructions per step for the two nibble-plane forms).
+(docs/journal/notes.md v14: 806 against 679 instructions per step for the two nibble-plane forms).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 that of the same program of ``R`` calls, divided by ``R``.
 
 A jitted program costs something once per run whatever it holds — dispatch, argument handling,
-waiting for the device at the end: 0.08–0.45 ms on the H200 (``benchmarks/NOTES.md`` v11).
+waiting for the device at the end: 0.08–0.45 ms on the H200 (``docs/journal/notes.md`` v11).
 Dividing one program's wall time by its ``R`` calls spreads that over the calls (8–45 µs per
 1-token MoE layer at R = 10); the difference of two programs leaves it out.
 

@@ -7,7 +7,7 @@ The layer (:func:`pallas_kernels.wgmma_w4a16.fused_moe_wgmma`) is traced with
 :func:`jax.eval_shape` on abstract weights (AWQ, group 128), with the GPU's SM count patched in, and
 every :func:`~pallas_kernels.wgmma_w4a16.wgmma_grouped_gemm` call it makes is recorded. So the
 options shown are the ones the layer's own rules pick, not a copy of them. From those options
-follow the numbers a prediction starts from (``benchmarks/NOTES.md``, the device's METHOD.md):
+follow the numbers a prediction starts from (``docs/journal/notes.md``, the device's METHOD.md):
 
 * ``programs``: the kernel's grid (blocks × column tiles × K splits; ``ws`` programs cover two
   column tiles; ``persistent``: the programs it launches), and ``live``: those of blocks with an

@@ -191,7 +191,7 @@ def max_blocks(num_pairs: int, block_m: int, num_experts: int) -> int:
 
 def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: str | None = None,
                   block_m: int | None = None, **overrides) -> EngineConfig:
-    """The engine's static schedule for ``num_tokens`` tokens (measured: benchmarks/NOTES.md)."""
+    """The engine's static schedule for ``num_tokens`` tokens (measured: docs/journal/notes.md)."""
     e = weights.num_experts
     pairs = num_tokens * top_k
     h, i = weights.hidden_size, weights.intermediate_size
@@ -201,7 +201,7 @@ def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: st
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     sms = num_sms()
     if mode == "pair":
-        # Measured (NOTES.md, v2): 64-column tiles and many split-K programs (~16 per SM) keep the
+        # Measured (docs/journal/notes.md, v2): 64-column tiles and many split-K programs (~16 per SM) keep the
         # most weight loads in flight; Mixtral 1 token 143 µs (128 cols, 2 splits) → 103 µs.
         bn1 = _divisor(2 * i, (64, 32, 16))
         bn2 = _divisor(h, (64, 32, 16))
@@ -357,7 +357,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
 
 def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeights, *, activation: str = "silu",
                           block_m: int | None = None, interpret: bool = False, poison_outputs: bool = False):
-    """The BatchedExperts format on the engine (BATCHED_MARLIN's activations, spec §2.8).
+    """The BatchedExperts format on the engine (BATCHED_MARLIN's activations, docs/moe-semantics.md §2.8).
 
     ``batched_hidden [E, M, H]`` (first ``expert_num_tokens[e]`` rows of expert ``e`` valid) →
     ``[E, M, H]`` float32 expert outputs, invalid rows zero, no router weights — the semantics of

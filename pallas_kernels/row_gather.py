@@ -4,7 +4,7 @@ Before GEMM1 the layer lays its routed pairs out as ``block_m``-row expert block
 GEMM1's input is token ``idx[r]``'s hidden row. XLA's gather of those rows (``x[idx]`` as 32-bit
 words, zeros elsewhere) writes every row of every block, the blocks the layer leaves empty
 included: 209 MB at Qwen3-30B-A3B's 4096 tokens, where the profile's largest XLA kernel, by its
-bytes this gather, took 74.7 µs (NOTES.md v20). With this kernel the layer measured 10–27 µs
+bytes this gather, took 74.7 µs (docs/journal/notes.md v20). With this kernel the layer measured 10–27 µs
 faster there.
 
 :func:`gather_rows` copies each row with one bulk copy (``cp.async.bulk``: a row is contiguous

@@ -1,7 +1,7 @@
 """One Mosaic GPU kernel for a whole decode MoE layer on the pair schedule (engine v9, Hopper).
 
 At one token the layer's two GEMMs stream a few MB of weights in a few µs each, and the rest of
-its 40–60 µs is launches and XLA passes between them (``benchmarks/NOTES.md`` v6–v8; XLA's
+its 40–60 µs is launches and XLA passes between them (``docs/journal/notes.md`` v6–v8; XLA's
 command buffers measured slower). :func:`wgmma_decode_layer` runs GEMM1, the gate/up activation
 and GEMM2 in one launch:
 

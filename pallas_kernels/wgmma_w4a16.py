@@ -2,7 +2,7 @@
 the register A operand, and the MoE layer on it (:func:`fused_moe_wgmma`). Runs on the H200
 (GPU tests: ``test_wgmma_grouped_gemm_gpu``, ``test_fused_moe_wgmma_gpu_shapes``); the executor
 the dispatch table picks on Hopper since v5 (measured against the Triton-lowered engine in
-``benchmarks/RESULTS.md``; the kernel versions and their numbers in ``benchmarks/NOTES.md``).
+``docs/journal/results-history.md``; the kernel versions and their numbers in ``docs/journal/notes.md``).
 
 Operands are swapped as in Marlin's small-M schedule: per program, ``accᵀ[BN, BM] += Wᵀ · Aᵀ``
 where ``Wᵀ`` (64 or 128 output columns × 16 of K) is the wgmma's register operand and the
@@ -421,7 +421,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     (found by XLA before the kernel); each program writes zeros over its share of the blocks
     after it. Right on the H200 (GPU cases, part 40) but slower than one program per item:
     Qwen3 512 tokens 256 vs 234–238 µs, Qwen3 4096 1611 vs 835–843 (no ``ws``), Qwen3 1 token
-    24 vs 21–23 (NOTES.md v13). ``persistent`` with ``ws`` (v14, never run on a GPU yet; no
+    24 vs 21–23 (docs/journal/notes.md v13). ``persistent`` with ``ws`` (v14, never run on a GPU yet; no
     ``row_scale`` or ``dest``; ``stages`` must divide an item's steps): one program per SM, and
     one warp-specialized pipeline per item of ``2·block_n`` columns, the pipelines chained
     (``emit_pipeline_warp_specialized``'s ``pipeline_state``), so the copy warpgroup fetches
@@ -434,12 +434,12 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     each token's ``k`` rows add into its output row, accumulating in the 16-bit dtype as
     vLLM's ``moe_sum`` does, in an order that varies from run to run). Rows with ``dest < 0``
     and blocks with expert ``-1`` add nothing. Right on the H200 (part 41); as the layer's
-    top-k sum slower than XLA's gather-and-sum except at Mixtral 512 tokens (NOTES.md v13).
+    top-k sum slower than XLA's gather-and-sum except at Mixtral 512 tokens (docs/journal/notes.md v13).
     ``cluster`` (2 or 4): programs run in clusters of ``cluster`` neighbouring column tiles of the
     same block and K split, which need the same activation tile each step; each program fetches
     its share of that tile and the TMA multicasts it into every program of the cluster, so the
     token rows are read from L2 once per cluster instead of once per program (at decode-sized
-    blocks they cost the copies as much as the weights: NOTES.md v22). The plain kernel (no
+    blocks they cost the copies as much as the weights: docs/journal/notes.md v22). The plain kernel (no
     ``persistent``, ``overlap`` or ``zfold``, no tile-major words): the activations travel
     K-block-major (``[K/128, M, 128]``, transposed by XLA here) so that the multicast splits each
     step's tile along its K-blocks — ``cluster`` must divide ``kpb`` (or ``kpb`` × ``block_m``/8
@@ -449,7 +449,7 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     ``persistent`` stream, whose shares then go to whole clusters): the warp-specialized pipeline's
     own multicast operand, the ``[block_m, 128·kpb]`` row tile split along its 8-row tiles
     (``cluster`` must divide ``block_m``/8 and the number of ``2·block_n``-column tiles).
-    Measured on the H200 (NOTES.md v23): Mixtral GEMM1 at 24-row blocks 170 µs in clusters of 2
+    Measured on the H200 (docs/journal/notes.md v23): Mixtral GEMM1 at 24-row blocks 170 µs in clusters of 2
     against 186, at 16 rows 146 against 152, GEMM2 no faster, clusters of 4 slower; L2's traffic
     counter unchanged — the multicast relieves L2, but L2 was not what limited these GEMMs.
     ``a_div`` (the plain kernel only; v24, not yet timed on the GPU): block ``i`` reads rows
@@ -1448,10 +1448,10 @@ def wgmma_block_m(num_pairs: int, num_experts: int) -> int:
     of the two. ``BLOCK_ROW_COST`` puts the dequantization of a block's weights at 128 rows of
     wgmma work: at 128-row blocks the kernel runs at ~82% of the dense rate (Mixtral, 4096 tokens),
     and 64-row blocks, with ~10% fewer rows, were slower than 128-row ones at Qwen3 4096 tokens
-    (NOTES v9, part 18). Below 128 rows the rule thus takes the fewest expected blocks, which keeps
-    every measured decode choice (NOTES v9: Mixtral 32 tokens 16 rows, 64 tokens 32,
+    (docs/journal/notes.md v9, part 18). Below 128 rows the rule thus takes the fewest expected blocks, which keeps
+    every measured decode choice (docs/journal/notes.md v9: Mixtral 32 tokens 16 rows, 64 tokens 32,
     DeepSeek-V2-Lite 64 tokens 16, Qwen3 16/64 tokens 8); at prefill it sizes blocks to the
-    binomial spread of an expert's rows instead of a power of two. Measured (NOTES v10, part 23):
+    binomial spread of an expert's rows instead of a power of two. Measured (docs/journal/notes.md v10, part 23):
     128 ± 11 rows (Mixtral, 512 tokens) fit 144-row blocks — 8.5 blocks, not 11.8 of 128 rows
     whose second block per expert held ~10 rows: 923–946 µs against 1146; 32 ± 6 (Qwen3, 512
     tokens) one 48-row block: 353–369 against 393 in 32-row blocks; 256 ± 16 (Qwen3, 4096 tokens)
@@ -1492,9 +1492,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``fuse_act`` applies; else split sum, bias, router weight on the input and activation in XLA)
     → GEMM2 (the router weights in its epilogue with ``weight_in_gemm2``) → split sum, bias and
     the top-k sum in XLA (the router weights too, elsewhere).
-    Kernel options (defaults: the fastest measured on the H200, ``benchmarks/NOTES.md`` v5, v6):
+    Kernel options (defaults: the fastest measured on the H200, ``docs/journal/notes.md`` v5, v6):
     ``block_n``: output columns per program, 64 or 128 (default; 64-column fold tiles were slower,
-    NOTES.md v17 and v22, and 256-column ones — four wgmma row tiles in one warpgroup, built and
+    docs/journal/notes.md v17 and v22, and 256-column ones — four wgmma row tiles in one warpgroup, built and
     measured in v24 — spilled registers and were slower in every layer row, so they were removed).
     ``wide``: the kernel's ``wide=True`` 256-deep steps (128-byte swizzled word copies) for every
     GEMM whose K-blocks are even (the others, e.g. DeepSeek-V2-Lite's I = 1408, keep 128-deep ones);
@@ -1506,17 +1506,17 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     with ``tout``, 2 at 64-row blocks with 256-deep steps and ``tout``, 2 and no ``tout`` at
     128-row blocks with 256-deep steps; a pair ``(GEMM1's, GEMM2's)`` sets the two GEMMs apart
     (``None`` in it: that GEMM's default; v26: GEMM2 at 3 or 4 stages left Mixtral's 1-token
-    GEMM2 at 20.5–21.0 µs against 21.1 at 2, NOTES.md v26). ``shift32`` (default on): the kernel's 32-bit nibble
-    extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (NOTES.md
+    GEMM2 at 20.5–21.0 µs against 21.1 at 2, docs/journal/notes.md v26). ``shift32`` (default on): the kernel's 32-bit nibble
+    extraction; ``lop3`` (default on): its mask-and-magic as one ``lop3.b32`` per plane (docs/journal/notes.md
     v14). ``zfold``: the kernel's folded scale and zero point, only ever for blocks of up
     to 32 rows (larger blocks keep the per-weight dequantization); default: on for blocks of up
     to 24 rows (``FOLD_ROWS``; v6–v16: 16 — at 32 rows the fold cost more than it saved: Qwen3 512
-    tokens 661 vs 576 µs, NOTES.md v6; v17, scale-only, 24-row blocks: Mixtral 64 tokens 290.0 vs
-    300.7–301.9, NOTES.md v17; at 32 rows still no faster: 315.7). ``sfold``: the GEMMs that
+    tokens 661 vs 576 µs, docs/journal/notes.md v6; v17, scale-only, 24-row blocks: Mixtral 64 tokens 290.0 vs
+    300.7–301.9, docs/journal/notes.md v17; at 32 rows still no faster: 315.7). ``sfold``: the GEMMs that
     fold use the kernel's ``sfold`` (scale-only fold, no ``Σx`` reduction in XLA: two XLA kernels
     fewer per layer) instead of ``zfold``;
-    default: on (differential timing, 40 routings; pair schedule, 1 token, NOTES.md v11: Qwen3
-    20.0 vs 29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0; blocked 16-row blocks, NOTES.md
+    default: on (differential timing, 40 routings; pair schedule, 1 token, docs/journal/notes.md v11: Qwen3
+    20.0 vs 29.4–33.6 µs, DeepSeek-V2-Lite 18.3 vs 28.5–33.0; blocked 16-row blocks, docs/journal/notes.md
     v12: Mixtral 16 tokens 235 vs 251, Qwen3 64 tokens 131 vs 147–148, DeepSeek-V2-Lite 16
     tokens 110 vs 120, 64 tokens 142 vs 145–147; v8's "slower at Qwen3 16 tokens" was measured
     under the old timing's noise).
@@ -1525,9 +1525,9 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     compute warpgroups and a copy warpgroup) for every GEMM that does not fold or overlap and whose
     columns split into ``2·block_n`` (group-128 scales only); default: on for blocks of 64 rows or
     more (Mixtral 4096 tokens 6238 vs 8607 µs, 512 tokens 1393 vs 1775; the GEMM at 8 rows was
-    slower, 224 vs 202 µs; NOTES.md v7) and for 32- to 63-row blocks whose programs stream 32 or
+    slower, 224 vs 202 µs; docs/journal/notes.md v7) and for 32- to 63-row blocks whose programs stream 32 or
     more K-blocks (Mixtral 64 tokens 316–323 vs 333 µs); shorter streams at those blocks run without
-    it, at 2 stages, two programs per SM (Qwen3 512 tokens 211–222 vs 243 µs; NOTES.md v12).
+    it, at 2 stages, two programs per SM (Qwen3 512 tokens 211–222 vs 243 µs; docs/journal/notes.md v12).
     The scale-only fold GEMMs take ``ws`` too (its two compute warpgroups fold each K-block like
     the plain kernel; never clustered) by default in 24-row blocks whose programs stream 32 or more
     K-blocks (v25: Mixtral 48 / 64 tokens 253–257 / 266–270 vs 271–272 / 279–281 µs; with shorter
@@ -1536,19 +1536,19 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``out16``: GEMMs without a K split write their output in
     the activations' dtype (rounded once from the float32 accumulator, as vLLM's kernels write
     their intermediate caches) instead of float32; default: on (Mixtral 4096 tokens 5992 vs
-    6359 µs, 64 tokens 453 vs 526; Qwen3 4096 tokens 1687 vs 1869; NOTES.md v7). ``tout``: those
+    6359 µs, 64 tokens 453 vs 526; Qwen3 4096 tokens 1687 vs 1869; docs/journal/notes.md v7). ``tout``: those
     GEMMs also write ``[M, N]`` through shared memory (a transposed store in the kernel) instead of
     ``[N, M]`` for XLA to transpose; jax >= 0.11 only; default: on (Qwen3 512 tokens 534 vs
     573 µs, Mixtral 64 tokens 439 vs 453; at 128-row blocks, with one pipeline stage fewer for the
     output tile, Qwen3 4096 tokens 1198 vs 1692–1822 µs and Mixtral 4096 tokens 5527 vs
-    6003–6026; NOTES.md v8; since v16 at 8-row blocks too: Mixtral 16 tokens 227.0 vs
-    236.0–236.4, NOTES.md v16 — v8's 325 vs 291 there was the old timing); never at 128-row
+    6003–6026; docs/journal/notes.md v8; since v16 at 8-row blocks too: Mixtral 16 tokens 227.0 vs
+    236.0–236.4, docs/journal/notes.md v16 — v8's 325 vs 291 there was the old timing); never at 128-row
     blocks with 256-deep steps (``wide``), whose 2 stages leave no shared memory for the output
     tile.
     ``combine`` (blocked schedule): how each token's top-k rows are summed — ``"gather"`` (each
     token gathers its k rows through the inverse of the row order; default since v9: Qwen3 4096
     tokens 1072–1150 vs 1256–1268 µs with GEMM2 writing ``[M, N]`` tiles, Qwen3 512 and Mixtral
-    512 within the spread, NOTES.md v9) or ``"scatter"`` (a ``segment_sum`` over the sorted rows,
+    512 within the spread, docs/journal/notes.md v9) or ``"scatter"`` (a ``segment_sum`` over the sorted rows,
     a scatter-add of ``[rows, H]``; v8 measured no difference while XLA still transposed GEMM2's
     output) or ``"add"`` (GEMM2 adds each row into its token's output row itself: the kernel's
     ``dest``, a TMA reduce-add per row from its output tile, accumulating in the activations'
@@ -1561,8 +1561,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     pairs since v16 — and ``"rank"`` — by default beyond since v21 — also give each pair's row, so
     the top-k sum's ``"gather"`` needs no scatter to invert the row order: Qwen3 64 tokens 110.9 vs
     124.8–125.2 µs sorted, DeepSeek-V2-Lite 16 tokens 96.4 vs 107.2–107.4, Qwen3 128 tokens 133.0
-    vs 146.8–150.1 counted, NOTES.md v16; ranked, Qwen3 4096 tokens 755 vs 779 µs counted, and at
-    512 tokens 17 kernels and 203.8 µs of device time against 27 and 218.1, NOTES.md v21).
+    vs 146.8–150.1 counted, docs/journal/notes.md v16; ranked, Qwen3 4096 tokens 755 vs 779 µs counted, and at
+    512 tokens 17 kernels and 203.8 µs of device time against 27 and 218.1, docs/journal/notes.md v21).
     ``one_kernel`` (pair schedule; off by default until timed on the GPU): GEMM1, the activation
     and GEMM2 in one persistent kernel (:func:`pallas_kernels.wgmma_decode.wgmma_decode_layer`),
     where the fused activation applies (``fuse_act``), without act-order permutations, a ``w2``
@@ -1572,7 +1572,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     (the kernel's ``row_scale``, in float32 before the output's rounding) instead of the XLA
     fusion that sums the top-k rows; default: on for the blocked schedule, off for the pair
     schedule, where laying the weights out for the kernel is one more XLA kernel (Qwen3 1 token:
-    9 kernels and 25.1 µs of device span against 8 and 23.7, NOTES v11) and the XLA multiply
+    9 kernels and 25.1 µs of device span against 8 and 23.7, docs/journal/notes.md v11) and the XLA multiply
     rides in the top-k sum for free; left to XLA by default also where GEMM2 runs the default
     ``ws`` stream (``persistent``), which takes no row scales. Never
     with the router weight on the input (GEMM2's rows are then already weighted).
@@ -1580,25 +1580,25 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     any-invalid-id test as unrolled elementwise adds / ors over their small static axes instead of
     XLA reductions (the blocked schedule's gather keeps its reduction), so
     that XLA can fuse them into the neighbouring elementwise work (a reduction is a kernel of its
-    own: Qwen3 1 token 8 kernels and 22.2 µs busy against 10 and 23.3, NOTES v11); off:
+    own: Qwen3 1 token 8 kernels and 22.2 µs busy against 10 and 23.3, docs/journal/notes.md v11); off:
     ``sum``/``any`` reductions (v9).
     ``fuse_act``: GEMM1 applies the activation in its epilogue (the kernel's ``gated``: ``silu`` or
     ``gelu_tanh``, from the float32 accumulator, written once as ``[rows, I]``) wherever it runs
     without a K split; default: on where it applies — weights converted in the gated column order
     (``w13_interleaved``: ``I`` a multiple of 64), no ``w13`` bias, the router weight not on the
     input, ``block_n=128`` (Mixtral 512 tokens 1108–1122 vs 1188–1215 µs, Qwen3 4096 tokens 1198
-    vs 1277; NOTES.md v8). Elsewhere XLA applies the activation to GEMM1's output.
+    vs 1277; docs/journal/notes.md v8). Elsewhere XLA applies the activation to GEMM1's output.
     ``gather32`` (blocked schedule; default on): gather the token rows into the expert blocks
     as 32-bit words (pairs of 16-bit values, the same bits) instead of 16-bit elements — half
     the elements for XLA's gather, which at Qwen3 4096 tokens wrote its 134 MB at ~1 TB/s
-    (126 µs, NOTES.md v10). Measured (part 31, NOTES.md v11): Qwen3 4096 tokens 800 vs 861–879
+    (126 µs, docs/journal/notes.md v10). Measured (part 31, docs/journal/notes.md v11): Qwen3 4096 tokens 800 vs 861–879
     µs; Qwen3 512 and Mixtral 512 unchanged (242 vs 240–241, 735 vs 729). Off: 16-bit elements.
     ``row_gather`` (blocked schedule): gather those rows with :func:`~pallas_kernels.row_gather.gather_rows`
     (a Mosaic GPU kernel: one bulk copy per row, only the rows of pairs in blocks with an expert;
     padding rows and empty blocks left unwritten, their results never read) instead of XLA
     (``row_gather=False``: XLA, as ``gather32`` says); default: on from
     :data:`ROW_GATHER_MIN_PAIRS` routed pairs wherever the rows are whole 16-byte multiples (v20,
-    NOTES.md: Qwen3 4096 tokens 768–795 µs against 789–805 with XLA's gather); at fewer pairs XLA's
+    docs/journal/notes.md: Qwen3 4096 tokens 768–795 µs against 789–805 with XLA's gather); at fewer pairs XLA's
     gather, which fuses into the kernels around it (v23: DeepSeek-V2-Lite 16 tokens 91.6 against
     95.2–96.2 µs with the kernel).
     ``token_rows`` (pair schedule; v24, off by default — measured in v25 at no gain at 1 token, the
@@ -1612,25 +1612,25 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
     ``split1`` / ``split2``: GEMM1's / GEMM2's K split (the largest divisor of its steps up to
     the value); default: about 2 programs per SM; about 4 with at least 4 steps each for the
     pair schedule's GEMM1, whose 8-row kernel fits 4–5 per SM (Mixtral 1 token 67.7 vs 72.9–73.0
-    µs at split1 2 against 1; NOTES.md v14); none for the blocked schedule's GEMM2 in blocks of
+    µs at split1 2 against 1; docs/journal/notes.md v14); none for the blocked schedule's GEMM2 in blocks of
     up to 16 rows since v16, whose unsplit 16-bit ``tout`` output leaves XLA no float32 partials
-    to sum (Mixtral 16 tokens 216.2 vs 227.0 at split2 2, NOTES.md v16). A split > 1 gives up
+    to sum (Mixtral 16 tokens 216.2 vs 227.0 at split2 2, docs/journal/notes.md v16). A split > 1 gives up
     ``out16`` and the fused activation for that GEMM.
     ``persistent``: ``True``: every GEMM without ``overlap`` or ``zfold`` runs as the kernel's
     ``persistent`` stream over all (block, column tile, K split) items instead of one program per
     item; with ``ws`` where ``ws`` applies (the kernel's chained warp-specialized stream, v14)
     unless the GEMM has row scales (``weight_in_gemm2``) or destination rows (``combine="add"``),
     or no ring of 2+ stages divides an item's steps; else without ``ws`` (right on the H200, but
-    slower, NOTES.md v13 — Qwen3 512 tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1
+    slower, docs/journal/notes.md v13 — Qwen3 512 tokens 256 vs 234–238 µs, 4096 tokens 1611 vs 835–843, 1
     token 24 vs 21–23). ``None`` (default, v15): the chained ``ws`` stream only for the GEMMs in
     33–63-row blocks whose short K streams keep them off ``ws`` (the two-programs-per-SM form
     above), where it applies — group-128 scales, no fold or overlap, no destination rows, items of
     2+ steps under a ring of 2+ stages (the deepest of 4 that fits and divides them), the router
     weights moved to XLA unless ``weight_in_gemm2=True`` (Qwen3 512 tokens 211.4 vs 228.3–234.0
     µs; at 64+-row ``ws`` blocks it was slower: Qwen3 4096 926 vs 799–823, Mixtral 512 790 vs
-    726–743; NOTES.md v15). ``False``: never. A pair ``(GEMM1's, GEMM2's)`` of these values sets
+    726–743; docs/journal/notes.md v15). ``False``: never. A pair ``(GEMM1's, GEMM2's)`` of these values sets
     the two GEMMs apart (e.g. ``(None, True)``: only GEMM2 as a ``persistent`` stream).
-    ``cluster`` (1, 2 or 4; default 1: right on the H200 but not faster there, NOTES.md v23 —
+    ``cluster`` (1, 2 or 4; default 1: right on the H200 but not faster there, docs/journal/notes.md v23 —
     Mixtral 64 tokens 292 µs against 282–289, Qwen3 64 118 against 111): the kernel's ``cluster`` option
     — programs in clusters of neighbouring column tiles that read each step's token rows from L2
     once per cluster (TMA multicast) — for every GEMM that runs the plain kernel (not ``overlap``,
@@ -1738,7 +1738,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
         # ws program per SM exposes its ring fill, which short K streams at medium blocks cannot hide
         # (Qwen3 512 tokens, 48-row blocks of 16 / 6 K-blocks: 211–222 µs without ws at 2 stages,
         # 243 with it; Mixtral 64 tokens, 32 rows, 32 / 56 K-blocks: 316–323 with ws, 333 without;
-        # NOTES v12)
+        # docs/journal/notes.md v12)
         # v25: the scale-only fold blocks of 24 rows (FOLD_ROWS) take ws where a program streams 32+
         # K-blocks too (Mixtral 48 / 64 tokens 253–257 / 266–270 µs against 271–272 / 279–281, part
         # 104); with short streams it lost (Qwen3 256 tokens 161–185 against 157–161, DeepSeek-V2-Lite
@@ -1759,7 +1759,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
 
         def fitted(st, **kw):
             # shared memory (227 KB): fewer stages, down to 2 — e.g. 3 stages at 128-row blocks with
-            # the output tile (the measured default, NOTES v8), 2 at 64-row blocks with 256-deep steps
+            # the output tile (the measured default, docs/journal/notes.md v8), 2 at 64-row blocks with 256-deep steps
             # (288 KB at 4 stages: part 16); below, none at 128-row ones (234.5 KB at 2)
             while st > 2 and smem(st, tr, **kw) > SMEM_LIMIT:
                 st -= 1
@@ -1796,7 +1796,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights: "WgmmaWeight
             st = stages
         elif ws_default and bm > 32 and not want_ws:  # two programs per SM, each filling while the other computes
             st = 2
-        else:                         # 2-deep rings for decode blocks streaming long K ranges (NOTES v6)
+        else:                         # 2-deep rings for decode blocks streaming long K ranges (docs/journal/notes.md v6)
             st = 2 if bm <= 32 and chunk >= 8 else 4
         kw = dict(pers=pers, wsp=wsp, rs=rs)
         st = fitted(st, **kw)

@@ -1,6 +1,6 @@
 """Grouped int4/int8 GEMMs over experts with in-register dequantization (Pallas, Triton lowering).
 
-The kernels of the GPU engine (``benchmarks/NOTES.md`` has each version's numbers):
+The kernels of the GPU engine (``docs/journal/notes.md`` has each version's numbers):
 
 * :func:`grouped_gemm` — rows sorted by expert in blocks of ``block_m``
   (``routing.moe_align_block_size``; ``expert_ids[b]`` names block ``b``'s expert, ``-1`` an

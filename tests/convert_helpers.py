@@ -16,7 +16,7 @@ BF16 = np.dtype(jnp.bfloat16)
 #: one (hidden, intermediate) size per group size keeps the number of distinct shapes (and so
 #: of XLA compilations) small: w13 spans two groups, w2 one (channelwise: one group each).
 SIZES = {32: (64, 32), 64: (128, 64), 128: (256, 128), -1: (64, 32)}
-AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]  # spec §1.3: logical column j lives in slot AWQ_REVERSE[j]
+AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]  # docs/formats.md §1.3: logical column j lives in slot AWQ_REVERSE[j]
 
 
 def make_scheme(method, bits=4, group_size=128, zero_point=False, act_order=False,

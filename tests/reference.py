@@ -1,4 +1,4 @@
-"""Independent float64 references for tests: written from the spec, sharing no code with the
+"""Independent float64 references for tests: written from docs/formats.md, sharing no code with the
 library beyond nothing at all (pure numpy, explicit bit arithmetic)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def unpack_cols(q: np.ndarray, bits: int, n: int, awq: bool = False) -> np.ndarr
 
 
 def dequant_checkpoint(w, scheme) -> tuple[np.ndarray, np.ndarray]:
-    """float64 ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` from a CheckpointWeights (spec §1.3–§1.8)."""
+    """float64 ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` from a CheckpointWeights (docs/formats.md §1.3–§1.8)."""
     h, i = w.hidden_size, w.intermediate_size
     out = []
     for qw, sc, qz, gi, n, k in ((w.w13_qweight, w.w13_scales, w.w13_qzeros, w.w13_g_idx, 2 * i, h),

@@ -100,7 +100,7 @@ def test_round_trip(tmp_path, scheme, model_type):
 
 
 def test_packed_bits_follow_the_spec(scheme):
-    """Every packed tensor decodes, with the spec's bit rules, to the codes that were packed."""
+    """Every packed tensor decodes, with the bit rules of docs/formats.md, to the codes that were packed."""
     rng = np.random.default_rng()
     w = rng.standard_normal((96, 128)).astype(np.float32)
     q = quantize_rtn(w, scheme)

@@ -1,4 +1,4 @@
-"""CPU converter (spec §5): blocked int4 layout with compensation sums."""
+"""CPU converter (docs/formats.md §5): blocked int4 layout with compensation sums."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ convert_and_decode = jax.jit(lambda s, w: (lambda o: (o, o.decode()))(convert_cp
                              static_argnums=0)
 
 
-# ---------------------------------------------------------------------- spec formulas (loops)
+# ------------------------------------------------------- docs/formats.md formulas (loops)
 def unpack_loops(algo, qweight, qzeros, n_groups):
     """§5 step 1 for one expert: ``Wu [N, K]`` and ``Z [N, G]`` from the K-first words."""
     if algo == "awq":

@@ -1,4 +1,4 @@
-"""HUMMING converter: schema dicts (seed ``_humming_wna16_weight_schema``, spec §7) and the
+"""HUMMING converter: schema dicts (vLLM's ``_humming_wna16_weight_schema``, docs/formats.md §7) and the
 canonical ``HummingWeightSchema`` layout."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_gptq_v2_zeros_pass_through():
 def test_compressed_tensors_is_already_canonical():
     scheme = make_scheme(CT, 4, -1, True)
     ck = make_checkpoint(scheme, e=1, h=12, i=20, seed=4, bias=True)
-    # The seed refuses compressed-tensors for Humming (its schema function raises TypeError) ...
+    # vLLM's WNA16 oracle refuses compressed-tensors for Humming (its schema function raises TypeError) ...
     with pytest.raises(HummingSchemaError, match="compressed-tensors"):
         convert_humming(scheme, ck)
     # ... but the array-level conversion with the §7 schema dict shows CT is already canonical.

@@ -1,6 +1,6 @@
-"""Tests of the Marlin converter (``wna16_jax.convert.marlin``; spec vllm_wna16_formats.md §3).
+"""Tests of the Marlin converter (``wna16_jax.convert.marlin``; docs/formats.md §3).
 
-Every expected array is computed here from the spec's formulas — plain-Python loops for the
+Every expected array is computed here from the formulas of docs/formats.md — plain-Python loops for the
 golden cases, an independent vectorised numpy transcription (itself checked against the loops)
 for the whole-pipeline property — never by the converter under test.
 
@@ -31,8 +31,8 @@ from wna16_jax.weights import CheckpointWeights
 BF16 = np.dtype(jnp.bfloat16)
 FP8 = np.dtype(jnp.float8_e4m3fn)
 
-# ============================================================================ spec transcriptions
-# §3.3 constants, copied from the spec text.
+# ============================================================ transcriptions of docs/formats.md
+# §3.3 constants, copied from docs/formats.md.
 DK4, DN4 = [0, 8, 0, 8, 1, 9, 1, 9], [0, 0, 8, 8, 0, 0, 8, 8]
 DK8 = [0, 8, 1, 9]
 DK4_A8 = [0, 16, 1, 17, 2, 18, 3, 19]
@@ -449,7 +449,7 @@ def test_fp8_preprocess_with_awq_zeros_uses_zero_row_k_div_group():
                 u, z = (u_word >> 4 * s) & 15, (z_word >> 4 * s) & 15
                 want |= spec_fp8_code(u, z) << (4 * s)
             assert out[k, c] == to_i32(want)
-    # stacked [E, K, C] with [E, G, C] is the same as the flat view the seed passes
+    # stacked [E, K, C] with [E, G, C] is the same as the flat view vLLM passes
     out3 = np.asarray(M.marlin_int4_fp8_preprocess(qw.reshape(2, 4, C), qz.reshape(2, 1, C)))
     np.testing.assert_array_equal(out3.reshape(K, C), out)
     # the recode is invertible given the zeros (ranges [0, 15-z] and [16-z, 15] are disjoint)
@@ -627,7 +627,7 @@ def make_checkpoint(cfg: Cfg, L: Logical) -> CheckpointWeights:
 
 
 def expected_marlin(cfg: Cfg, L: Logical) -> dict[str, np.ndarray | None]:
-    """The seed pipeline (§3.1 / §3.1b) in numpy from the spec's formulas (np_repack etc.)."""
+    """vLLM's pipeline (docs/formats.md §3.1 / §3.1b) in numpy from its formulas (np_repack etc.)."""
     E, H, I, g, b = cfg.E, cfg.H, cfg.I, cfg.g, cfg.bits
     pf = 32 // b
     a8 = cfg.input_dtype in ("float8_e4m3fn", "int8")
@@ -736,7 +736,7 @@ def check_pipeline(cfg: Cfg, seed: int) -> None:
     mw, (l13, l2), biases = jax.tree_util.tree_map(
         np.asarray, convert_and_decode(cfg.scheme, ck, cfg.jnp_input_dtype))
 
-    # -- the Marlin tensors are the seed pipeline, bit for bit
+    # -- the Marlin tensors are vLLM's pipeline, bit for bit
     want = expected_marlin(cfg, L)
     for name, w in want.items():
         assert_same(name, getattr(mw, name), w)
@@ -897,7 +897,7 @@ def test_every_converter_runs_under_jit():
         return out
 
     got = jax.tree_util.tree_map(np.asarray, jax.jit(everything)(data))
-    # every output against the spec transcriptions of this file
+    # every output against the docs/formats.md transcriptions of this file
     E = 2
     np.testing.assert_array_equal(got["dense"], np_repack(Q[0][perm[0]], 4, False))
     np.testing.assert_array_equal(got["moe"], np.stack([np_repack(Q[e][perm[e]], 4, False)

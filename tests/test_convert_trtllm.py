@@ -1,4 +1,4 @@
-"""FLASHINFER_TRTLLM MXINT4 converter (spec §4, steps 1-7)."""
+"""FLASHINFER_TRTLLM MXINT4 converter (docs/formats.md §4, steps 1-7)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from wna16_jax.convert.trtllm_mxint4 import (
 from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError
 
 
-# ---------------------------------------------------------------------- spec formulas (loops)
+# ------------------------------------------------------- docs/formats.md formulas (loops)
 def p1(m):
     return [32 * (p // 32) + 4 * ((p % 32) % 8) + (p % 32) // 8 for p in range(m)]
 

@@ -1,4 +1,4 @@
-"""XPU converter (spec §6): int32 words → uint8 nibble pairs, low nibble = even k."""
+"""XPU converter (docs/formats.md §6): int32 words → uint8 nibble pairs, low nibble = even k."""
 
 from __future__ import annotations
 

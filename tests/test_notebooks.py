@@ -71,7 +71,7 @@ def test_compare_pytorch_notebook_executes(monkeypatch):
     nb = _execute(monkeypatch, "compare_pytorch.ipynb")
     text = _text(nb)
     assert "| AWQ g128 | PyTorch |" in text and "| CT 8b channel | MARLIN |" in text
-    assert "library repack == spec §3.3 formula" in text
+    assert "library repack == docs/formats.md §3.3 formula" in text
     assert len([o for o in _outputs(nb, "display_data") if "image/png" in o.get("data", {})]) >= 3
 
 
@@ -106,7 +106,7 @@ def test_results_json_is_valid(results_io):
     rows = {(r["machine"], r["shape"], r["tokens"]): r for r in records if "xla_formulations" in r["command"]}
     engine = [r for r in records if "moe_engine" in r["command"]]
     assert engine and all(any(a.startswith(("engine", "wgmma")) for a in r["ms"]) and r["floor_ms"] for r in engine)
-    # spot checks of the transcription of benchmarks/RESULTS.md
+    # spot checks of the transcription of docs/journal/results-history.md
     cpu = rows["2-core CPU, jax 0.10.2", "mixtral-like (8, 2, 1024, 2048)", 1]
     assert cpu["ms"] == {"gather": 44.75, "dense": 120.20, "blocked": 32.32, "ragged_dot": 109.82}
     gpu = rows["NVIDIA H200, jax 0.11.2", "Mixtral (8, 2, 4096, 14336)", 16]

@@ -1200,7 +1200,7 @@ def test_fused_moe_wgmma_row_gather_default_cpu(monkeypatch):
 
 
 def test_fused_moe_wgmma_fold_defaults_cpu(monkeypatch):
-    """Which fold each GEMM gets by default (NOTES v12, v17): blocks of up to 24 rows — the pair
+    """Which fold each GEMM gets by default (docs/journal/notes.md v12, v17): blocks of up to 24 rows — the pair
     schedule's 8-row blocks and blocked ones — the scale-only fold (``sfold``), 32-row and larger
     blocks none unless ``zfold=True`` (up to 32 rows); ``sfold=False`` puts them back on ``zfold``;
     the layer stays right in each case (kernel replaced by its jnp contract)."""
@@ -1273,7 +1273,7 @@ def test_fused_moe_wgmma_ws_fold_cpu(monkeypatch):
 
 
 def test_fused_moe_wgmma_ws_defaults_cpu(monkeypatch):
-    """Which GEMMs are warp-specialized by default, and at what depth (NOTES v12): 64-row blocks
+    """Which GEMMs are warp-specialized by default, and at what depth (docs/journal/notes.md v12): 64-row blocks
     and up always; 32- to 63-row blocks only where a program streams 32 or more K-blocks (here
     GEMM1 over H = 4096, also in 128-deep steps), else no ``ws`` and 2 stages (two programs per
     SM; since v15 those with 2+ steps run as the chained ``ws`` stream by default, see
@@ -1454,7 +1454,7 @@ def test_fused_moe_wgmma_gated_cpu(monkeypatch, key):
 
 def test_wgmma_block_m():
     """Block rows per shape: the fewest expected blocks below 128 rows (the measured decode choices
-    of NOTES v9), blocks sized to the binomial spread of an expert's rows at prefill (NOTES v10);
+    of docs/journal/notes.md v9), blocks sized to the binomial spread of an expert's rows at prefill (docs/journal/notes.md v10);
     the expected block count against a simulation of uniform routing."""
     from pallas_kernels.wgmma_w4a16 import expected_blocks, wgmma_block_m
 
@@ -1571,10 +1571,10 @@ def test_wgmma_decode_layer_lowers_and_checks():
 
 
 def test_fused_moe_wgmma_kernel_options_cpu(monkeypatch):
-    """The per-GEMM kernel options the wgmma layer picks (the measured defaults of NOTES.md v6):
+    """The per-GEMM kernel options the wgmma layer picks (the measured defaults of docs/journal/notes.md v6):
     2 stages for blocks of up to 32 rows streaming >= 8 steps, else 4; a fold only up to 16 rows
     unless forced (then up to 32), scale-only (``sfold``) unless ``sfold=False`` (v12); wide below
-    128-row blocks, and then 2 stages; overlap never with a fold; ws (NOTES.md v7, v12) from 64
+    128-row blocks, and then 2 stages; overlap never with a fold; ws (docs/journal/notes.md v7, v12) from 64
     rows, and from 32 rows for streams of 32+ K-blocks, where the columns split into 2·block_n,
     never with overlap or ``zfold``, with the scale-only fold only when ``ws=True`` is given (v24);
     explicit options win."""
@@ -2361,7 +2361,7 @@ def test_wgmma_combine_add_gpu(shape, key):
     DeepSeek-V2-Lite 256), 64- and 128-row ``ws`` blocks (Mixtral 512, Qwen3 4096) — and with the
     persistent GEMMs; expert 0 never routed, fresh inputs per call, against the float64 reference
     with the bound of the bf16 accumulation ``combine="add"`` does (:func:`_sum16_close`: at top-8
-    the error reached 1.59e-2 of the largest output in part 107, NOTES v26)."""
+    the error reached 1.59e-2 of the largest output in part 107, docs/journal/notes.md v26)."""
     _layer_rows(shape, key, [(t, (dict(), dict(persistent=True))) for t in ADD_TOKENS[shape]], sum16=True,
                 schedule="blocked", combine="add")
 

@@ -391,7 +391,7 @@ def test_moe_align_rows_are_materialized(method):
     """The pair rows of "compare" and "rank" sit behind an optimization barrier: left to XLA they
     fused, with their cumulative sums, into each consumer — the GPU layer's top-k sum recomputed
     them for every output element (142.5 µs of a 352 µs Qwen3 512-token layer; 6.5 once materialized,
-    NOTES v21)."""
+    docs/journal/notes.md v21)."""
     ids = jax.ShapeDtypeStruct((64, 8), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda i: _moe_align(i, 16, 128, method=method, with_rows=True))(ids)
     assert "optimization_barrier" in str(jaxpr)

@@ -1,7 +1,8 @@
 """The dispatch table: which backend layout serves a scheme on a device, and why the others don't.
 
-A port of the seed oracle's backend selection (``_get_priority_backends`` and the experts
-classes' support checks, spec ``vllm_wna16_formats.md`` §9) onto JAX platforms. The table
+A port of the backend selection of
+vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``) (``_get_priority_backends`` and the experts
+classes' support checks, ``docs/formats.md`` §9) onto JAX platforms. The table
 (:data:`TABLE`) is one literal mapping ``Backend → BackendSpec``; each spec's ``supports``
 returns ``None`` or the reason it refuses. :func:`select_backend` walks the platform's priority
 list and returns the first backend whose check passes. When none does (vLLM raises there), it
@@ -31,7 +32,7 @@ from .schemes import QuantMethod, QuantScheme
 
 
 class Backend(str, Enum):
-    """The seed's ``WNA16MoEBackend`` members."""
+    """The ``WNA16MoEBackend`` members of vLLM's WNA16 oracle."""
 
     CPU = "cpu"
     XPU = "xpu"
@@ -93,7 +94,7 @@ class Device:
         return cls(platform=platform, name=str(getattr(d, "device_kind", "")), compute_capability=cc)
 
 
-#: fp8 activations on Marlin need SM89 or SM12x (Hopper emulates the PTX; spec §2.7, §3.7).
+#: fp8 activations on Marlin need SM89 or SM12x (Hopper emulates the PTX; docs/moe-semantics.md §2.7, docs/formats.md §3.7).
 _FP8_ACT_CC = ((8, 9), (12, 0), (12, 1))
 _ACT_DTYPES = (None, "float16", "bfloat16", "int8", "float8_e4m3fn")
 ACTIVATION_FORMATS = ("standard", "batched")
@@ -115,7 +116,7 @@ def _dtype_name(input_dtype: Any) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One layer's needs, as the frontends hand them to the oracle (spec §9.1)."""
+    """One layer's needs, as the frontends hand them to the oracle (docs/formats.md §9.1)."""
 
     scheme: QuantScheme
     input_dtype: str | None = None        # None = 16-bit activations; "int8" / "float8_e4m3fn" (Marlin)
@@ -225,7 +226,7 @@ def _supports_humming(req: Request, dev: Device) -> str | None:
         _need_nvidia((7, 5))(req, dev),
         None if s.method in (QuantMethod.AWQ, QuantMethod.GPTQ)
         else "the Humming weight schema is derived from AutoAWQ / AutoGPTQ configs only "
-             "(the seed raises TypeError for compressed-tensors)",
+             "(vLLM's WNA16 oracle raises TypeError for compressed-tensors)",
         "the Humming GPTQ schema does not support desc_act (act-order)" if s.act_order else None,
         "only 16-bit activations here" if req.input_dtype else None,
     )
@@ -276,7 +277,7 @@ class BackendSpec:
 
     backend: Backend
     platforms: tuple[str, ...]            # where vLLM selects it
-    layout: str                           # spec section of the kernel layout
+    layout: str                           # docs/formats.md section of the kernel layout
     executes_on: str                      # what runs the layout in this project
     supports_fn: Check
     convert_path: str | None              # "module:function" of the converter (lazy import)
@@ -380,10 +381,10 @@ class BackendSpec:
 
         MARLIN on a Hopper GPU, 4-bit with group 128 or channelwise scales: the wgmma kernels'
         layout (:class:`pallas_kernels.wgmma_w4a16.WgmmaWeights`, faster than the Triton-lowered
-        kernels at most measured rows: ``benchmarks/RESULTS.md``); see :meth:`wgmma_reason`.
+        kernels at most measured rows: ``docs/journal/results-history.md``); see :meth:`wgmma_reason`.
         MARLIN / BATCHED_MARLIN on other NVIDIA GPUs and for the other configurations the engine
         takes: the engine's kernel-native tile layout
-        (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``benchmarks/NOTES.md`` measures it
+        (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``docs/journal/notes.md`` measures it
         against re-laying the Marlin layout on every call). Everywhere else, and for
         configurations outside the engine: :meth:`convert` (the backend's own layout).
         """
@@ -438,26 +439,26 @@ def forced_gpu_kernels() -> str:
 
 TABLE: dict[Backend, BackendSpec] = {
     Backend.CPU: BackendSpec(
-        Backend.CPU, ("cpu",), "vLLM CPU blocked int4 layout (spec §5)", "XLA decode",
+        Backend.CPU, ("cpu",), "vLLM CPU blocked int4 layout (docs/formats.md §5)", "XLA decode",
         _supports_cpu, "wna16_jax.convert.cpu:convert_cpu"),
     Backend.XPU: BackendSpec(
-        Backend.XPU, ("xpu",), "[E, N, K/2] uint8, low nibble = even k (spec §6)", "XLA decode",
+        Backend.XPU, ("xpu",), "[E, N, K/2] uint8, low nibble = even k (docs/formats.md §6)", "XLA decode",
         _supports_xpu, "wna16_jax.convert.xpu:convert_xpu"),
     Backend.MARLIN: BackendSpec(
-        Backend.MARLIN, ("gpu",), "Marlin tile layout (spec §3)",
+        Backend.MARLIN, ("gpu",), "Marlin tile layout (docs/formats.md §3)",
         "Pallas engine on NVIDIA GPUs (Hopper, 4-bit g128/channelwise: wgmma layout, Mosaic GPU kernels; "
         "otherwise kernel-native tile layout, Triton-lowered kernels), XLA decode elsewhere",
         _supports_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
     Backend.BATCHED_MARLIN: BackendSpec(
-        Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (spec §3, §2.8)",
+        Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (docs/formats.md §3, docs/moe-semantics.md §2.8)",
         "Pallas engine on NVIDIA GPUs (kernel-native tile layout), XLA decode elsewhere",
         _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
     Backend.FLASHINFER_TRTLLM: BackendSpec(
-        Backend.FLASHINFER_TRTLLM, ("gpu",), "MXINT4: signed int4, bf16 g32 scales, shuffled blocks (spec §4)",
+        Backend.FLASHINFER_TRTLLM, ("gpu",), "MXINT4: signed int4, bf16 g32 scales, shuffled blocks (docs/formats.md §4)",
         "XLA decode (the real kernel is SM100-only)", _supports_trtllm,
         "wna16_jax.convert.trtllm_mxint4:convert_trtllm_mxint4"),
     Backend.HUMMING: BackendSpec(
-        Backend.HUMMING, ("gpu",), "Humming canonical weight schema (spec §7)", "XLA decode",
+        Backend.HUMMING, ("gpu",), "Humming canonical weight schema (docs/formats.md §7)", "XLA decode",
         _supports_humming, "wna16_jax.convert.humming:convert_humming"),
     Backend.LOADER: BackendSpec(
         Backend.LOADER, ("cpu", "gpu", "rocm", "tpu", "xpu"),
@@ -483,7 +484,7 @@ _FALLBACK_WARNED: set = set()
 
 
 def priority_backends(device: Device | None = None) -> list[Backend]:
-    """The seed's ``_get_priority_backends`` on JAX platforms (the converting rows; when none of
+    """vLLM's ``_get_priority_backends`` on JAX platforms (the converting rows; when none of
     them accepts a layer, :func:`select_backend` falls back to :attr:`Backend.LOADER`)."""
     dev = device or Device.current()
     if dev.platform == "cpu":

@@ -3,7 +3,7 @@
 Reading (``Checkpoint``) is lazy: ``safetensors.safe_open`` opens only the files a layer needs and
 reads only its tensors; nothing is unpickled and torch is never imported. Each MoE layer becomes a
 :class:`MoELayer` whose routed experts are a :class:`~wna16_jax.weights.CheckpointWeights` in the
-layout vLLM's FusedMoE loader holds (spec ``vllm_wna16_formats.md`` §1.3–§1.6): experts stacked,
+layout vLLM's FusedMoE loader holds (``docs/formats.md`` §1.3–§1.6): experts stacked,
 gate and up fused into ``w13`` gate first, optional tensor-parallel slicing of the intermediate
 dimension.
 

@@ -1,6 +1,6 @@
 """``fused_moe``: the WNA16 fused mixture-of-experts layer, and its XLA executor.
 
-Semantics (spec ``vllm_moe_compute.md`` §1.3–§1.4), for token ``t`` and its routed slots ``j``::
+Semantics (``docs/moe-semantics.md`` §1.3–§1.4), for token ``t`` and its routed slots ``j``::
 
     h[t, j]  = x[t] @ W13[e]ᵀ (+ b13[e])             W13 = [gate; up], [2I, H]
     a[t, j]  = act(h[t, j])                         silu_and_mul / gelu_and_mul / swigluoai
@@ -35,7 +35,7 @@ kernels. A configuration outside the engine falls back to this XLA executor with
 :class:`EngineFallbackWarning` that states why.
 
 ``jax.lax.ragged_dot`` is deliberately not the production path (on GPU stacks it lowers to a
-padded dense dot, spec ``jax_ecosystem.md`` §5); :func:`fused_moe_ragged_dot` keeps it as a
+padded dense dot, ``docs/jax-ecosystem.md`` §5); :func:`fused_moe_ragged_dot` keeps it as a
 cross-check.
 """
 
@@ -194,7 +194,7 @@ def expert_gemm2(a, w2, b2, cdt):
 
 
 def choose_formulation(num_tokens: int, top_k: int, num_experts: int, platform: str | None = None) -> str:
-    """Static choice of the XLA formulation, from the measurements in ``benchmarks/RESULTS.md``.
+    """Static choice of the XLA formulation, from the measurements in ``docs/journal/results-history.md``.
 
     CPU: the blocked schedule was fastest or tied at every measured size. Accelerators: one
     gather per routed pair while the pairs are no more than the experts, all experts densely
@@ -507,7 +507,7 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
 
 def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activation="silu",
                             compute_dtype=None, executor: str = "auto"):
-    """The batched-experts executor (vLLM's BatchedExperts format, spec §2.8).
+    """The batched-experts executor (vLLM's BatchedExperts format, docs/moe-semantics.md §2.8).
 
     ``batched_hidden [E, M, H]`` holds up to ``M`` rows per local expert, of which the first
     ``expert_num_tokens[e]`` are valid. Returns ``[E, M, H]`` float32 expert outputs (invalid rows

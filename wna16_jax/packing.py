@@ -3,7 +3,7 @@
 One implementation serves numpy (eager, used by the loader and the writer) and jax.numpy
 (jit-able, used by converters and executors): every function dispatches on its input.
 
-Conventions (spec ``vllm_wna16_formats.md`` §1.1, §1.3):
+Conventions (``docs/formats.md`` §1.1, §1.3):
 
 * value index ``x`` along the packed axis lives in word ``x // pf`` at bit offset
   ``bits * slot`` with ``pf = 32 // bits`` values per word, LSB first;

@@ -1,7 +1,7 @@
 """Round-to-nearest quantization of float weights into unsigned codes, scales and zero points.
 
 Used by the checkpoint writer (tiny models for the demo and tests) and by tests. All numpy.
-The rules follow vLLM's reference quantizer (spec ``vllm_wna16_formats.md`` §10):
+The rules follow vLLM's reference quantizer (``docs/formats.md`` §10):
 
 * symmetric: ``s = max(max(w) / q_max, min(w) / q_min)`` with ``q ∈ [-2**(b-1), 2**(b-1) - 1]``,
   ``u = clip(round(w / s), q_min, q_max) + 2**(b-1)``;

@@ -1,6 +1,6 @@
 """MoE routing, block alignment and the batched-experts layout, in pure JAX.
 
-Spec ``vllm_moe_compute.md`` §1.1 (routing), §1.2 (alignment), §1.4 (EP expert maps) and
+``docs/moe-semantics.md`` §1.1 (routing), §1.2 (alignment), §1.4 (EP expert maps) and
 §2.8 (batched-experts form). Every function is pure and jit-able: sizes that shape arrays
 (``topk``, ``block_size``, ``num_experts``, ``max_tokens_per_expert``, ...) must be static
 Python ints, while ids, weights and expert maps may be traced.
@@ -172,7 +172,7 @@ def _check_gating(gating_output: Any):
 
 
 def fused_topk(gating_output, topk: int, *, renormalize: bool, scoring_func: str = "softmax"):
-    """Plain top-k routing (spec §1.1 "Default").
+    """Plain top-k routing (docs/moe-semantics.md §1.1 "Plain top-k").
 
     Scores all ``E`` logits of ``gating_output [T, E]`` with softmax or sigmoid (in float32),
     takes the ``topk`` largest (descending), and with ``renormalize`` rescales the ``topk``
@@ -204,7 +204,7 @@ def grouped_topk(
     e_score_correction_bias=None,
     routed_scaling_factor: float = 1.0,
 ):
-    """Group-limited top-k routing with DeepSeek-V2/V3 semantics (spec §1.1).
+    """Group-limited top-k routing with DeepSeek-V2/V3 semantics (docs/moe-semantics.md §1.1).
 
     1. ``scores`` = softmax/sigmoid of ``gating_output [T, E]`` in float32;
        ``choice = scores + e_score_correction_bias`` when a bias ``[E]`` is given (selection only).
@@ -280,7 +280,7 @@ def grouped_topk(
 
 @dataclasses.dataclass(frozen=True)
 class AlignedBlocks:
-    """Flat token ids sorted by expert and padded to whole blocks (spec §1.2).
+    """Flat token ids sorted by expert and padded to whole blocks (docs/moe-semantics.md §1.2).
 
     * ``sorted_token_ids`` int32 ``[max_padded]``: expert ``e``'s rows occupy a run of
       ``ceil(count_e / block_size)`` blocks, ids in ascending order, padded with the sentinel
@@ -329,7 +329,7 @@ def max_padded_size(num_flat_tokens: int, block_size: int, num_experts: int) -> 
 ALIGN_METHODS = ("auto", "sort", "count", "compare", "rank")
 RANK_MIN_PAIRS = 1024       # "auto" ranks from this many routed pairs on, above COMPARE_MAX_PAIRS (v17–v20: counted)
 # "auto" compares all pairs up to this many routed pairs: on the H200 the wgmma layer with the
-# compared alignment, same runs (NOTES v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
+# compared alignment, same runs (docs/journal/notes.md v16), Qwen3 64 tokens (512 pairs) 110.9 µs against
 # 124.8–125.2 sorted, DeepSeek-V2-Lite 16 tokens 96.4 against 107.2–107.4, DeepSeek-V2-Lite 128
 # tokens (768 pairs) 145.3 against 171.6–171.7, Qwen3 128 tokens (1024 pairs) 133.0 against
 # 146.8–150.1 counted (its inverse: 2944 padded rows × 1024 pairs); not timed beyond, so "auto"
@@ -347,7 +347,7 @@ def _counting_order(k, num_keys: int):
     chunks), plus its equals earlier in its own chunk (a 256 × 256 comparison per chunk). Every
     step is a small scatter, gather or reduction — no sort passes (XLA's GPU sort of the routed
     pairs took 32 µs of Qwen3's 512-token layer and ~34 µs, four radix passes and their memsets,
-    of its 4096-token one: NOTES v9)."""
+    of its 4096-token one: docs/journal/notes.md v9)."""
     n = k.shape[0]
     c = min(_COUNT_CHUNK, n)
     nc = -(-n // c)
@@ -382,7 +382,7 @@ def _padded_from_ranks(k, rank, counts, block_size: int, max_padded: int, invers
     # materialized once: left to XLA, the rows (a gather from the blocks' cumulative sum, itself a
     # reduce-window) fuse into every consumer — in the layer's top-k sum that is one recomputation
     # of both cumulative sums per output element (on the H200 that fusion took 142.5 µs at Qwen3
-    # 512 tokens against 6.9 for the same sum over materialized rows, 1134 at 4096: NOTES.md v21)
+    # 512 tokens against 6.9 for the same sum over materialized rows, 1134 at 4096: docs/journal/notes.md v21)
     row = jax.lax.optimization_barrier(row)
     sorted_ids = inverse(row).astype(jnp.int32)
     b = jnp.arange(max_padded // block_size, dtype=jnp.int32)
@@ -400,7 +400,7 @@ def _align_compare(k, num_buckets: int, block_size: int, max_padded: int, sentin
     compares) — reductions and elementwise work only, no sort, scatter or search (each of which
     is a GPU kernel of its own: with the sort, the alignment and the inverse of its order were
     about 8 of a Mixtral 16-token layer's 14 small XLA kernels; compared, the wgmma layer at
-    Qwen3 64 tokens took 110 µs against 125, NOTES v16). ``k``: keys, ``num_buckets`` for
+    Qwen3 64 tokens took 110 µs against 125, docs/journal/notes.md v16). ``k``: keys, ``num_buckets`` for
     invalid positions. Also returns the padded row of each position (``max_padded`` for invalid
     ones)."""
     n = k.shape[0]
@@ -423,7 +423,7 @@ def _align_rank(k, num_buckets: int, block_size: int, max_padded: int, sentinel:
     their rows gives the padded list. Each block's expert is read from its first row. Returns,
     like :func:`_align_compare`, the padded row of each position too (``max_padded`` for invalid
     ones), so a caller needs no scatter to invert the order. ``k``: keys, ``num_buckets`` for
-    invalid positions. ``"auto"``'s pick from :data:`RANK_MIN_PAIRS` pairs on since v21 (NOTES.md:
+    invalid positions. ``"auto"``'s pick from :data:`RANK_MIN_PAIRS` pairs on since v21 (docs/journal/notes.md:
     Qwen3 4096 tokens 755 against 779 µs counted; v17's 363 / 1869 µs at 512 / 4096 tokens were
     XLA recomputing the rows inside the top-k sum, fixed in :func:`_padded_from_ranks`)."""
     n = k.shape[0]
@@ -516,7 +516,7 @@ def moe_align_block_size(
     ignore_invalid_experts: bool = False,
     method: str = "auto",
 ) -> AlignedBlocks:
-    """Sort flat token ids by expert and pad each expert's run to whole blocks (spec §1.2).
+    """Sort flat token ids by expert and pad each expert's run to whole blocks (docs/moe-semantics.md §1.2).
 
     ``topk_ids [T, k]`` (integer) holds global expert ids in ``[0, num_experts)``. Flat id
     ``t*k + j`` is listed under its expert, ascending within an expert (a stable order), and
@@ -541,7 +541,7 @@ def moe_align_block_size(
     sorting below; ``"rank"`` — each slot's rank within its expert from per-chunk counts, and the
     padded list by one scatter (:func:`_align_rank`; on the H200 the wgmma layer with it runs 17
     kernels at Qwen3 512 tokens against 27 counted, 203.8 against 218.1 µs of device time, and
-    755 against 779 µs at 4096 tokens, NOTES v21).
+    755 against 779 µs at 4096 tokens, docs/journal/notes.md v21).
     """
     return _moe_align(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=ignore_invalid_experts,
                       method=method)[0]
@@ -598,7 +598,7 @@ def _moe_align(topk_ids, block_size, num_experts, expert_map=None, *, ignore_inv
 
 @dataclasses.dataclass(frozen=True)
 class BatchedTokens:
-    """Tokens bucketed per local expert ("BatchedExperts" format, spec §2.8).
+    """Tokens bucketed per local expert ("BatchedExperts" format, docs/moe-semantics.md §2.8).
 
     * ``hidden_states`` ``[E_local, max_tokens, H]``: row ``r`` of expert ``e`` holds the
       hidden state of the token whose flat id is ``token_index[e, r]``; unused rows are zero.

@@ -1,7 +1,7 @@
 """``QuantScheme``: one immutable description of an AWQ, GPTQ or compressed-tensors checkpoint.
 
-Parses the ``quantization_config`` block of a Hugging Face ``config.json`` (spec
-``vllm_wna16_formats.md`` §1.3–§1.5, §9.1). Everything the loader, the converters and the
+Parses the ``quantization_config`` block of a Hugging Face ``config.json``
+(``docs/formats.md`` §1.3–§1.5, §9.1). Everything the loader, the converters and the
 dispatch table need to know about the quantization lives here; fields that do not change the
 tensor layout (``static_groups``, ``true_sequential``, ...) are kept for round-tripping.
 """
@@ -100,7 +100,7 @@ class QuantScheme:
 
     @property
     def gptq_zeros_minus_one(self) -> bool:
-        """AutoGPTQ v1 stores ``z - 1`` in ``qzeros`` (spec §1.2)."""
+        """AutoGPTQ v1 stores ``z - 1`` in ``qzeros`` (docs/formats.md §1.2)."""
         return self.method is QuantMethod.GPTQ and self.gptq_checkpoint_format != "gptq_v2"
 
     @property

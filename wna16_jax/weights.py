@@ -5,7 +5,7 @@ All classes are frozen dataclasses registered as JAX pytrees: arrays are childre
 the scheme are static metadata. Every array field of an experts pytree has the expert axis
 first, so selecting experts (``take_experts``) is a gather on axis 0 of every leaf.
 
-Shapes of ``CheckpointWeights`` per method (spec ``vllm_wna16_formats.md`` §1.3–§1.6), with
+Shapes of ``CheckpointWeights`` per method (``docs/formats.md`` §1.3–§1.6), with
 ``E`` experts, ``H`` hidden size, ``I`` intermediate size, ``pf = 32 // bits``, ``G13 = H/g``,
 ``G2 = I/g`` (1 when channelwise):
 
@@ -178,7 +178,7 @@ class CheckpointWeights(ExpertsMixin):
         """Expected shape of every field for ``scheme`` (absent optional fields are omitted).
 
         ``w2_groups`` overrides ``I / g`` for act-order layers sliced for tensor parallelism,
-        whose w2 scales stay whole (spec §1.4) and are indexed through ``w2_g_idx``.
+        whose w2 scales stay whole (docs/formats.md §1.4) and are indexed through ``w2_g_idx``.
         """
         pf, g13, g2 = scheme.pack_factor, scheme.num_groups(h), scheme.num_groups(i)
         if w2_groups is not None:

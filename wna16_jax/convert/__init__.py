@@ -3,7 +3,8 @@
 Names and signatures follow vLLM's helpers (``gptq_marlin_moe_repack``,
 ``marlin_moe_permute_scales``, ``prepare_int4_moe_layer_for_cpu``, ...) so the two can be read
 side by side; unlike vLLM's, every function is pure (new arrays, inputs untouched) and jit-able.
-:func:`convert_to_wna16_moe_kernel_format` is the seed oracle's entry point: it returns the
+:func:`convert_to_wna16_moe_kernel_format` is the entry point of
+vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``): it returns the
 backend's weights pytree (a frozen dataclass with named fields, never a positional tuple).
 """
 

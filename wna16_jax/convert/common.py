@@ -15,7 +15,7 @@ _SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
 def check_input_dtype(backend: str, input_dtype: Any, allowed: tuple = _SIXTEEN_BIT) -> None:
-    """Backends other than Marlin take 16-bit activations only (spec §9.3); ``None`` = default."""
+    """Backends other than Marlin take 16-bit activations only (docs/formats.md §9.3); ``None`` = default."""
     if input_dtype is None:
         return
     dt = np.dtype(input_dtype)

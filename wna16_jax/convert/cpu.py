@@ -1,4 +1,4 @@
-"""CPU backend (spec ``vllm_wna16_formats.md`` §5): the blocked int4 layout of vLLM's x86/AMX
+"""CPU backend (``docs/formats.md`` §5): the blocked int4 layout of vLLM's x86/AMX
 kernel (``prepare_int4_moe_layer_for_cpu`` → ``convert_weight_packed_scale_zp``).
 
 Per expert, from K-first input (AWQ: ``w [K, N/8]`` N-packed in AWQ order, zeros
@@ -36,7 +36,7 @@ Conscious deviations from vLLM (each only reachable where vLLM would compute wro
   synthesized zeros are ``0x88888888`` (effective zero 8), not GPTQ's ``0x77777777``.
 
 The layout is what the kernel reads; the kernel itself quantizes activations to uint8 and is
-numerically W4A8 (spec §5), which does not concern the conversion.
+numerically W4A8 (docs/formats.md §5), which does not concern the conversion.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def cpu_block_k(k: int, num_groups: int) -> int:
 
 
 class CPUInt4Tensors(NamedTuple):
-    """``prepare_int4_moe_layer_for_cpu``'s six outputs, in the seed's order."""
+    """``prepare_int4_moe_layer_for_cpu``'s six outputs, in the order of vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``)."""
 
     w13: Any
     w2: Any
@@ -163,7 +163,7 @@ def prepare_int4_moe_layer_for_cpu(w13: Any, w2: Any, w13_scale: Any, w2_scale: 
                                    quant_algo: CPUQuantAlgo | str,
                                    w13_zeros: Any = None, w2_zeros: Any = None
                                    ) -> CPUInt4Tensors:
-    """K-first int4 MoE tensors → the CPU blocked layout (spec §5), per expert, stacked.
+    """K-first int4 MoE tensors → the CPU blocked layout (docs/formats.md §5), per expert, stacked.
 
     ``quant_algo="awq"``: ``w13 [E, H, 2I/8]``, ``w2 [E, I, H/8]`` (N-packed, AWQ order),
     zeros ``[E, G, N/8]`` (AWQ order). ``quant_algo="gptq"``: ``w13 [E, H/8, 2I]``,

@@ -1,11 +1,12 @@
 """HUMMING backend: the weight schema vLLM hands Humming, and Humming's canonical layout
-(spec ``vllm_wna16_formats.md`` §7, §1.6).
+(``docs/formats.md`` §7, §1.6).
 
 vLLM's Humming path (``convert_to_humming_moe_kernel_format``) does three things:
 
 1. ``_humming_wna16_weight_schema(quant_config)`` turns the quantization config into a dict —
    ported as :func:`humming_weight_schema` (AWQ and GPTQ; compressed-tensors raises a
-   ``TypeError`` exactly as the seed does). The spec (§7) also documents a compressed-tensors
+   ``TypeError`` exactly as vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``)
+   does). ``docs/formats.md`` §7 also documents a compressed-tensors
    schema dict; since our compressed-tensors checkpoints can take this path, that dict is
    :func:`humming_ct_weight_schema`.
 2. Each sublayer (w13 with ``shape_n_stacks = [I, I]``, w2) is converted into Humming's
@@ -15,12 +16,12 @@ vLLM's Humming path (``convert_to_humming_moe_kernel_format``) does three things
    This is exactly vLLM 0.33.0's canonical N-first layout (§1.6); :func:`canonical_n_first`
    produces it from any loader layout, and the XPU and FlashInfer converters start from it.
 3. Humming's own ``prepare_and_transform_humming_tensors`` then rewrites the tensors into its
-   kernel layout. That step is opaque (an external JIT-compiled library; the spec does not
-   describe its output) and **is not reproduced here**: :class:`HummingWeights` holds the
+   kernel layout. That step is opaque (an external JIT-compiled library; docs/formats.md
+   does not describe its output) and **is not reproduced here**: :class:`HummingWeights` holds the
    canonical schema tensors, which is the last layout that is specified.
 
 Zero points are *true* zero points here. Humming's GPTQ schema passes ``qzeros`` through
-without the AutoGPTQ v1 "+1" (spec §7, §1.2; it only matters for asymmetric GPTQ, which vLLM
+without the AutoGPTQ v1 "+1" (docs/formats.md §7, §1.2; it only matters for asymmetric GPTQ, which vLLM
 0.33.0 refuses to load). We add the 1 back (mod ``2**bits``) for v1 checkpoints, so the
 canonical tensors dequantize to what the checkpoint means. GPTQ act-order (``desc_act``) is
 refused, as Humming's GPTQ schema asserts ``not desc_act``.
@@ -47,14 +48,14 @@ from .common import check_input_dtype, check_same_scheme
 
 
 class HummingSchemaError(UnsupportedError, TypeError):
-    """The quantization config has no Humming WNA16 schema (the seed raises ``TypeError``)."""
+    """The quantization config has no Humming WNA16 schema (vLLM's WNA16 oracle raises ``TypeError``)."""
 
 
 # ---------------------------------------------------------------------- schema dicts
 def humming_weight_schema(scheme: QuantScheme) -> dict[str, Any]:
     """Port of ``_humming_wna16_weight_schema``: the source-schema dict for AWQ and GPTQ.
 
-    compressed-tensors raises :class:`HummingSchemaError` (a ``TypeError``), as the seed does;
+    compressed-tensors raises :class:`HummingSchemaError` (a ``TypeError``), as vLLM's WNA16 oracle does;
     use :func:`humming_ct_weight_schema` for the §7 compressed-tensors dict.
     """
     if scheme.method is QuantMethod.AWQ:
@@ -79,7 +80,7 @@ def humming_weight_schema(scheme: QuantScheme) -> dict[str, Any]:
 
 
 def humming_ct_weight_schema(scheme: QuantScheme) -> dict[str, Any]:
-    """The compressed-tensors ``pack-quantized`` source-schema dict of spec §7."""
+    """The compressed-tensors ``pack-quantized`` source-schema dict of docs/formats.md §7."""
     if scheme.method is not QuantMethod.COMPRESSED_TENSORS:
         raise HummingSchemaError(
             "scheme.method: humming_ct_weight_schema needs a compressed-tensors scheme, "
@@ -254,7 +255,7 @@ class HummingWeights(ExpertsMixin):
 def convert_humming(scheme: QuantScheme, weights: CheckpointWeights, input_dtype: Any = None
                     ) -> HummingWeights:
     """Loader layout → :class:`HummingWeights` (Humming's canonical schema). Pure and jit-able
-    (``scheme`` and ``input_dtype`` static). Like the seed, compressed-tensors schemes raise
+    (``scheme`` and ``input_dtype`` static). Like vLLM's WNA16 oracle, compressed-tensors schemes raise
     :class:`HummingSchemaError` (a ``TypeError``): the schema is derived from AutoAWQ / AutoGPTQ
     configs only."""
     check_same_scheme(scheme, weights)

@@ -1,4 +1,4 @@
-"""Marlin MoE layout (spec ``vllm_wna16_formats.md`` §3): repacked weights, permuted scales,
+"""Marlin MoE layout (``docs/formats.md`` §3): repacked weights, permuted scales,
 zero points and bias, intermediate size padded to the Marlin thread tile.
 
 Ports the behaviour of vLLM's ``_process_weights_marlin`` (GPTQ / compressed-tensors) and
@@ -678,7 +678,7 @@ def _scale_size_ks(scheme: QuantScheme, i: int, i_pad: int) -> tuple[int, int]:
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size", "padded_intermediate_size",
                         "is_a_8bit", "input_dtype"))
 class MarlinWeights(ExpertsMixin):
-    """One MoE layer's experts in the Marlin layout (spec §3.10); ``Ip`` = padded intermediate,
+    """One MoE layer's experts in the Marlin layout (docs/formats.md §3.10); ``Ip`` = padded intermediate,
     ``G13 = H/g``, ``G2p = Ip/g`` (1 when channelwise):
 
     =========================  =================================  =========================
@@ -844,7 +844,7 @@ def _add_one_per_code(q_zp: Any, bits: int) -> Any:
 
 def convert_marlin(scheme: QuantScheme, weights: CheckpointWeights,
                    input_dtype: Any = None) -> MarlinWeights:
-    """The whole Marlin post-processing of one MoE layer (spec §3.1 / §3.1b).
+    """The whole Marlin post-processing of one MoE layer (docs/formats.md §3.1 / §3.1b).
 
     ``input_dtype``: ``None`` / float16 / bfloat16 (16-bit activations), ``jnp.float8_e4m3fn``
     (4-bit weights only; nibble recode + scales ×512) or ``jnp.int8`` (scales of tensors with more
@@ -852,7 +852,7 @@ def convert_marlin(scheme: QuantScheme, weights: CheckpointWeights,
     (scheme, shapes, input dtype); under an outer jit pass ``scheme`` and ``input_dtype`` static.
 
     Refused (typed errors): AWQ without zero points, act-order with tile padding, fp8 with 8-bit
-    weights or with GPTQ/CT zero points (the seed's recode is "for non-zp formats only"), 8-bit
+    weights or with GPTQ/CT zero points (vLLM's recode is "for non-zp formats only"), 8-bit
     weights with zero points (Marlin has no uint8 zero-point type), unsupported activation dtypes,
     sizes off the Marlin tile.
     """

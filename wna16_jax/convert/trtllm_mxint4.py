@@ -1,5 +1,5 @@
 """FLASHINFER_TRTLLM backend: FlashInfer's TRT-LLM "MXINT4" MoE layout
-(spec ``vllm_wna16_formats.md`` §4).
+(``docs/formats.md`` §4).
 
 "MXINT4" here is signed (two's-complement) int4 with **bfloat16** per-32 block scales. From the
 canonical N-first tensors (``gemm1 [E, 2I, H/8] int32`` uint4b8, scales ``[E, 2I, H/32] bf16``;
@@ -22,7 +22,7 @@ numpy (cached by size); the hot path is gather / reshape / transpose on uint8.
 The FlashInfer kernel takes only 4-bit symmetric group-32 weights with bf16 scales (vLLM
 selects it for compressed-tensors ``kInt4Static32``); :func:`convert_trtllm_mxint4` accepts any
 checkpoint method in that scheme (GPTQ and symmetric AWQ go through their canonical layout).
-Bias and zero points are not part of the layout (biases are passed through as the seed does).
+Bias and zero points are not part of the layout (biases are passed through as vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``) does).
 The block layout needs ``H % 256 == 0`` and ``I % 256 == 0`` (K/2 bytes in blocks of 128), which
 also makes every row count a multiple of 128, so the swizzle padding never triggers from
 :func:`convert_trtllm_mxint4`; :func:`block_scale_interleave` pads for general shapes.
@@ -187,7 +187,7 @@ def prepare_static_weights_for_trtllm_mxint4_moe(gemm1_weights: Any, gemm1_scale
 # ---------------------------------------------------------------------- pytree
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
 class TrtllmMxint4Weights(ExpertsMixin):
-    """FlashInfer TRT-LLM MXINT4 layout of one MoE layer (fields as the seed's dict keys).
+    """FlashInfer TRT-LLM MXINT4 layout of one MoE layer (fields as vLLM's dict keys).
 
     ``gemm1_weights [E, H/256, 2I, 128] uint8``, ``gemm1_scales [E, pad128(2I)·pad4(H/32)] bf16``,
     ``gemm2_weights [E, I/256, H, 128] uint8``, ``gemm2_scales [E, pad128(H)·pad4(I/32)] bf16``,

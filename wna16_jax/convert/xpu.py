@@ -1,4 +1,4 @@
-"""XPU backend (spec ``vllm_wna16_formats.md`` §6): int4 as two nibbles per byte, N-first.
+"""XPU backend (``docs/formats.md`` §6): int4 as two nibbles per byte, N-first.
 
 The Intel XPU kernel (``xpu_fused_moe(is_int4=True)``) takes
 
@@ -12,11 +12,11 @@ vLLM obtains the bytes by viewing the canonical N-first int32 words ``[E, N, K/8
 which is only right on a little-endian host (``_process_weights_xpu`` hard-fails otherwise);
 we do the same view with ``lax.bitcast_convert_type`` and the same guard.
 
-Inputs: :func:`process_weights_xpu` ports the seed's helper, which receives GPTQ's K-first
+Inputs: :func:`process_weights_xpu` ports the helper of vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``), which receives GPTQ's K-first
 tensors (``w [E, K/8, N]``, ``scales [E, G, N]``) and transposes them first; vLLM 0.33.0 hands
 the helper the canonical N-first tensors instead and skips the transpose — the output is the
 same. :func:`convert_xpu` starts from the canonical N-first layout of any loader layout. Note
-that vLLM does *not* convert AutoAWQ's N-packed layout for XPU (spec §6, nothing blocks AWQ
+that vLLM does *not* convert AutoAWQ's N-packed layout for XPU (docs/formats.md §6, nothing blocks AWQ
 there either), so an AWQ checkpoint would reach the kernel mis-packed; we bring AWQ to the
 canonical layout through its codes first, so symmetric AWQ converts correctly. AWQ with zero
 points (and every other asymmetric scheme) is refused: the kernel has no zero points.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A session's device work, one call per part (each fits the 10-minute limit), every log under
 # $OUT. From the repository root on the GPU machine:
-#     OUT=/some/dir bash benchmarks/device_session.sh 1     # then ... 2, ...
-# Parts 1–4 ran in the seventh session (RESULTS.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
+#     OUT=/some/dir bash docs/journal/device_session.sh 1     # then ... 2, ...
+# Parts 1–4 ran in the seventh session (results-history.md v6), 9–12 in the eighth (v7), 13–15 in the ninth
 # (v8), 16–20 in the tenth (v9), 21–26 in the eleventh (v10), 27–31 in the twelfth (v11), 35–39 in the thirteenth (v12), 40–44 in the fourteenth (v13), 44–48 in the fifteenth (v14), 50–55 in the sixteenth (v15), 56–62 in the seventeenth (v16), 65 and 67–70 in the eighteenth (v17: 63 ran inside 67, 64 in parts inside 68 and 70), 76–79 in the nineteenth (v18: a full GPU test run in 76, 78, 79), 84–87 in the twenty-first (v20: 85–87 on the row-gather kernel), 88, 83, 89 and 90 in the twenty-second (v21), 91, 92, 33, 34 and 82 in the twenty-third (v22), 93, 95, 94, 96 and 97 in the twenty-fourth (v23), 99, 100 (its decode rows, without Mixtral 64), 98 and 101 (by hand, in two calls) in the twenty-fifth (v24: block_n=256 was removed after them, so 99 and 100 no longer run), 102, 103, 104 (by hand) and 105 in the twenty-sixth (v25; also a reduced acc2 probe by hand, after which acc2 was removed); 106–109 in the twenty-seventh (v26; half_tiles and unit_wait were removed after 106); 110, 111 and 80–81 in the twenty-eighth (v27, the closing runs); 32, 49, 71, 80 and 81 are prepared (33–34, 81 and 82 ran in the twentieth, v19, and again in the twenty-third) (80–81: the whole GPU suite in two calls; 72–75, a full GPU test run at 4 workers, superseded by 76); 5–8 are still prepared (5: Nsight Compute and the DeepSeek-V2-Lite
 # table, 6: the Mixtral / Qwen3 table, 7: its profile half ran as part 10, 8: its sfold timings ran
 # as part 13).
@@ -14,7 +14,7 @@
 # 2: the prefill GEMMs (128-row blocks) with overlap and with 2 stages (two programs per SM), the
 #    same at the 4096-token layers (and 64-row blocks, also two programs per SM),
 #    the layer: zfold / wide / overlap at 16- to 64-row blocks (the open Qwen3 512-token
-#    question of NOTES v5), and ptxas's report on the overlap kernels (wgmma serialization).
+#    question of notes.md v5), and ptxas's report on the overlap kernels (wgmma serialization).
 set -u
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
 export HYPOTHESIS_PROFILE=dev
@@ -175,7 +175,7 @@ elif [ "$part" = 15 ]; then    # v8: the layer tests on the final v8 defaults (p
     grep -E "FAILED|ERROR|passed|failed|rc " "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_gated.log"
     grep -E "^\| (Mix|Qwen|Deep)|rc " "$OUT/table_wgmma.log"
-elif [ "$part" = 16 ]; then    # next: block size against padding and against re-reading weights (NOTES
+elif [ "$part" = 16 ]; then    # next: block size against padding and against re-reading weights (notes.md
     # v8): compute-bound rows (Mixtral 512/4096, Qwen3 4096) pad less with 64-row blocks;
     # bandwidth-bound rows read an expert's weights once per block, so blocks that hold
     # mean + 2 sd of an expert's rows (Qwen3 512: 64, Mixtral 64: 32, DeepSeek-V2-Lite 64: 16)
@@ -228,7 +228,7 @@ elif [ "$part" = 20 ]; then    # v9: the one-kernel decode layer (pallas_kernels
         --variants "wgmma=kernel:wgmma;one=kernel:wgmma,one_kernel:1;wgmma 2=kernel:wgmma;one 2=kernel:wgmma,one_kernel:1"
     grep -E "FAILED|ERROR|passed|failed|rc |Error" "$OUT/tests.log" | tail -14
     grep -E "^##|µs|FAIL|rc " "$OUT/sweep_one.log"
-elif [ "$part" = 21 ]; then    # next: what one launch costs per kind of kernel (the NOTES v9 guess: Mosaic GPU
+elif [ "$part" = 21 ]; then    # next: what one launch costs per kind of kernel (the notes.md v9 guess: Mosaic GPU
     # encodes its TMA descriptors on the host at every launch, and that paces 1-token layers), then the
     # one-kernel decode layer's remaining GPU tests (Mixtral, GPTQ channelwise) and its 1-token timings
     logged "launch" 100 python3 benchmarks/launch_overhead.py --reps 200
@@ -306,7 +306,7 @@ elif [ "$part" = 27 ]; then    # what the host does per layer call. Part 26: a l
         --variants "wgmma=kernel:wgmma;reductions=kernel:wgmma,static_sums:0;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1;in gemm2=kernel:wgmma,weight_in_gemm2:1"
     grep -E "^##|floor  rel|µs/call|µs  ×|host spans|timed program|rc " "$OUT"/profile*.log "$OUT/launches.log"
 elif [ "$part" = 28 ]; then    # the same layers under XLA's command-buffer settings: does a CUDA graph
-    # take the per-launch host time (~3.4 µs a kernel, NOTES v10) off the layer? min_graph_size=1: every
+    # take the per-launch host time (~3.4 µs a kernel, notes.md v10) off the layer? min_graph_size=1: every
     # sequence of commands a graph; +WHILE,+CONDITIONAL: the fori_loop itself inside the graph (no host
     # round trip per call); straight-line: no loop at all
     rows="qwen3:1,512 dsv2lite:1 mixtral:1"
@@ -324,7 +324,7 @@ elif [ "$part" = 28 ]; then    # the same layers under XLA's command-buffer sett
     grep -E "^##|floor  rel|rc |FAIL|rror" "$OUT"/f_*.log | grep -v "^.*: *$"
 elif [ "$part" = 29 ]; then    # v11: the differential timing (the 2R-call program less the R-call one, so a
     # program's fixed 0.08–0.45 ms is no longer spread over its 10 layers — parts 27/28 saw the same layer
-    # at 37–114 µs while the timed program's device span was 30–35 µs a call). Predictions (NOTES v11):
+    # at 37–114 µs while the timed program's device span was 30–35 µs a call). Predictions (notes.md v11):
     # Qwen3 1 token ≈ its timed device span, 30–35 µs; sfold −3 µs (2 kernels fewer); the straight-line
     # program without the loop's carry copies a few µs less than the loop
     dec="wgmma=kernel:wgmma;sfold=kernel:wgmma,sfold:1;sfold split1=kernel:wgmma,sfold:1,split1:1;one=kernel:wgmma,one_kernel:1;wgmma again=kernel:wgmma"
@@ -350,7 +350,7 @@ elif [ "$part" = 32 ]; then    # prepared in v11 for the next session: the 1-tok
     # timing (v11 defaults: sfold in the pair schedule). The layer's splits (choose_split, then the largest
     # divisor of the steps): Qwen3 GEMM1 2 of 8 steps, GEMM2 3 of 3; DeepSeek-V2-Lite GEMM1 2 of 8, GEMM2 1 of
     # 11; Mixtral GEMM1 1 of 16 (so its activation is fused), GEMM2 4 of 56. Qwen3's GEMM1 at split 2 is 192
-    # programs on 132 SMs, a tail of 60: prediction (NOTES v11) split1=4 (384 programs) 1–2 µs faster there
+    # programs on 132 SMs, a tail of 60: prediction (notes.md v11) split1=4 (384 programs) 1–2 µs faster there
     logged "splits" 240 python3 benchmarks/moe_engine.py --sweep --rows qwen3:1 dsv2lite:1 mixtral:1 --reps 40 \
         --variants "wgmma=kernel:wgmma;split1 4=kernel:wgmma,split1:4;split1 8=kernel:wgmma,split1:8;split1 1=kernel:wgmma,split1:1;split2 1=kernel:wgmma,split2:1;split2 8=kernel:wgmma,split2:8;stages 4=kernel:wgmma,stages:4;wgmma again=kernel:wgmma"
     logged "profile" 120 python3 benchmarks/moe_engine.py --sweep --profile --rows mixtral:1 qwen3:1 --reps 10 \
@@ -414,7 +414,7 @@ elif [ "$part" = 39 ]; then    # v12: the layer suite (defaults and every forced
 elif [ "$part" = 40 ]; then    # prepared in v12 for the next session (lowered on jax 0.10.2 and 0.11.2 on the CPU,
     # never run on a GPU): the persistent GEMM — each program streams a contiguous share of the (block, column
     # tile) items through one ring, so an item's ring fill overlaps the previous item's compute. First its
-    # kernel cases and the layer forms against float64, then the prefill rows. Prediction (NOTES v12): Qwen3
+    # kernel cases and the layer forms against float64, then the prefill rows. Prediction (notes.md v12): Qwen3
     # 512 tokens, whose GEMMs read their 302 MB at 1.66 TB/s in 48-row items of 16 / 6 K-blocks, 15–30% faster
     # (≤ 190 µs); Mixtral 512 and Qwen3 4096 (144-row blocks, long streams, ws today) no faster; at 1 token
     # (K splits as items; GEMM2's programs stream 1–4 steps) 1–3 µs faster at Qwen3 and DeepSeek-V2-Lite
@@ -999,7 +999,7 @@ elif [ "$part" = 91 ]; then    # prepared in v21: (a) Mixtral's folding GEMMs at
     # 145-155; GEMM2 within ±5% of the 128-column tiles. (b) the layer with 64-column tiles at Mixtral 16 / 64
     # tokens (GEMM1 then leaves the activation to XLA: the gated epilogue needs 128-column tiles). Prediction: 64
     # tokens 10-30 µs faster if (a) holds, 16 tokens no faster. (c) the v21 default's profile at Qwen3 512 tokens
-    # with its HLO (the 14 small kernels left; NOTES v21)
+    # with its HLO (the 14 small kernels left; notes.md v21)
     logged "gemm_bn64" 200 python3 benchmarks/gemm_kernels.py --gemms mixtral1 mixtral2 --block-m 16 24 --reps 20 \
         --only "bn64 st2 kpb2 wide shift32 sfold s1" "bn64 st4 kpb2 wide shift32 sfold s1" \
         "bn128 st2 kpb2 wide shift32 sfold s1"
@@ -1152,7 +1152,7 @@ elif [ "$part" = 108 ]; then   # v26: combine="add" against the bound of its bf1
     # 64 tokens against the 1.5e-2 of a float32 sum)
     WORKERS=9 PYTEST_EXTRA="--durations=5" gpu_tests 240 "combine_add_gpu"
     grep -E "FAIL|ERROR|passed|failed|rc |s call" "$OUT/tests.log" | tail -12
-elif [ "$part" = 106 ]; then   # ran in v26 (half_tiles / unit_wait were removed after it: slower or flat, NOTES v26;
+elif [ "$part" = 106 ]; then   # ran in v26 (half_tiles / unit_wait were removed after it: slower or flat, notes.md v26;
     # it no longer runs). v26: the decode fold with fewer registers (part 101: latency-bound with 3-4 warps
     # per scheduler; 16-row blocks held to 3 programs per SM by 143 registers where shared memory holds 4, 8-row
     # blocks to 4 by 127 where it holds 5). half_tiles: the wide words as one 64-byte-swizzled tile per K-block, each
