@@ -1327,12 +1327,14 @@ class WgmmaWeights(ExpertsMixin):
         def w13(x, axis):
             return deinterleave_gate_up(x, axis) if self.w13_interleaved and x is not None else x
 
-        g = self.w13_scales.shape[1]
+        # one scale group in both GEMMs is channelwise (or K = 128 in both, which decodes the
+        # same); a single w13 group beside several w2 groups is H = 128 at group size 128
+        channelwise = self.w13_scales.shape[1] == 1 and self.w2_scales.shape[1] == 1
         w13_scales = w13(self.w13_scales, 2)
         return TileWeights(from_wgmma_layout(w13(self.w13_words, 1)), from_wgmma_layout(self.w2_words),
                            w13_scales, self.w2_scales, zeros(w13(self.w13_zeros, 2), w13_scales),
                            zeros(self.w2_zeros, self.w2_scales), self.w13_bias, self.w2_bias, self.w13_perm,
-                           self.w2_perm, bits=4, group_size=-1 if g == 1 else BLOCK_K,
+                           self.w2_perm, bits=4, group_size=-1 if channelwise else BLOCK_K,
                            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
 
     def decode(self):

@@ -990,6 +990,27 @@ def test_wgmma_weights_convert_and_decode(key):
             convert_wgmma(wb)
 
 
+@pytest.mark.parametrize("key", ["awq_g128", "gptq4_g128_actorder"])
+def test_wgmma_decode_with_hidden_equal_to_group(key):
+    """H = 128 = the group size: w13 has one scale group (like a channelwise layer), w2 has I/128.
+    The wgmma layout's decode (its XLA path and the backward's re-layout) must still read w2 as
+    group-128, matching the loader layout's decode exactly."""
+    from pallas_kernels.wgmma_w4a16 import convert_wgmma
+
+    rng = np.random.default_rng()
+    w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], 2, 128, 384).to_jax()
+    want13, want2 = (np.asarray(a, np.float64) for a in w.dequantize(jnp.float32))
+    for dt in (jnp.bfloat16, jnp.float16):
+        wg = convert_wgmma(w, dt)
+        got13, got2 = (np.asarray(a, np.float64) for a in jax.jit(lambda x: x.dequantize(jnp.float32))(wg))
+        # the wgmma layout stores scales in the activation dtype: compare with scales rounded the same way
+        ref = dataclasses.replace(w, w13_scales=w.w13_scales.astype(dt), w2_scales=w.w2_scales.astype(dt))
+        r13, r2 = (np.asarray(a, np.float64) for a in ref.dequantize(jnp.float32))
+        np.testing.assert_array_equal(got13, r13)
+        np.testing.assert_array_equal(got2, r2)
+        assert np.abs(got2 - want2).max() <= 1e-2 * np.abs(want2).max()
+
+
 def test_wgmma_rejects_bad_input():
     """Typed errors naming the tensor, raised while tracing (before any GPU lowering)."""
     from pallas_kernels.wgmma_w4a16 import convert_wgmma, fused_moe_wgmma, wgmma_grouped_gemm

@@ -102,6 +102,11 @@ def _is_concrete(x) -> bool:
 
 
 def validate_moe_inputs(x, topk_weights, topk_ids, weights, expert_map, global_num_experts):
+    validate = getattr(weights, "validate", None)
+    if not callable(validate):
+        raise ConfigError(f"weights: expected an experts pytree of this library (a loader or backend "
+                          f"layout), got {type(weights).__name__}")
+    validate()
     if getattr(x, "ndim", None) != 2:
         raise ShapeError(f"hidden_states: expected shape (T, H), got {tuple(getattr(x, 'shape', ()))}")
     check_dtype("hidden_states", x, _FLOAT_DTYPES)

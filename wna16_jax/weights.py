@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import packing
-from .errors import ShapeError, check_dtype, check_shape
+from .errors import ShapeError, WNA16Error, check_dtype, check_shape
 from .schemes import QuantMethod, QuantScheme
 
 
@@ -84,6 +84,14 @@ class ExpertsMixin:
     def num_experts(self) -> int:
         return int(getattr(self, self.array_fields()[0]).shape[0])
 
+    def validate(self):
+        """Check that the arrays agree with the metadata: the layout decodes (shapes only, nothing
+        is computed) to ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``. Returns self; raises
+        :class:`~wna16_jax.errors.ShapeError` naming the layout. Layouts with per-field rules
+        (the loader layout) check each field instead."""
+        _check_decodes(self)
+        return self
+
     def decode_bias(self) -> tuple[Any, Any] | None:
         """``(w13_bias [E, 2I], w2_bias [E, H])`` in logical order; layouts that permute or pad
         their biases override this. Either entry may be None."""
@@ -100,6 +108,40 @@ class ExpertsMixin:
 
     def to_numpy(self):
         return jax.tree_util.tree_map(np.asarray, self)
+
+
+def _structure_key(w: Any) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(w)
+    return (treedef, tuple((tuple(x.shape), str(np.dtype(x.dtype))) for x in leaves))
+
+
+_DECODE_CHECKED: dict = {}
+
+
+def _check_decodes(w: Any) -> None:
+    """``w.dequantize`` traced with abstract shapes, once per structure (cached)."""
+    key = _structure_key(w)
+    if key in _DECODE_CHECKED:
+        if _DECODE_CHECKED[key] is not None:
+            raise ShapeError(_DECODE_CHECKED[key])
+        return
+    e, h, i = w.num_experts, getattr(w, "hidden_size", None), getattr(w, "intermediate_size", None)
+    msg = None
+    try:
+        w13, w2 = jax.eval_shape(lambda x: x.dequantize(jnp.float32), w)
+        if h is not None and i is not None and (tuple(w13.shape) != (e, 2 * i, h) or tuple(w2.shape) != (e, h, i)):
+            msg = (f"{type(w).__name__}: decodes to w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)}, "
+                   f"expected {(e, 2 * i, h)} and {(e, h, i)} (E={e}, H={h}, I={i})")
+    except WNA16Error as ex:
+        msg = f"{type(w).__name__}: {ex}"
+    except Exception as ex:  # noqa: BLE001 - arrays that cannot decode are the caller's input error
+        msg = (f"{type(w).__name__}: the arrays do not decode with E={e}, H={h}, I={i} "
+               f"({type(ex).__name__}: {str(ex).splitlines()[0][:200] if str(ex) else ''})")
+    if len(_DECODE_CHECKED) > 4096:
+        _DECODE_CHECKED.clear()
+    _DECODE_CHECKED[key] = msg
+    if msg is not None:
+        raise ShapeError(msg)
 
 
 @pytree_dataclass(meta=("bits", "group_size"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,7 +26,12 @@ def check_input_dtype(backend: str, input_dtype: Any, allowed: tuple = _SIXTEEN_
 
 
 def check_same_scheme(scheme: QuantScheme, weights: CheckpointWeights) -> None:
+    """The converters' entry check: the loader layout, in ``scheme``, every field's shape and
+    dtype right (hand-built pytrees included)."""
+    if not isinstance(weights, CheckpointWeights):
+        raise ConfigError(f"weights: expected the loader layout (CheckpointWeights), got {type(weights).__name__}")
     if weights.scheme is not None and weights.scheme != scheme:
         raise ConfigError(
             f"scheme: the weights were loaded as {weights.scheme.describe()}, "
             f"but {scheme.describe()} was given")
+    (weights if weights.scheme is not None else dataclasses.replace(weights, scheme=scheme)).validate()

@@ -47,6 +47,7 @@ from ..errors import (
 )
 from ..schemes import QuantMethod, QuantScheme
 from ..weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from .common import check_same_scheme
 
 __all__ = [
     "MarlinWeights",
@@ -861,9 +862,7 @@ def convert_marlin(scheme: QuantScheme, weights: CheckpointWeights,
 
 def _convert_marlin_impl(scheme: QuantScheme, weights: CheckpointWeights,
                          dname: str | None) -> MarlinWeights:
-    if weights.scheme is not None and weights.scheme != scheme:
-        raise ConfigError(f"scheme: weights were loaded as {weights.scheme.describe()}, "
-                          f"but convert_marlin was given {scheme.describe()}")
+    check_same_scheme(scheme, weights)
     is_a_8bit = _INPUT_DTYPES.get(dname, False)
     b, pf, g = scheme.bits, scheme.pack_factor, scheme.group_size
     h, i = weights.hidden_size, weights.intermediate_size
