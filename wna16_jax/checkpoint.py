@@ -645,7 +645,7 @@ class _ExpertLoader:
         for ei in range(e):
             names = {role: experts[ei][self.names[role]] for role in ("gate", "up", "down")}
             t = self.ckpt._read([n for role in names.values() for sfx, n in role.items()
-                                 if sfx != "weight_shape" and (sfx != self.suff["qzeros"] or s.zero_point)
+                                 if sfx != "weight_shape" and (sfx != self.suff["qzeros"] or s.zero_point or m is QuantMethod.GPTQ)
                                  and (sfx != self.suff.get("g_idx") or s.act_order or m is QuantMethod.GPTQ)])
 
             def get(role, key, _names=names, _t=t):
