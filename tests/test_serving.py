@@ -124,7 +124,7 @@ _all_formulations_jit = jax.jit(_all_formulations)
 # shapes at any token count (gather: one row at a time; blocked with a fixed block_m: the same
 # [block_m, H] GEMMs, the same order of each token's slots). The others run GEMMs whose row count
 # is the token count (dense) or a block_m chosen from it (blocked, default): XLA's CPU dot may then
-# sum in another order, measured up to ~2e-7 relative.
+# sum in another order: up to ~4e-7 of max|out| measured over 25 seeds (bound here 2e-6).
 _BIT_EXACT = ("gather", "blocked_bm16_on_input")
 
 
@@ -155,7 +155,7 @@ def test_padded_rows_never_change_real_rows(layer):
         if name in _BIT_EXACT:
             np.testing.assert_array_equal(g, np.asarray(plain[name]), err_msg=what + " vs unpadded")
         else:
-            _close(g, np.asarray(plain[name], np.float64), 1e-6, what + " vs unpadded")
+            _close(g, np.asarray(plain[name], np.float64), 2e-6, what + " vs unpadded")
 
 
 # ----------------------------------------------------------------------------- compile counts
