@@ -204,3 +204,101 @@ def test_batched_experts_forward(layer):
     _close(got, ref, 2e-5)
     with pytest.raises(ShapeError, match="batched_hidden"):
         batched_experts_forward(bt.hidden_states[:, :, :3], bt.expert_num_tokens, w)
+
+
+# ----------------------------------------------------------------------------- compilation
+
+
+def _fresh_layer(rng, e=5, h=64, i=32, scheme=QuantScheme("gptq", 4, 32, False)):
+    """Random weights at sizes no other test here uses (compile counts start from zero) and their
+    float64 dequantization."""
+    from wna16_jax.checkpoint import random_checkpoint_weights
+
+    w = random_checkpoint_weights(rng, scheme, e, h, i, scale=0.05)
+    return w.to_jax(), dequant_checkpoint(w, scheme)
+
+
+def test_fused_moe_compiles_itself_with_static_options():
+    """A plain call with string / bool / dtype options is compiled once and cached (no
+    static_argnames boilerplate); a lambda or functools.partial under jax.jit gives the same bits;
+    the concrete-value checks still run outside the compiled program."""
+    import functools
+
+    from wna16_jax.moe import _fused_moe_jit
+
+    rng = np.random.default_rng()
+    w, (r13, r2) = _fresh_layer(rng)
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    tw, ids = routing.fused_topk(jnp.asarray(rng.standard_normal((6, 5)), jnp.float32), K, renormalize=True)
+    ref = fused_moe_ref(np.asarray(x), np.asarray(tw), np.asarray(ids), r13, r2, activation="gelu", on_input=True)
+    opts = dict(activation="gelu", apply_router_weight_on_input=True, formulation="gather")
+    n0 = _fused_moe_jit._cache_size()
+    got = fused_moe(x, tw, ids, w, compute_dtype=jnp.float32, **opts)
+    assert _fused_moe_jit._cache_size() == n0 + 1
+    _close(got, ref, 2e-5)
+    # the same options spelled differently (dtype objects, names) hit the same program
+    for cdt in (np.float32, "float32", np.dtype("float32")):
+        again = fused_moe(x, tw, ids, w, compute_dtype=cdt, **opts)
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+    assert _fused_moe_jit._cache_size() == n0 + 1
+    # jit of code that calls it: a closure or a partial; options stay static
+    lam = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32, **opts))
+    part = jax.jit(functools.partial(fused_moe, compute_dtype=jnp.float32, **opts))
+    for f in (lam, part):
+        np.testing.assert_array_equal(np.asarray(f(x, tw, ids, w)), np.asarray(got))
+    # jax.jit(fused_moe) itself with default options; a str keyword of a jitted function is traced
+    # by JAX (the documented limitation), hence the closure / partial above
+    _close(jax.jit(fused_moe)(x, tw, ids, w), fused_moe_ref(np.asarray(x), np.asarray(tw), np.asarray(ids),
+                                                               r13, r2), 2e-5)
+    with pytest.raises(TypeError, match="str"):
+        jax.jit(fused_moe)(x, tw, ids, w, activation="gelu")
+    # the checks that need concrete ids still run on every plain call
+    bad = ids.at[2, 0].set(5)
+    with pytest.raises(ValueRangeError, match=r"topk_ids.*\[0, 5\)"):
+        fused_moe(x, tw, bad, w, **opts)
+    with pytest.raises(ConfigError, match="formulation"):
+        fused_moe(x, tw, ids, w, formulation="magic")
+    out = np.asarray(lam(x, tw, bad, w))                  # traced ids: NaN rows, never a plausible value
+    assert np.isnan(out[2]).all() and np.isfinite(np.delete(out, 2, axis=0)).all()
+
+
+def test_batched_and_shared_experts_compile_themselves():
+    """batched_experts_forward and shared_expert_moe take their options without boilerplate,
+    compiled once per shapes and options, against float64 references."""
+    import functools
+
+    from wna16_jax.moe import _batched_experts_jit, _shared_expert_jit, batched_experts_forward
+    from wna16_jax.routing import combine_batched, dispatch_batched
+
+    rng = np.random.default_rng()
+    w, (r13, r2) = _fresh_layer(rng)
+    t = 7
+    x = jnp.asarray(rng.standard_normal((t, 64)), jnp.float32)
+    tw, ids = routing.fused_topk(jnp.asarray(rng.standard_normal((t, 5)), jnp.float32), K, renormalize=True)
+    bt = dispatch_batched(x, ids, 5, t)
+    n0 = _batched_experts_jit._cache_size()
+    y = batched_experts_forward(bt.hidden_states, bt.expert_num_tokens, w, activation="gelu_tanh",
+                                compute_dtype=jnp.float32)
+    y2 = batched_experts_forward(bt.hidden_states, bt.expert_num_tokens, w, activation="gelu_tanh",
+                                 compute_dtype="float32")
+    assert _batched_experts_jit._cache_size() == n0 + 1
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+    y3 = jax.jit(functools.partial(batched_experts_forward, activation="gelu_tanh"))(
+        bt.hidden_states, bt.expert_num_tokens, w)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y3))
+    ref = fused_moe_ref(np.asarray(x), np.asarray(tw), np.asarray(ids), r13, r2, activation="gelu_tanh")
+    _close(combine_batched(y, bt, tw, t), ref, 2e-5)
+    # one shared expert (expert 3 of the layer) with a Qwen2-MoE sigmoid gate
+    gate = (0.1 * rng.standard_normal((1, 64))).astype(np.float32)
+    s0 = _shared_expert_jit._cache_size()
+    shared = w.take_experts(jnp.array([3]))
+    got = shared_expert_moe(x, shared, activation="gelu_tanh", gate=gate, formulation="dense")
+    again = shared_expert_moe(x, shared, activation="gelu_tanh", gate=gate, formulation="dense")
+    assert _shared_expert_jit._cache_size() == s0 + 1
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
+    one = np.ones((t, 1))
+    sref = fused_moe_ref(np.asarray(x), one, np.zeros((t, 1), int), r13[3:4], r2[3:4], activation="gelu_tanh")
+    sref = sref / (1.0 + np.exp(-(np.asarray(x, np.float64) @ gate.T.astype(np.float64))))
+    _close(got, sref, 2e-5)
+    with pytest.raises(TypeError):
+        shared_expert_moe(x, shared, no_such_option=1)

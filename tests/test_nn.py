@@ -207,3 +207,38 @@ def test_typed_errors(mixtral_dir):
         m(jnp.ones((3, 65), jnp.float32))
     with pytest.raises(WNA16Error, match=r"top_k: expected 1 <= top_k <= 8 .*got 9"):
         QuantizedMoE(layer.experts, layer.router, top_k=9)
+
+
+def test_jit_without_boilerplate(mixtral_dir):
+    """The module's options (activation, formulation, top_k, ...) are static attributes:
+    ``nnx.jit(model)(x)``, ``jax.jit`` of a function merging ``nnx.split``'s state, and a plain
+    call all run without static_argnames, against float64; ``fused_moe_trainable`` compiles
+    itself, and ``jax.jit`` of a partial of it differentiates."""
+    import functools
+
+    from wna16_jax.autodiff import fused_moe_trainable
+
+    ckpt = Checkpoint(mixtral_dir)
+    layer = ckpt.load_layer(0)
+    m = QuantizedMoE(layer.experts, layer.router, top_k=2, activation="gelu_tanh", formulation="gather")
+    rng = np.random.default_rng(_seed())
+    x = jnp.asarray(rng.standard_normal((2, 3, H)), jnp.float32)
+    y = nnx.jit(m)(x)
+    graphdef, state = nnx.split(m)
+    y2 = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x)
+    assert y.shape == (2, 3, H)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+    x2d = x.reshape(-1, H)
+    tw, ids = routing.fused_topk(_logits(x2d, layer.router), 2, renormalize=True)
+    w13, w2 = dequant_checkpoint(layer.experts, ckpt.scheme)
+    want = fused_moe_ref(np.asarray(x2d), np.asarray(tw), np.asarray(ids), w13, w2, activation="gelu_tanh")
+    _check(y.reshape(-1, H), want, "nnx.jit(model)")
+    # the plain (eager) call reaches the same compiled MoE program
+    _check(m(x).reshape(-1, H), want, "model(x)")
+    # fused_moe_trainable: a plain call with options, and jax.jit(grad) of a partial
+    w = m.experts.get_value()
+    got = fused_moe_trainable(x2d, tw, ids, w, activation="gelu_tanh", formulation="gather")
+    _check(got, want, "fused_moe_trainable")
+    f = functools.partial(fused_moe_trainable, activation="gelu_tanh", formulation="gather")
+    g = jax.jit(jax.grad(lambda x, tw: jnp.sum(f(x, tw, ids, w) ** 2), argnums=(0, 1)))(x2d, tw)
+    assert all(np.isfinite(np.asarray(a)).all() and np.abs(np.asarray(a)).max() > 0 for a in g)

@@ -37,6 +37,9 @@ _EXPORTS = {
     "fused_topk": "routing", "grouped_topk": "routing", "moe_align_block_size": "routing",
     "fused_moe_trainable": "autodiff",
     "sharded_fused_moe": "sharding",
+    # serving: bounded compiles
+    "BucketedMoE": "serving", "bucket_size": "serving", "pad_tokens": "serving",
+    "unpad_tokens": "serving", "DEFAULT_BUCKETS": "serving",
     # Flax
     "QuantizedMoE": "nn", "QuantizedExperts": "nn",
     # errors
@@ -76,5 +79,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .routing import fused_topk, grouped_topk, moe_align_block_size
     from .schemes import QuantConfig, QuantMethod, QuantScheme
     from .serialize import ConvertedCheckpoint, convert_checkpoint
+    from .serving import DEFAULT_BUCKETS, BucketedMoE, bucket_size, pad_tokens, unpad_tokens
     from .sharding import sharded_fused_moe
     from .weights import CheckpointWeights, LogicalQuant

@@ -126,7 +126,9 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name, executor):
                 jax.tree.map(_zero_cotangent, weights), jax.tree.map(_zero_cotangent, expert_map))
 
     f.defvjp(fwd, bwd)
-    return f
+    # compiled like fused_moe: an eager call (or an eager ``jax.grad``) runs one cached program
+    # per shapes and options; inside an enclosing trace it traces inline
+    return jax.jit(f)
 
 
 def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activation: str = "silu",
@@ -141,6 +143,10 @@ def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activ
 
     Differentiable in ``hidden_states`` and ``topk_weights`` (hence in a router through the
     routing functions); the quantized ``weights`` are frozen (zero cotangents).
+
+    Compiled like :func:`~wna16_jax.moe.fused_moe` (the options are static arguments of a cached
+    ``jax.jit`` program, forward and backward); to jit code that calls it, close over the options
+    (``jax.jit(functools.partial(fused_moe_trainable, activation="gelu"))``).
     """
     check_activation(activation)
     gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)

@@ -403,6 +403,80 @@ def _warn_fallback(weights, reason: str) -> None:
 # --------------------------------------------------------------------------- public API
 
 
+def _resolve_options(hidden_states, topk_weights, topk_ids, weights, *, activation: str = "silu",
+                     apply_router_weight_on_input: bool = False, expert_map=None,
+                     global_num_experts: int | None = None, formulation: str | None = None,
+                     block_m: int | None = None, compute_dtype=None, executor: str = "auto"):
+    """Validate one :func:`fused_moe` call and resolve its static options.
+
+    Runs outside any compiled program, so the checks that need concrete values (``topk_ids`` and
+    ``expert_map`` ranges) run whenever the arguments are concrete. Returns ``(options, reason)``:
+    ``options`` the hashable static keyword arguments of :func:`_fused_moe_jit` (the executor
+    resolved to ``"xla"`` or ``"pallas"``, ``compute_dtype`` as a dtype name), ``reason`` why an
+    engine layout falls back to XLA (or ``None``).
+    """
+    check_activation(activation)
+    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    which, reason = select_executor(weights, hidden_states.dtype, executor=executor, formulation=formulation,
+                                    compute_dtype=compute_dtype)
+    if which == "xla" and formulation is not None and formulation not in FORMULATIONS:
+        raise ConfigError(f"formulation: expected one of {FORMULATIONS}, got {formulation!r}")
+    options = dict(activation=activation, apply_router_weight_on_input=bool(apply_router_weight_on_input),
+                   global_num_experts=int(gne), formulation=formulation,
+                   block_m=None if block_m is None else int(block_m),
+                   compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype).name,
+                   executor=which)
+    return options, reason
+
+
+def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, *, activation,
+                    apply_router_weight_on_input, global_num_experts, formulation, block_m, compute_dtype,
+                    executor):
+    """The traced body of :func:`fused_moe` on validated inputs and resolved static options."""
+    act = check_activation(activation)
+    gne = global_num_experts
+    t, k = topk_ids.shape
+    if executor == "pallas" and _is_wgmma(weights):
+        from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+        return fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights, activation=activation,
+                               apply_router_weight_on_input=apply_router_weight_on_input,
+                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
+    if executor == "pallas":
+        from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles
+
+        return fused_moe_tiles(hidden_states, topk_weights, topk_ids, convert_tiles(weights),
+                               activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
+    if formulation is None:
+        formulation = choose_formulation(t, k, weights.num_experts)
+    cdt = jnp.dtype(compute_dtype or jnp.float32)
+    if t == 0:
+        return jnp.zeros_like(hidden_states)
+    local, valid, bad = _local_ids(topk_ids, expert_map, gne)
+    x = jnp.asarray(hidden_states)
+    if formulation == "gather":
+        out = _gather(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
+    elif formulation == "dense":
+        out = _dense(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
+    else:
+        bm = block_m or default_block_m(t, k, weights.num_experts)
+        ids = jnp.where(bad, 0, topk_ids.astype(jnp.int32))
+        out = _blocked(x, topk_weights, ids, weights, act, apply_router_weight_on_input, cdt,
+                       expert_map, gne, bm)
+    out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
+    return out.astype(hidden_states.dtype)
+
+
+#: The static (hashed, never traced) options of the compiled programs below.
+STATIC_OPTIONS = ("activation", "apply_router_weight_on_input", "global_num_experts", "formulation",
+                  "block_m", "compute_dtype", "executor")
+
+#: :func:`fused_moe`'s compiled implementation: one program per (shapes, dtypes, weights layout,
+#: static options), cached across calls. ``_fused_moe_jit._cache_size()`` counts its programs.
+_fused_moe_jit = jax.jit(_fused_moe_body, static_argnames=STATIC_OPTIONS)
+
+
 def fused_moe(
     hidden_states,
     topk_weights,
@@ -434,46 +508,36 @@ def fused_moe(
     ``"xla"`` / ``"pallas"`` force one (``"pallas"`` raises :class:`UnsupportedError` if it cannot).
     ``formulation`` (``"gather"``, ``"dense"``, ``"blocked"``, XLA executor) overrides the static
     choice; ``compute_dtype`` (XLA executor) defaults to float32 (dequantization is exact in float32).
+
+    **Compilation.** ``fused_moe`` is already compiled: it validates its arguments in Python, then
+    runs a module-level ``jax.jit`` program whose static arguments are the keyword options
+    (``activation``, ``apply_router_weight_on_input``, ``global_num_experts``, ``formulation``,
+    ``block_m``, ``compute_dtype``, the resolved ``executor``). A plain call
+    ``fused_moe(x, tw, ids, w, activation="gelu")`` compiles once per input shapes, dtypes, weight
+    layout and options, and reuses that program afterwards; there is nothing to wrap. Every new
+    token count ``T`` is a new shape, hence a new program: for a serving loop see
+    :mod:`wna16_jax.serving`, which pads ``T`` into a few buckets. Called inside your own
+    ``jax.jit`` (or ``vmap``, ``grad``, ``shard_map``), it traces into the enclosing program.
+
+    To jit code that calls it, close over the options::
+
+        jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, activation="gelu"))
+        jax.jit(functools.partial(fused_moe, activation="gelu"))
+
+    ``jax.jit(fused_moe)(x, tw, ids, w)`` works with the default options, but
+    ``jax.jit(fused_moe)(..., activation="gelu")`` cannot: ``jax.jit`` traces every argument of
+    the function it wraps, keyword arguments included, and a string is not an array (JAX raises a
+    ``TypeError`` before ``fused_moe`` runs). Under an enclosing trace the range checks of
+    ``topk_ids`` cannot run (see above).
     """
-    act = check_activation(activation)
-    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
-    t, k = topk_ids.shape
-    which, reason = select_executor(weights, hidden_states.dtype, executor=executor, formulation=formulation,
-                                    compute_dtype=compute_dtype)
-    if which == "pallas" and _is_wgmma(weights):
-        from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
-
-        return fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights, activation=activation,
-                               apply_router_weight_on_input=apply_router_weight_on_input,
-                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
-    if which == "pallas":
-        from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles
-
-        return fused_moe_tiles(hidden_states, topk_weights, topk_ids, convert_tiles(weights),
-                               activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
-                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
+    options, reason = _resolve_options(
+        hidden_states, topk_weights, topk_ids, weights, activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
+        global_num_experts=global_num_experts, formulation=formulation, block_m=block_m,
+        compute_dtype=compute_dtype, executor=executor)
     if reason:
         _warn_fallback(weights, reason)
-    if formulation is None:
-        formulation = choose_formulation(t, k, weights.num_experts)
-    if formulation not in FORMULATIONS:
-        raise ConfigError(f"formulation: expected one of {FORMULATIONS}, got {formulation!r}")
-    cdt = jnp.dtype(compute_dtype or jnp.float32)
-    if t == 0:
-        return jnp.zeros_like(hidden_states)
-    local, valid, bad = _local_ids(topk_ids, expert_map, gne)
-    x = jnp.asarray(hidden_states)
-    if formulation == "gather":
-        out = _gather(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
-    elif formulation == "dense":
-        out = _dense(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
-    else:
-        bm = block_m or default_block_m(t, k, weights.num_experts)
-        ids = jnp.where(bad, 0, topk_ids.astype(jnp.int32))
-        out = _blocked(x, topk_weights, ids, weights, act, apply_router_weight_on_input, cdt,
-                       expert_map, gne, bm)
-    out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
-    return out.astype(hidden_states.dtype)
+    return _fused_moe_jit(hidden_states, topk_weights, topk_ids, weights, expert_map, **options)
 
 
 def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, activation="silu",
@@ -510,32 +574,14 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
     return out.astype(hidden_states.dtype)
 
 
-def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activation="silu",
-                            compute_dtype=None, executor: str = "auto"):
-    """The batched-experts executor (vLLM's BatchedExperts format, docs/moe-semantics.md §2.8).
-
-    ``batched_hidden [E, M, H]`` holds up to ``M`` rows per local expert, of which the first
-    ``expert_num_tokens[e]`` are valid. Returns ``[E, M, H]`` float32 expert outputs (invalid rows
-    zero), without router weights: weighting and the top-k sum happen in
-    :func:`wna16_jax.routing.combine_batched`. ``executor`` as in :func:`fused_moe` (on an NVIDIA
-    GPU, BATCHED_MARLIN layers run on the Pallas engine).
-    """
+def _batched_experts_body(batched_hidden, expert_num_tokens, weights, *, activation, compute_dtype, executor):
+    """The traced body of :func:`batched_experts_forward` (static options resolved)."""
     act = check_activation(activation)
-    if getattr(batched_hidden, "ndim", None) != 3:
-        raise ShapeError(f"batched_hidden: expected shape (E, M, H), got {tuple(getattr(batched_hidden, 'shape', ()))}")
-    e, m, h = batched_hidden.shape
-    if e != weights.num_experts or h != weights.hidden_size:
-        raise ShapeError(f"batched_hidden: expected shape ({weights.num_experts}, M, {weights.hidden_size}), "
-                         f"got {tuple(batched_hidden.shape)}")
-    if tuple(expert_num_tokens.shape) != (e,):
-        raise ShapeError(f"expert_num_tokens: expected shape ({e},), got {tuple(expert_num_tokens.shape)}")
-    which, reason = select_executor(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype)
-    if which == "pallas":
+    if executor == "pallas":
         from pallas_kernels.fused_moe_tiles import batched_experts_tiles, convert_tiles
 
         return batched_experts_tiles(batched_hidden, expert_num_tokens, convert_tiles(weights), activation=activation)
-    if reason:
-        _warn_fallback(weights, reason)
+    e, m, _ = batched_hidden.shape
     cdt = jnp.dtype(compute_dtype or jnp.float32)
 
     def one(args):
@@ -548,22 +594,72 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
     return jnp.where(live[..., None], y, 0.0)
 
 
-def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, **kw):
-    """Run shared expert(s) stored as one expert (``E = 1``) on every token.
+_batched_experts_jit = jax.jit(_batched_experts_body, static_argnames=("activation", "compute_dtype", "executor"))
 
-    ``gate [1, H]`` (Qwen2-MoE) multiplies the output by ``sigmoid(x @ gateᵀ)``.
+
+def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activation="silu",
+                            compute_dtype=None, executor: str = "auto"):
+    """The batched-experts executor (vLLM's BatchedExperts format, docs/moe-semantics.md §2.8).
+
+    ``batched_hidden [E, M, H]`` holds up to ``M`` rows per local expert, of which the first
+    ``expert_num_tokens[e]`` are valid. Returns ``[E, M, H]`` float32 expert outputs (invalid rows
+    zero), without router weights: weighting and the top-k sum happen in
+    :func:`wna16_jax.routing.combine_batched`. ``executor`` as in :func:`fused_moe` (on an NVIDIA
+    GPU, BATCHED_MARLIN layers run on the Pallas engine).
+
+    Compiled like :func:`fused_moe`: the checks run in Python, then a cached ``jax.jit`` program
+    with ``activation``, ``compute_dtype`` and the resolved executor static. ``M`` is fixed by the
+    caller (``max_tokens_per_expert`` of :func:`~wna16_jax.routing.dispatch_batched`), so a fixed
+    ``M`` compiles one program per layer whatever the token count.
     """
+    check_activation(activation)
+    if getattr(batched_hidden, "ndim", None) != 3:
+        raise ShapeError(f"batched_hidden: expected shape (E, M, H), got {tuple(getattr(batched_hidden, 'shape', ()))}")
+    e, m, h = batched_hidden.shape
+    if e != weights.num_experts or h != weights.hidden_size:
+        raise ShapeError(f"batched_hidden: expected shape ({weights.num_experts}, M, {weights.hidden_size}), "
+                         f"got {tuple(batched_hidden.shape)}")
+    if tuple(expert_num_tokens.shape) != (e,):
+        raise ShapeError(f"expert_num_tokens: expected shape ({e},), got {tuple(expert_num_tokens.shape)}")
+    which, reason = select_executor(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype)
+    if reason:
+        _warn_fallback(weights, reason)
+    return _batched_experts_jit(batched_hidden, expert_num_tokens, weights, activation=activation,
+                                compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype).name,
+                                executor=which)
+
+
+def _shared_expert_body(hidden_states, weights, gate, expert_map, **options):
+    """The traced body of :func:`shared_expert_moe` (static options resolved)."""
     t = hidden_states.shape[0]
     ids = jnp.zeros((t, 1), jnp.int32)
     w = jnp.ones((t, 1), jnp.float32)
-    out = fused_moe(hidden_states, w, ids, weights, activation=activation, **kw)
+    out = _fused_moe_body(hidden_states, w, ids, weights, expert_map, **options)
     if gate is not None:
         g = jax.nn.sigmoid(hidden_states.astype(jnp.float32) @ jnp.asarray(gate, jnp.float32).T)
         out = (out.astype(jnp.float32) * g).astype(hidden_states.dtype)
     return out
 
 
+_shared_expert_jit = jax.jit(_shared_expert_body, static_argnames=STATIC_OPTIONS)
+
+
+def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, **kw):
+    """Run shared expert(s) stored as one expert (``E = 1``) on every token.
+
+    ``gate [1, H]`` (Qwen2-MoE) multiplies the output by ``sigmoid(x @ gateᵀ)``. Other keyword
+    arguments as in :func:`fused_moe`; compiled like it (one cached program per shapes and options).
+    """
+    t = hidden_states.shape[0] if getattr(hidden_states, "ndim", 0) >= 1 else 0
+    ids = np.zeros((t, 1), np.int32)               # host arrays: checked without a device program
+    w = np.ones((t, 1), np.float32)
+    options, reason = _resolve_options(hidden_states, w, ids, weights, activation=activation, **kw)
+    if reason:
+        _warn_fallback(weights, reason)
+    return _shared_expert_jit(hidden_states, weights, gate, kw.get("expert_map"), **options)
+
+
 __all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward",
            "validate_moe_inputs", "expert_biases", "dot_f32", "check_activation", "expert_gemm1",
            "expert_gemm2", "ACTIVATIONS", "FORMULATIONS",
-           "choose_formulation", "default_block_m"]
+           "choose_formulation", "default_block_m", "STATIC_OPTIONS"]
