@@ -73,7 +73,7 @@ def save_tool_outputs(name: str, res: dict, meta: dict) -> None:
         json.dump(meta, f, indent=2, sort_keys=True)
 
 
-def publish(name: str, saved: str, keep: tuple[str, ...] | None = None) -> str:
+def publish(name: str, saved: str, exclude: tuple[str, ...] = ()) -> str:
     """Copy what the tool wrote into the fixture folder (its own file and tensor names), add the
     tokenizer. Returns the fixture folder."""
     dst = common.fixture_dir(name)
@@ -81,7 +81,7 @@ def publish(name: str, saved: str, keep: tuple[str, ...] | None = None) -> str:
         shutil.rmtree(dst)
     os.makedirs(dst)
     for f in sorted(os.listdir(saved)):
-        if keep is not None and f not in keep and not f.endswith(".safetensors"):
+        if f in exclude:
             continue
         shutil.copy2(os.path.join(saved, f), os.path.join(dst, f))
     common.save_tokenizer(dst)
