@@ -77,16 +77,18 @@ KNOWN_LIBRARY_FAILURES: dict[str, str] = {}
 # --- tolerances -------------------------------------------------------------------------------
 # Against out_float (float64 on the same stored codes/scales): the library dequantizes exactly in
 # float32 ((code - zero) is an integer of at most 8 bits, the scale a bf16/fp16 value with at most
-# 11 significant bits, so the product is exact), so what remains is float32 rounding in the two
-# GEMMs (K = 128/256), the SiLU and the weighted sum: about sqrt(K)·2^-24 ≈ 1e-6 relative; we
-# measured 5e-7..1e-6 (max-abs error / max |ref|). 1e-5 leaves 10× headroom and is still ~100×
-# below the effect of a single stored code read off by one (scale ≈ range/15 on one weight).
+# 11 significant bits, so the product is exact), so only float32 rounding in the two GEMMs
+# (K = 128/256), the SiLU and the weighted sum remains: about sqrt(K)·2^-24 ≈ 1e-6 of the output
+# scale. Measured (max-abs error / max |ref|): 3.9e-7 .. 1.0e-6 over all fixtures and layers.
+# 1e-5 leaves 10× headroom and still catches a single stored code read one step off: flipping
+# the lowest bit of one code of a routed expert moves the output by 3e-5 (int8) .. 1e-3 (int4).
 FLOAT_RTOL = 1e-5
-# Against out_tool: the tools dequantize to and multiply in 16 bits. bf16 keeps 8 significant
-# bits (unit roundoff 2^-9 ≈ 2e-3) and is applied to the dequantized weights, the input, both GEMM
-# outputs and the activation: the relative Frobenius error of a whole layer is ~6e-3..9e-3
-# (measured) — we allow 2e-2. fp16 (unit roundoff 2^-12 ≈ 2.4e-4) measured ~8e-4..1e-3 — 4e-3.
-TOOL_RTOL = {"bfloat16": 2e-2, "float16": 4e-3}
+# Against out_tool: the tools dequantize to and compute in 16 bits, rounding the dequantized
+# weights, the input, both GEMM outputs and the activation (unit roundoff u = 2^-9 for bf16,
+# 2^-12 for fp16). We allow 8u of relative Frobenius error per layer: 1.5e-2 (bf16; measured
+# 6.0e-3 .. 6.6e-3) and 2e-3 (fp16; measured 7.6e-4 .. 8.2e-4). These bounds are far too loose
+# to catch one misread code; that is what the float reference is for.
+TOOL_RTOL = {"bfloat16": 1.5e-2, "float16": 2e-3}
 
 
 def _cases() -> list:
@@ -178,12 +180,33 @@ def _check_rel_fro(y, ref, rtol, what):
 # ----------------------------------------------------------------------------- scheme & config
 
 
+def _as_written(qc: dict) -> tuple:
+    """(method, bits, group_size, zero_point, act_order, ignore) read straight off the tool's
+    ``quantization_config``, in each tool's own vocabulary."""
+    m = qc["quant_method"]
+    if m == "awq":
+        return (m, qc["bits"], qc["group_size"], qc["zero_point"], False,
+                tuple(qc.get("modules_to_not_convert") or ()))
+    if m == "gptq":
+        assert qc["checkpoint_format"] == "gptq"  # v1: qzeros hold z - 1
+        return (m, qc["bits"], qc["group_size"], not qc["sym"], qc["desc_act"], ())
+    (group,) = qc["config_groups"].values()
+    w = group["weights"]
+    assert qc["format"] == group["format"] == "pack-quantized" and w["type"] == "int"
+    assert group["input_activations"] is None and w["strategy"] == "group"
+    return (m, w["num_bits"], w["group_size"], not w["symmetric"], w["actorder"] == "group",
+            tuple(qc["ignore"]))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_scheme_and_config(case, refs, checkpoints):
     d, meta, ref = refs(case)
     exp = EXPECTED[case]
     ckpt = checkpoints(d)
     s = ckpt.scheme
+    method, bits, group, zp, act_order, ignore = _as_written(ckpt.config["quantization_config"])
+    assert (s.method.value, s.bits, s.group_size, s.zero_point, s.act_order, s.ignore) == (
+        method, bits, group, zp, act_order, ignore)
     assert (s.method.value, s.bits, s.group_size, s.zero_point, s.act_order) == (
         exp["method"], exp["bits"], exp["group_size"], exp["zero_point"], exp["act_order"])
     mc = ckpt.model_config
@@ -245,9 +268,6 @@ def test_layer_against_tool_forward(case, refs, checkpoints):
         tool = ref[f"layer{li}_out_tool"].astype(np.float64)
         assert np.isfinite(tool).all()
         _check_rel_fro(y, tool, rtol, f"{case} layer {li} vs the tool's forward")
-        # The tool's output is not the float reference (its 16-bit rounding is real), yet both
-        # agree with each other within the same bound: the check above is not vacuous.
-        assert np.linalg.norm(tool - ref[f"layer{li}_out_float"]) > 0
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -292,4 +312,6 @@ def test_whole_model_reference_is_consistent(case, refs, checkpoints):
     # The first generated token is the argmax of the last prompt position, with a clear margin.
     assert gen[0] == int(np.argmax(lf[-1]))
     assert (ref["generated_margins"] > 1e-3).all()
+    # Two 16-bit layers, attention included, between the tool and the float32 run: twice the
+    # per-layer bound (measured 7.2e-3 .. 8.2e-3 for bf16, 9.1e-4 .. 1.1e-3 for fp16).
     _check_rel_fro(lt, lf, 2 * TOOL_RTOL[meta["tool"]["tool_dtype"]], f"{case} whole-model logits")

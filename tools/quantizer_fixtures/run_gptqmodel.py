@@ -55,6 +55,9 @@ def quantize(name: str) -> None:
 
 
 if __name__ == "__main__":
+    # GPTQModel writes a logs/ folder into the working directory: keep it out of the repository.
+    os.makedirs(common.WORK, exist_ok=True)
+    os.chdir(common.WORK)
     names = sys.argv[1:] or [n for n, f in common.FIXTURES.items() if f["tool"] == "gptqmodel"]
     for n in names:
         quantize(n)
