@@ -63,6 +63,10 @@ EXPECTED = {
         method="gptq", bits=4, group_size=128, zero_point=False, act_order=True,
         model_type="qwen3_moe", num_experts=4, top_k=2, hidden=256, inter=256, renormalize=False,
         backends={Backend.MARLIN, Backend.BATCHED_MARLIN}),
+    "gptq-asym-qwen3moe": dict(
+        method="gptq", bits=4, group_size=128, zero_point=True, act_order=False,
+        model_type="qwen3_moe", num_experts=4, top_k=2, hidden=128, inter=128, renormalize=True,
+        backends={Backend.CPU, Backend.MARLIN, Backend.BATCHED_MARLIN, Backend.HUMMING}),
     "gptq-mixtral": dict(
         method="gptq", bits=4, group_size=128, zero_point=False, act_order=False,
         model_type="mixtral", num_experts=4, top_k=2, hidden=128, inter=256, renormalize=True,

@@ -62,6 +62,8 @@ FIXTURES = {
                                   dtype="float16", seed=106),
     "gptq-mixtral": dict(tool="gptqmodel", size="mixtral_h128", desc_act=False, dtype="float16",
                          seed=107),
+    "gptq-asym-qwen3moe": dict(tool="gptqmodel", size="qwen3_moe_h128", desc_act=False, sym=False,
+                               dtype="float16", seed=108),
 }
 
 VOCAB_SIZE = 320

@@ -1,4 +1,4 @@
-"""Quantize the GPTQ fixtures (4-bit, group 128, symmetric, with/without desc_act) with GPTQModel.
+"""Quantize the GPTQ fixtures (4-bit, group 128; symmetric with/without desc_act, asymmetric) with GPTQModel.
 
 Run in the GPTQModel virtualenv (see README.md):
 
@@ -26,7 +26,8 @@ def quantize(name: str) -> None:
     tc.setup_torch()
     src = common.write_float_checkpoint(name)
     # offload_to_disk (default on) records a random temporary path in the saved config.
-    qcfg = QuantizeConfig(bits=4, group_size=128, desc_act=f["desc_act"], sym=True, device="cpu",
+    sym = f.get("sym", True)
+    qcfg = QuantizeConfig(bits=4, group_size=128, desc_act=f["desc_act"], sym=sym, device="cpu",
                           offload_to_disk=False)
     model = GPTQModel.load(src, qcfg, dtype=torch.float16)
     ids = common.calibration_ids(name)
@@ -45,7 +46,7 @@ def quantize(name: str) -> None:
     tc.save_tool_outputs(name, res, {
         "tool": "GPTQModel",
         "entry_point": f"GPTQModel.load(float, QuantizeConfig(bits=4, group_size=128, desc_act={f['desc_act']}, "
-                       "sym=True, device='cpu', offload_to_disk=False)).quantize(calib) + save",
+                       f"sym={sym}, device='cpu', offload_to_disk=False)).quantize(calib) + save",
         "tool_dtype": "float16",
         "tool_forward": "the saved checkpoint reloaded with GPTQModel.load(backend=BACKEND.TORCH) "
                         "(TorchQuantLinear: dequantize to fp16, fp16 matmul)",
