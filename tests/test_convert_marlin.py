@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from wna16_jax import packing
 from wna16_jax.convert import marlin as M
-from wna16_jax.errors import ConfigError, DTypeError, ShapeError, UnsupportedError
+from wna16_jax.errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnsupportedError
 from wna16_jax.schemes import QuantMethod, QuantScheme
 from wna16_jax.weights import CheckpointWeights
 
@@ -997,8 +997,11 @@ def test_convert_errors_name_tensor_and_value():
         M.convert_marlin(gptq.scheme, _ck(gptq), "fp4")
 
     awq = Cfg("awq", 4, True, 32, 1, 64, 64)
-    with pytest.raises(UnsupportedError, match="AWQ Marlin MoE requires zero-point tensors"):
+    with pytest.raises(MissingTensorError, match="w13_qzeros: required by awq 4-bit g32 asym"):
         M.convert_marlin(awq.scheme, _ck(awq, w13_qzeros=None, w2_qzeros=None))
+    awq_sym = dataclasses.replace(awq.scheme, zero_point=False)      # AWQ with zero_point=False
+    with pytest.raises(UnsupportedError, match="AWQ Marlin MoE requires zero-point tensors"):
+        M.convert_marlin(awq_sym, _ck(awq, w13_qzeros=None, w2_qzeros=None, scheme=awq_sym))
 
     act_pad = Cfg("gptq", 4, False, 32, 1, 64, 96, act=True)
     with pytest.raises(UnsupportedError, match=r"intermediate_size.*96 -> 128.*act-order"):
