@@ -515,10 +515,12 @@ def test_ignored_experts_refused(tmp_path, templates):
 # --------------------------------------------------------------------------- tensor values
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_scales(tmp_path, templates, bad):
+@pytest.mark.parametrize("bad, proj", [(np.nan, "w2"), (np.inf, "w1"), (-np.inf, "w3")])
+def test_non_finite_scales(tmp_path, templates, bad, proj):
+    """The check runs over the layer's stacked scales; the message still names the tensor (gate,
+    up or down) as the file names it."""
     s = Sandbox(tmp_path, templates["gptq"])
-    name = f"{LAYER0}.2.w2.scales"
+    name = f"{LAYER0}.2.{proj}.scales"
     s.tensors(lambda t: t.__setitem__(name, np.where(np.arange(t[name].size).reshape(t[name].shape) == 5,
                                                      np.float16(bad), t[name]).astype(np.float16)))
     s.freeze()
@@ -576,6 +578,49 @@ def test_edge_codes_accepted(tmp_path, templates):
     _, w2 = layer.experts.dequantize(np.float64)
     sc = np.repeat(np.asarray(layer.experts.w2_scales[3], np.float64), GPTQ.group_size, axis=0).T
     np.testing.assert_array_equal(np.asarray(w2)[3], 7 * sc)
+    s.check()
+
+
+def test_one_dtype_per_tensor_kind(tmp_path, templates):
+    """Scales are stacked per layer in the file's dtype: one expert's float32 scales among fp16
+    ones would be rounded silently, so they are refused, naming both tensors."""
+    s = Sandbox(tmp_path, templates["gptq"])
+    name = f"{LAYER0}.2.w3.scales"
+    s.tensors(lambda t: t.__setitem__(name, t[name].astype(np.float32)))
+    s.freeze()
+    _raises(DTypeError, lambda: _load(s.dir), name, "F32", "F16", f"{LAYER0}.0.w1.scales")
+    s.check()
+
+
+def test_int64_g_idx_accepted(tmp_path, templates):
+    """Accepted: GPTQ's g_idx may be stored as int64; it loads as the int32 one does."""
+    want = _load(templates["gptq"]).experts
+    s = Sandbox(tmp_path, templates["gptq"])
+    s.tensors(lambda t: t.update({k: v.astype(np.int64) for k, v in t.items() if k.endswith("g_idx")}))
+    s.freeze()
+    got = _load(s.dir).experts
+    for f in want.array_fields():
+        a, b = getattr(want, f), getattr(got, f)
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    s.check()
+
+
+def test_act_order_g_idx_beyond_int32(tmp_path):
+    """An int64 act-order g_idx that would wrap to a valid index when stacked as int32."""
+    path = tmp_path / "work" / "ckpt"
+    write_checkpoint(path, QuantScheme("gptq", 4, 64, False, desc_act=True),
+                     [random_moe_layer(np.random.default_rng(3), E, H, I)])
+    s = Sandbox(tmp_path / "sb", path)
+    name = f"{LAYER0}.1.w2.g_idx"
+
+    def edit(t):
+        t.update({k: v.astype(np.int64) for k, v in t.items() if k.endswith("g_idx")})
+        t[name] = t[name] + (1 << 32)
+    s.tensors(edit)
+    s.freeze()
+    _raises(ValueRangeError, lambda: _load(s.dir), name, "int32")
     s.check()
 
 

@@ -23,6 +23,7 @@ Recognised tensor naming:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -236,6 +237,12 @@ class _LayerNames:
     shared_gate: str | None = None
     naming: str = ""
 
+    def tensor_names(self) -> list[str]:
+        """Every tensor name of the layer (experts, shared experts, router, gates)."""
+        out = [n for projs in self.experts.values() for sfx in projs.values() for n in sfx.values()]
+        out += [n for sfx in self.shared.values() for n in sfx.values()]
+        return out + [n for n in (self.router, self.score_bias, self.shared_gate) if n is not None]
+
 
 def _index_names(names) -> dict[int, _LayerNames]:
     layers: dict[int, _LayerNames] = {}
@@ -299,6 +306,7 @@ class Checkpoint:
         self.quant_config = QuantConfig.from_hf_config(self.config)
         self.model_config = MoEModelConfig.from_hf_config(self.config)
         self._files: dict[str, SafetensorsFile] = {}
+        self._held_fds: dict[str, int] | None = None
         self._weight_map = self._read_weight_map()
         self._layers = _index_names(self._weight_map)
         self._check_names()
@@ -361,21 +369,62 @@ class Checkpoint:
 
     def _read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """Read the named tensors, one descriptor per shard file, in file order."""
-        by_file: dict[str, list[str]] = defaultdict(list)
+        return self._read_many((), names)
+
+    def _read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Read each ``(name, destination)`` of ``into`` straight into its destination and each
+        of ``names`` into a new array (returned by name), per shard in file order."""
+        jobs: dict[str, list[tuple[int, str, np.ndarray | None]]] = defaultdict(list)
+        for n, dst in [*into, *((n, None) for n in names)]:
+            if n not in self._weight_map:
+                raise MissingTensorError(f"{n}: tensor not found in {self.path!r}")
+            fname = self._weight_map[n]
+            jobs[fname].append((self._file(fname).info(n).begin, n, dst))
+        out = {}
+        held = self._held_fds or {}
+        for fname, todo in jobs.items():
+            f = self._file(fname)
+            fd = held.get(fname)
+            own = fd is None
+            if own:
+                fd = f.open_fd()
+            try:
+                for _, n, dst in sorted(todo, key=lambda j: j[0]):
+                    if dst is None:
+                        out[n] = f.read(n, fd)
+                    else:
+                        f.read_into(n, dst, fd)
+            finally:
+                if own:
+                    os.close(fd)
+        return out
+
+    @contextlib.contextmanager
+    def _reading(self, names: Sequence[str]):
+        """Hold one descriptor per shard while ``names`` are read (one sequential stream per
+        shard rather than one per expert, so the kernel's read-ahead carries over), and ask the
+        kernel to start reading their byte span now (``POSIX_FADV_WILLNEED``)."""
+        spans: dict[str, tuple[int, int]] = {}
         for n in names:
             if n not in self._weight_map:
                 raise MissingTensorError(f"{n}: tensor not found in {self.path!r}")
-            by_file[self._weight_map[n]].append(n)
-        out = {}
-        for fname, ns in by_file.items():
-            f = self._file(fname)
-            fd = f.open_fd()
-            try:
-                for n in sorted(ns, key=lambda n: f.info(n).begin):
-                    out[n] = f.read(n, fd)
-            finally:
+            fname = self._weight_map[n]
+            t = self._file(fname).info(n)
+            lo, hi = spans.get(fname, (t.begin, t.end))
+            spans[fname] = (min(lo, t.begin), max(hi, t.end))
+        fds: dict[str, int] = {}
+        try:
+            for fname, (lo, hi) in spans.items():
+                f = self._file(fname)
+                fds[fname] = fd = f.open_fd()
+                if hasattr(os, "posix_fadvise") and hi > lo:
+                    os.posix_fadvise(fd, f.data_start + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            self._held_fds = fds
+            yield
+        finally:
+            self._held_fds = None
+            for fd in fds.values():
                 os.close(fd)
-        return out
 
     # ------------------------------------------------------------------ naming
     def _check_names(self) -> None:
@@ -435,6 +484,10 @@ class Checkpoint:
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank!r}")
         info = self._layer_info(layer_index)
+        with self._reading(info.tensor_names()):
+            return self._load_layer(layer_index, info, tp_size, tp_rank)
+
+    def _load_layer(self, layer_index: int, info: _LayerNames, tp_size: int, tp_rank: int) -> MoELayer:
         names = _NAMINGS[info.naming]
         layer = f"layer {layer_index}"
         experts = _ExpertLoader(self, self.scheme, names, layer).load(info.experts, tp_size, tp_rank)
@@ -579,22 +632,13 @@ class _ExpertLoader:
         name = next(iter(next(iter(e0.values())).values()))
         return name.rsplit(".", 2)[0]
 
-    def load(self, experts: dict, tp_size: int, tp_rank: int) -> CheckpointWeights:
-        s, layer = self.scheme, self.layer
-        m, g, pf = s.method, s.group_size, s.pack_factor
-        e = len(experts)
-        h, i_full = self._sizes(experts[0])
-        if g != -1:
-            check_divisible(f"{layer}: hidden size", h, g, "group_size must divide H")
-            check_divisible(f"{layer}: intermediate size", i_full, g, "group_size must divide I")
-        expected = self._expected(h, i_full)
-        required = {self.suff["qweight"], self.suff["scales"]}
-        if s.zero_point:
-            required.add(self.suff["qzeros"])
-        if s.act_order:
-            required.add(self.suff["g_idx"])
-        # 1. headers: names, dtypes, shapes of every tensor of every expert.
+    def _check_headers(self, experts: dict, expected: dict, required: set, h: int, i_full: int) -> bool:
+        """Phase 1, file headers only: every tensor of every expert has a known suffix, the
+        scheme's dtype and the shape the sizes imply; the required ones are present; biases on
+        all projections or none. Returns whether the experts carry biases."""
+        s, e = self.scheme, len(experts)
         has_bias = None
+        first: dict[str, tuple[str, str]] = {}      # suffix → (dtype, tensor) of its first tensor
         for ei in range(e):
             for role in ("gate", "up", "down"):
                 tensors = experts[ei][self.names[role]]
@@ -611,6 +655,11 @@ class _ExpertLoader:
                     if tuple(t.shape) != shape:
                         raise ShapeError(f"{self._where(name)}: expected shape {shape} (H={h}, I={i_full}, "
                                          f"{s.describe()}), got {tuple(t.shape)}")
+                    dt0, name0 = first.setdefault(suffix, (t.dtype_name, name))
+                    if t.dtype_name != dt0:
+                        raise DTypeError(f"{self._where(name)}: expected dtype {_st_names([dt0])[0]} like "
+                                         f"{name0} (one dtype per tensor kind in a layer), got "
+                                         f"{_st_names([t.dtype_name])[0]}")
                 base = next(iter(tensors.values())).rsplit(".", 1)[0]
                 for suffix in sorted(required - set(tensors)):
                     raise MissingTensorError(f"{base}.{suffix}: required by {s.describe()}, not found")
@@ -621,7 +670,52 @@ class _ExpertLoader:
                     raise MissingTensorError(f"{base}.bias: {'present' if bias else 'missing'}, but "
                                              f"{'absent' if has_bias else 'present'} in "
                                              f"{self._prefix0(experts[0])}; all projections or none carry biases")
-        # 2. reads into preallocated stacks.
+        return bool(has_bias)
+
+    def _field_specs(self, has_bias: bool, sl_n, sl_k, tp_size: int) -> dict[str, list[tuple[str, str, int, slice]]]:
+        """Stacked field → its parts: ``(role, suffix key, axis, slice of that axis)``; two parts
+        (gate, up) are concatenated along ``axis``."""
+        s = self.scheme
+        m, g, pf = s.method, s.group_size, s.pack_factor
+        n_axis = 0 if m is QuantMethod.COMPRESSED_TENSORS else 1     # gate/up output axis
+        k_axis = 1 if m is QuantMethod.COMPRESSED_TENSORS else 0     # down's input axis
+        gsl = slice(None) if (g == -1 or (s.act_order and tp_size > 1)) else sl_k(g)
+        specs = {}
+        for key in ["qweight", "scales"] + (["qzeros"] if s.zero_point else []):
+            # the unit of the output (N) axis: packed words where N is packed (AWQ weights,
+            # every zero-point tensor), one entry otherwise
+            packed_n = key == "qzeros" or (key == "qweight" and m is QuantMethod.AWQ)
+            sl = sl_n(pf if packed_n else 1)
+            specs["w13_" + key] = [("gate", key, n_axis, sl), ("up", key, n_axis, sl)]
+            if key == "qweight":          # K packed (GPTQ, compressed-tensors) or not (AWQ)
+                w2_sl = sl_k(1 if m is QuantMethod.AWQ else pf)
+            else:                         # per group of K
+                w2_sl = sl_k(g) if m is QuantMethod.AWQ else gsl
+            specs["w2_" + key] = [("down", key, k_axis, w2_sl)]
+        if has_bias:
+            specs["w13_bias"] = [("gate", "bias", 0, sl_n(1)), ("up", "bias", 0, sl_n(1))]
+            specs["w2_bias"] = [("down", "bias", 0, slice(None))]
+        if s.act_order:
+            specs["w13_g_idx"] = [("gate", "g_idx", 0, slice(None))]
+            specs["w2_g_idx"] = [("down", "g_idx", 0, sl_k(1))]
+        return specs
+
+    def load(self, experts: dict, tp_size: int, tp_rank: int) -> CheckpointWeights:
+        s, layer = self.scheme, self.layer
+        m, g, pf = s.method, s.group_size, s.pack_factor
+        e = len(experts)
+        h, i_full = self._sizes(experts[0])
+        if g != -1:
+            check_divisible(f"{layer}: hidden size", h, g, "group_size must divide H")
+            check_divisible(f"{layer}: intermediate size", i_full, g, "group_size must divide I")
+        expected = self._expected(h, i_full)
+        required = {self.suff["qweight"], self.suff["scales"]}
+        if s.zero_point:
+            required.add(self.suff["qzeros"])
+        if s.act_order:
+            required.add(self.suff["g_idx"])
+        # 1. headers: names, dtypes, shapes of every tensor of every expert.
+        has_bias = self._check_headers(experts, expected, required, h, i_full)
         i_local = i_full // tp_size
 
         def sl_n(unit):
@@ -630,102 +724,141 @@ class _ExpertLoader:
         def sl_k(unit):
             return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} down")
 
-        full_w2_groups = s.act_order and tp_size > 1
         if s.zero_point and m is QuantMethod.COMPRESSED_TENSORS:
             check_divisible(f"{layer}: intermediate size for packed zero points", i_local, pf)
-        n_axis = 0 if m is QuantMethod.COMPRESSED_TENSORS else 1     # gate/up output axis
+        specs = self._field_specs(has_bias, sl_n, sl_k, tp_size)
+
+        # 2. one stack per field, allocated from the header shapes; each tensor read straight
+        # into its place where that place is contiguous (down, compressed-tensors' gate / up),
+        # the others (K-first gate / up halves, TP slices, int64 g_idx) through a temporary.
+        def file_name(ei, role, key):
+            return experts[ei][self.names[role]].get(self.suff.get(key, key))
+
         stacks: dict[str, np.ndarray] = {}
-
-        def put(key: str, ei: int, value: np.ndarray) -> None:
-            if key not in stacks:
-                stacks[key] = np.empty((e,) + value.shape, value.dtype)
-            stacks[key][ei] = value
-
-        fields13 = ["qweight", "scales"] + (["qzeros"] if s.zero_point else [])
+        plans: list[tuple[str, str, int, slice, np.dtype]] = []     # per part: key, role, axis, sl, dtype
+        for key, parts in specs.items():
+            shape = None
+            for role, k, axis, sl in parts:
+                full = expected[role][self.suff.get(k, k)][0]
+                sub = list(full)
+                sub[axis] = len(range(*sl.indices(full[axis])))
+                if shape is None:
+                    shape = sub
+                else:
+                    shape[axis] += sub[axis]
+            t0 = self.ckpt.tensor_info(file_name(0, parts[0][0], parts[0][1]))
+            dtype = np.dtype(np.int32) if key.endswith("g_idx") else t0.dtype.newbyteorder("=")
+            stacks[key] = np.empty([e] + shape, dtype)
+        extra = []            # tensors read only to be checked: (role, key)
+        if m is QuantMethod.GPTQ and not s.zero_point:
+            extra += [(r, "qzeros") for r in ("gate", "up", "down")]
+        if m is QuantMethod.GPTQ and not s.act_order:
+            extra += [(r, "g_idx") for r in ("gate", "up", "down")]
+        if s.act_order:
+            extra.append(("up", "g_idx"))
+        checks = _ValueChecks(self, h, i_full)
         for ei in range(e):
-            names = {role: experts[ei][self.names[role]] for role in ("gate", "up", "down")}
-            t = self.ckpt._read([n for role in names.values() for sfx, n in role.items()
-                                 if sfx != "weight_shape" and (sfx != self.suff["qzeros"] or s.zero_point or m is QuantMethod.GPTQ)
-                                 and (sfx != self.suff.get("g_idx") or s.act_order or m is QuantMethod.GPTQ)])
-
-            def get(role, key, _names=names, _t=t):
-                n = _names[role].get(self.suff.get(key, key))
-                return None if n is None else _t.get(n)
-
-            def nm(role, key, _names=names):
-                return _names[role].get(self.suff.get(key, key))
-
-            for key in ("scales",):
-                for role in ("gate", "up", "down"):
-                    sc = get(role, key)
-                    if not np.isfinite(sc.astype(np.float32)).all():
-                        bad = np.argwhere(~np.isfinite(sc.astype(np.float32)))[0].tolist()
-                        raise ValueRangeError(f"{self._where(nm(role, key))}: scales must be finite, "
-                                              f"found {sc[tuple(bad)]} at {bad} (expert {ei})")
-            for key in fields13:
-                # the unit of the output (N) axis: packed words where N is packed (AWQ weights,
-                # every zero-point tensor), one entry otherwise
-                packed_n = key == "qzeros" or (key == "qweight" and m is QuantMethod.AWQ)
-                sl = sl_n(pf if packed_n else 1)
-                parts = [get(role, key)[sl] if n_axis == 0 else get(role, key)[:, sl]
-                         for role in ("gate", "up")]
-                put("w13_" + key, ei, np.concatenate(parts, axis=n_axis))
-            if has_bias:
-                put("w13_bias", ei, np.concatenate([get("gate", "bias")[sl_n(1)], get("up", "bias")[sl_n(1)]]))
-                put("w2_bias", ei, get("down", "bias"))
-            qw, sc, qz = get("down", "qweight"), get("down", "scales"), get("down", "qzeros")
-            gsl = slice(None) if (g == -1 or full_w2_groups) else sl_k(g)
-            if m is QuantMethod.AWQ:      # [I, H/8], [I/g, H], [I/g, H/8]
-                put("w2_qweight", ei, qw[sl_k(1)])
-                put("w2_scales", ei, sc[sl_k(g)])
-                if s.zero_point:
-                    put("w2_qzeros", ei, qz[sl_k(g)])
-            elif m is QuantMethod.GPTQ:   # [I/pf, H], [G2, H], [G2, H/pf]
-                put("w2_qweight", ei, qw[sl_k(pf)])
-                put("w2_scales", ei, sc[gsl])
-                if s.zero_point:
-                    put("w2_qzeros", ei, qz[gsl])
-            else:                         # [H, I/pf], [H, G2], [H/pf, G2]
-                put("w2_qweight", ei, qw[:, sl_k(pf)])
-                put("w2_scales", ei, sc[:, gsl])
-                if s.zero_point:
-                    put("w2_qzeros", ei, qz[:, gsl])
-            # 3. values: group indices and symmetric zero points.
-            if s.act_order:
-                gi_gate, gi_up, gi_down = get("gate", "g_idx"), get("up", "g_idx"), get("down", "g_idx")
-                for role, gi, k in (("gate", gi_gate, h), ("up", gi_up, h), ("down", gi_down, i_full)):
-                    ng = s.num_groups(k)
-                    if gi.size and (gi.min() < 0 or gi.max() >= ng):
-                        raise ValueRangeError(
-                            f"{self._where(nm(role, 'g_idx'))}: group indices must lie in [0, {ng}), "
-                            f"got [{gi.min()}, {gi.max()}] ({layer} w{'13' if role != 'down' else '2'}_g_idx, "
-                            f"expert {ei})")
-                if not np.array_equal(gi_gate, gi_up):
-                    raise ValueRangeError(
-                        f"{self._where(nm('gate', 'g_idx'))}: gate and up g_idx differ; the fused w13 "
-                        "holds one g_idx per expert")
-                put("w13_g_idx", ei, gi_gate.astype(np.int32))
-                put("w2_g_idx", ei, gi_down[sl_k(1)].astype(np.int32))
-            elif m is QuantMethod.GPTQ:
-                for role, k in (("gate", h), ("up", h), ("down", i_full)):
-                    gi = get(role, "g_idx")
-                    triv = np.zeros(k, np.int64) if g == -1 else np.arange(k) // g
-                    if gi is not None and not np.array_equal(gi, triv):
-                        raise ConfigError(
-                            f"{self._where(nm(role, 'g_idx'))}: rows are not in natural group order, "
-                            "but the config has desc_act=false")
-            if m is QuantMethod.GPTQ and not s.zero_point:
-                want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
-                word = np.int32(np.uint32(sum(want << (s.bits * j) for j in range(pf))).view(np.int32))
-                for role in ("gate", "up", "down"):
-                    qz = get(role, "qzeros")
-                    if qz is not None and qz.size and not (qz == word).all():
-                        raise ValueRangeError(
-                            f"{self._where(nm(role, 'qzeros'))}: the config says sym=true, so every "
-                            f"zero point must be the implicit {s.implicit_zero} (word "
-                            f"{np.uint32(word.view(np.uint32)):#010x}), found other values")
+            direct: list[tuple[str, np.ndarray]] = []     # read straight into the stack
+            via: dict[str, tuple[np.ndarray, int, slice]] = {}   # read, then copied (sliced, cast) into it
+            for key, parts in specs.items():
+                off = 0
+                for role, k, axis, sl in parts:
+                    name = file_name(ei, role, k)
+                    t = self.ckpt.tensor_info(name)
+                    n = len(range(*sl.indices(t.shape[axis])))
+                    idx = [slice(None)] * (stacks[key].ndim - 1)
+                    idx[axis] = slice(off, off + n)
+                    dst = stacks[key][ei][tuple(idx)]
+                    off += n
+                    if n == t.shape[axis] and t.dtype.newbyteorder("=") == dst.dtype and dst.flags.c_contiguous:
+                        direct.append((name, dst))
+                    else:
+                        via[name] = (dst, axis, sl)
+            checked = {file_name(ei, role, k): (role, k) for role, k in extra}
+            checked.pop(None, None)
+            got = self.ckpt._read_many(direct, list(via) + list(checked))
+            for name, (dst, axis, sl) in via.items():
+                a = got[name]
+                if a.dtype != dst.dtype and a.size and (a.min() < np.iinfo(np.int32).min
+                                                        or a.max() > np.iinfo(np.int32).max):
+                    raise ValueRangeError(f"{self._where(name)}: group indices must fit int32, got "
+                                          f"[{a.min()}, {a.max()}]")
+                idx = [slice(None)] * a.ndim
+                idx[axis] = sl
+                dst[...] = a[tuple(idx)]
+            # 3. values that are not stacked (symmetric zero points, natural g_idx), per expert
+            checks.expert(ei, {rk: (name, got[name]) for name, rk in checked.items()}, stacks)
+        # 3. values of the stacks, once per layer, in numpy, before anything is converted
+        checks.stacks(stacks, specs, file_name)
         weights = CheckpointWeights(**stacks, scheme=s, hidden_size=h, intermediate_size=i_local)
         return weights.validate()
+
+
+_NONFINITE_BITS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000),
+                   np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
+
+
+def _nonfinite(a: np.ndarray) -> np.ndarray:
+    """``~isfinite(a)`` from the exponent bits (all ones: Inf or NaN), without a float copy."""
+    if a.dtype.name == "bfloat16":
+        return (a.view(np.uint16) & 0x7F80) == 0x7F80
+    kind, mask = _NONFINITE_BITS[a.dtype]
+    return (a.view(kind) & kind(mask)) == kind(mask)
+
+
+class _ValueChecks:
+    """The value checks of one layer's experts: scales finite, group indices in range (natural
+    without act-order, gate and up sharing one), symmetric GPTQ zero points equal to the
+    implicit offset. Vectorized over the stacks; errors name the tensor as the file names it."""
+
+    def __init__(self, loader: "_ExpertLoader", h: int, i_full: int):
+        self.loader, self.h, self.i_full = loader, h, i_full
+        s = loader.scheme
+        self.natural = {k: (np.zeros(k, np.int64) if s.group_size == -1 else np.arange(k) // s.group_size)
+                        for k in {h, i_full}}
+        if s.method is QuantMethod.GPTQ and not s.zero_point:
+            want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
+            self.sym_word = np.int32(np.uint32(sum(want << (s.bits * j) for j in range(s.pack_factor))).view(np.int32))
+
+    def expert(self, ei: int, temps: dict, stacks: dict) -> None:
+        ld, s = self.loader, self.loader.scheme
+        for (role, key), (name, a) in temps.items():
+            if key == "qzeros":
+                if a.size and not (a == self.sym_word).all():
+                    raise ValueRangeError(
+                        f"{ld._where(name)}: the config says sym=true, so every zero point must be "
+                        f"the implicit {s.implicit_zero} (word {np.uint32(self.sym_word.view(np.uint32)):#010x}), "
+                        "found other values")
+            elif s.act_order:                                    # up's g_idx against gate's
+                if not np.array_equal(a, stacks["w13_g_idx"][ei]):
+                    raise ValueRangeError(f"{ld._where(name)}: gate and up g_idx differ; the fused w13 "
+                                          "holds one g_idx per expert")
+            elif not np.array_equal(a, self.natural[self.h if role != "down" else self.i_full]):
+                raise ConfigError(f"{ld._where(name)}: rows are not in natural group order, but the "
+                                  "config has desc_act=false")
+
+    def stacks(self, stacks: dict, specs: dict, file_name) -> None:
+        ld, s = self.loader, self.loader.scheme
+        for key in ("w13_scales", "w2_scales"):
+            bad = _nonfinite(stacks[key])
+            if bad.any():
+                pos = np.argwhere(bad)[0].tolist()
+                ei, parts = pos[0], specs[key]
+                role, axis = parts[0][0], parts[0][2]
+                if len(parts) == 2 and pos[1 + axis] >= stacks[key].shape[1 + axis] // 2:
+                    role = parts[1][0]
+                raise ValueRangeError(
+                    f"{ld._where(file_name(ei, role, 'scales'))}: scales must be finite, found "
+                    f"{stacks[key][tuple(pos)]} (expert {ei}, {key} at {pos[1:]})")
+        if s.act_order:
+            for key, k, role in (("w13_g_idx", self.h, "gate"), ("w2_g_idx", self.i_full, "down")):
+                gi, ng = stacks[key], s.num_groups(k)
+                bad = (gi < 0) | (gi >= ng)
+                if bad.any():
+                    ei = int(np.argwhere(bad)[0][0])
+                    raise ValueRangeError(
+                        f"{ld._where(file_name(ei, role, 'g_idx'))}: group indices must lie in [0, {ng}), "
+                        f"got [{gi[ei].min()}, {gi[ei].max()}] ({ld.layer} {key}, expert {ei})")
 
 
 def _load_shared(ckpt: Checkpoint, info: _LayerNames, tp_size: int, tp_rank: int, *, layer: str,

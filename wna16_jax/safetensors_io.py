@@ -10,8 +10,10 @@ the file, JSON, no duplicate names, known dtypes, ``prod(shape) × itemsize == e
 offsets inside the data, no two tensors overlapping — and raises :class:`CorruptFileError`
 naming the file (and the tensor) on the first violation, so a truncated or hand-edited shard
 never reaches numpy. :meth:`SafetensorsFile.read` then reads one tensor with a single positioned
-read into a fresh array (no memory map, nothing kept open between reads beyond the descriptor),
-which keeps loading I/O-bound and the resident memory to what the caller keeps.
+read into a fresh array, and :meth:`SafetensorsFile.read_into` straight into the caller's
+array (a slice of a stacked layer, say): no memory map, no copy after the read, nothing kept
+open between reads beyond the descriptor, which keeps loading I/O-bound and the resident memory
+to what the caller keeps.
 
 :func:`confined_path` is the one way a file name read from an index or a manifest becomes a
 path: a relative name that stays inside the folder (symbolic links inside the folder are still
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptFileError, MissingTensorError, UnsafePathError
+from .errors import CorruptFileError, MissingTensorError, ShapeError, UnsafePathError
 
 #: the largest header the format allows (the reference implementation's limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -186,26 +188,29 @@ class SafetensorsFile:
         """The tensor ``name`` as a new C-contiguous numpy array (native byte order)."""
         t = self.info(name)
         out = np.empty(t.shape, t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
+        return self.read_into(name, out, fd)
+
+    def read_into(self, name: str, out: np.ndarray, fd: int | None = None) -> np.ndarray:
+        """Read the tensor ``name`` straight into ``out``: a C-contiguous array of its shape and
+        dtype (a slice of a larger stack, say), with one positioned read. Returns ``out``."""
+        t = self.info(name)
+        if tuple(out.shape) != t.shape or out.dtype.newbyteorder("=") != t.dtype.newbyteorder("=") \
+                or not out.flags.c_contiguous:
+            raise ShapeError(f"{self.path}: tensor {name!r} is {t.dtype_name}{list(t.shape)}, the "
+                             f"destination {out.dtype}{list(out.shape)} (contiguous: {out.flags.c_contiguous})")
         buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
         own = fd is None
         if own:
             fd = os.open(self.path, os.O_RDONLY)
         try:
-            pos, done = self.data_start + t.begin, 0
-            while done < len(buf):
-                got = os.preadv(fd, [buf[done:]], pos + done) if hasattr(os, "preadv") else \
-                    _pread_into(fd, buf[done:], pos + done)
-                if got <= 0:
-                    raise CorruptFileError(f"{self.path}: tensor {name!r}: the file ended after "
-                                           f"{done} of {len(buf)} bytes (truncated while reading)")
-                done += got
+            _read_fully(fd, buf, self.data_start + t.begin, self.path, name)
         except OSError as e:
             raise CorruptFileError(f"{self.path}: tensor {name!r}: read failed ({e.strerror or e})") from None
         finally:
             if own:
                 os.close(fd)
         if t.dtype.byteorder == "<" and not np.little_endian:  # pragma: no cover - big-endian hosts
-            out = out.byteswap()
+            out.byteswap(inplace=True)
         return out
 
     def open_fd(self) -> int:
@@ -213,6 +218,18 @@ class SafetensorsFile:
             return os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise CorruptFileError(f"{self.path}: cannot open ({e.strerror or e})") from None
+
+
+def _read_fully(fd: int, buf: memoryview, pos: int, path: str, name: str) -> None:
+    """Fill ``buf`` from byte ``pos`` of ``fd``; a short file is a CorruptFileError."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], pos + done) if hasattr(os, "preadv") else \
+            _pread_into(fd, buf[done:], pos + done)
+        if got <= 0:
+            raise CorruptFileError(f"{path}: tensor {name!r}: the file ended after {done} of "
+                                   f"{len(buf)} bytes (truncated while reading)")
+        done += got
 
 
 def _pread_into(fd: int, buf: memoryview, pos: int) -> int:  # pragma: no cover - no preadv
