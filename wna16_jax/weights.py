@@ -174,6 +174,15 @@ class LogicalQuant:
     def expanded(self) -> tuple[Any, Any]:
         """Per-element ``(zero, scale)`` arrays of shape ``[E, N, K]``."""
         xp = packing.xp_of(self.codes)
+        k, g = self.codes.shape[-1], self.scales.shape[-1]
+        if self.g_idx is None and (g == 1 if self.group_size == -1 else g * self.group_size == k):
+            # natural order: each group's entry repeated over its K / G rows (a broadcast, which
+            # XLA fuses into the dequantization, where a gather would be materialized)
+            def rep(a):
+                return xp.broadcast_to(a[..., None], a.shape + (k // g,)).reshape(a.shape[:-1] + (k,))
+
+            z = 1 << (self.bits - 1) if self.zeros is None else rep(self.zeros)
+            return z, rep(self.scales)
         gi = self.group_index()
         if gi.ndim == 1:
             s = xp.take(self.scales, gi, axis=-1)

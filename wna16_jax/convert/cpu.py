@@ -42,8 +42,10 @@ numerically W4A8 (docs/formats.md §5), which does not concern the conversion.
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -220,15 +222,26 @@ class CPUWeights(ExpertsMixin):
         bk = (nbytes - COMPENSATION_BYTES) // 16
         g = s.shape[2]
         data = w[..., : 16 * bk].reshape(e, nc, kc, bk // 4, 2, 8, 4)  # (kq, p, ni, ki)
-        c = jnp.stack([data & 0xF, data >> 4], axis=-1)  # [E, Nc, Kc, kq, p, ni, ki, hi]
-        c = c.transpose(0, 1, 4, 7, 5, 2, 3, 6)  # [E, Nc, p, hi, ni, Kc, kq, ki]
-        codes = c.reshape(e, nc * BLOCK_N, kc * bk).astype(jnp.int32)
+        # the 4 bytes of consecutive k (ki) as one 32-bit word (byte ki at bits 8·ki), so that
+        # the transpose that separates n from k moves 8 codes per element: on a CPU 4-5x faster
+        # than moving codes, and than composing the word from its bytes with shifts
+        if sys.byteorder == "little":
+            word = jax.lax.bitcast_convert_type(data, jnp.uint32)
+        else:  # pragma: no cover - big-endian hosts
+            b = data.astype(jnp.uint32)
+            word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+        word = word.transpose(0, 1, 4, 5, 2, 3)                # [E, Nc, p, ni, Kc, kq]
+        # code (hi, ki) of a word: byte ki, low nibble for hi = 0, high nibble for hi = 1
+        shifts = (4 * jnp.arange(2, dtype=jnp.uint32)[:, None] + 8 * jnp.arange(4, dtype=jnp.uint32))
+        c = (word[:, :, :, None, :, :, :, None] >> shifts.reshape(2, 1, 1, 1, 4)) & 0xF
+        codes = c.reshape(e, nc * BLOCK_N, kc * bk).astype(jnp.int32)  # [E, Nc, p, hi, ni, Kc, kq, ki]
 
         def unblocked(x):
             return x.transpose(0, 1, 3, 2).reshape(e, nc * BLOCK_N, g)
 
-        return LogicalQuant(codes, unblocked(s), unblocked(z).astype(jnp.int32), None,
-                            bits=4, group_size=self.scheme.group_size)
+        # symmetric schemes store the implicit zero point 8 everywhere: decode it as implicit
+        zeros = unblocked(z).astype(jnp.int32) if self.scheme.zero_point else None
+        return LogicalQuant(codes, unblocked(s), zeros, None, bits=4, group_size=self.scheme.group_size)
 
 
 # ---------------------------------------------------------------------- front end
