@@ -700,6 +700,17 @@ class _ExpertLoader:
             specs["w2_g_idx"] = [("down", "g_idx", 0, sl_k(1))]
         return specs
 
+    def _place(self, name: str, a: np.ndarray, dst: np.ndarray, axis: int, sl: slice) -> None:
+        """Copy the slice ``sl`` along ``axis`` of the tensor ``a`` (read as ``name``) into its
+        place in a stack; a wider integer type is narrowed only when every value fits."""
+        if a.dtype != dst.dtype and a.size and (a.min() < np.iinfo(np.int32).min
+                                                or a.max() > np.iinfo(np.int32).max):
+            raise ValueRangeError(f"{self._where(name)}: group indices must fit int32, got "
+                                  f"[{a.min()}, {a.max()}]")
+        idx = [slice(None)] * a.ndim
+        idx[axis] = sl
+        dst[...] = a[tuple(idx)]
+
     def load(self, experts: dict, tp_size: int, tp_rank: int) -> CheckpointWeights:
         s, layer = self.scheme, self.layer
         m, g, pf = s.method, s.group_size, s.pack_factor
@@ -735,13 +746,17 @@ class _ExpertLoader:
             return experts[ei][self.names[role]].get(self.suff.get(key, key))
 
         stacks: dict[str, np.ndarray] = {}
-        plans: list[tuple[str, str, int, slice, np.dtype]] = []     # per part: key, role, axis, sl, dtype
+        plan = []      # per stacked part: (key, role, file suffix, axis, slice, index in the stack, direct?)
         for key, parts in specs.items():
-            shape = None
+            shape, off, part_plans = None, 0, []
             for role, k, axis, sl in parts:
                 full = expected[role][self.suff.get(k, k)][0]
                 sub = list(full)
                 sub[axis] = len(range(*sl.indices(full[axis])))
+                idx = [slice(None)] * len(full)
+                idx[axis] = slice(off, off + sub[axis])
+                off += sub[axis]
+                part_plans.append([key, role, self.suff.get(k, k), axis, sl, tuple(idx), sub[axis] == full[axis]])
                 if shape is None:
                     shape = sub
                 else:
@@ -749,47 +764,44 @@ class _ExpertLoader:
             t0 = self.ckpt.tensor_info(file_name(0, parts[0][0], parts[0][1]))
             dtype = np.dtype(np.int32) if key.endswith("g_idx") else t0.dtype.newbyteorder("=")
             stacks[key] = np.empty([e] + shape, dtype)
-        extra = []            # tensors read only to be checked: (role, key)
+            for pp in part_plans:       # one dtype per suffix (checked above): decided on expert 0
+                pp[6] = (pp[6] and t0.dtype.newbyteorder("=") == dtype
+                         and stacks[key][0][pp[5]].flags.c_contiguous)
+            plan += part_plans
+        # tensors read only to be checked, into stacks of their own: (role, key) → stack, present
+        extra: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        wanted = []
         if m is QuantMethod.GPTQ and not s.zero_point:
-            extra += [(r, "qzeros") for r in ("gate", "up", "down")]
+            wanted += [(r, "qzeros") for r in ("gate", "up", "down")]
         if m is QuantMethod.GPTQ and not s.act_order:
-            extra += [(r, "g_idx") for r in ("gate", "up", "down")]
+            wanted += [(r, "g_idx") for r in ("gate", "up", "down")]
         if s.act_order:
-            extra.append(("up", "g_idx"))
-        checks = _ValueChecks(self, h, i_full)
+            wanted.append(("up", "g_idx"))
+        for role, k in wanted:
+            n0 = next((file_name(ei, role, k) for ei in range(e) if file_name(ei, role, k)), None)
+            if n0 is not None:
+                t0 = self.ckpt.tensor_info(n0)
+                extra[role, k] = (np.empty((e,) + t0.shape, t0.dtype.newbyteorder("=")), np.zeros(e, bool))
         for ei in range(e):
+            names = {role: experts[ei][self.names[role]] for role in ("gate", "up", "down")}
             direct: list[tuple[str, np.ndarray]] = []     # read straight into the stack
             via: dict[str, tuple[np.ndarray, int, slice]] = {}   # read, then copied (sliced, cast) into it
-            for key, parts in specs.items():
-                off = 0
-                for role, k, axis, sl in parts:
-                    name = file_name(ei, role, k)
-                    t = self.ckpt.tensor_info(name)
-                    n = len(range(*sl.indices(t.shape[axis])))
-                    idx = [slice(None)] * (stacks[key].ndim - 1)
-                    idx[axis] = slice(off, off + n)
-                    dst = stacks[key][ei][tuple(idx)]
-                    off += n
-                    if n == t.shape[axis] and t.dtype.newbyteorder("=") == dst.dtype and dst.flags.c_contiguous:
-                        direct.append((name, dst))
-                    else:
-                        via[name] = (dst, axis, sl)
-            checked = {file_name(ei, role, k): (role, k) for role, k in extra}
-            checked.pop(None, None)
-            got = self.ckpt._read_many(direct, list(via) + list(checked))
+            for key, role, suffix, axis, sl, idx, whole in plan:
+                name = names[role][suffix]
+                if whole:
+                    direct.append((name, stacks[key][ei][idx]))
+                else:
+                    via[name] = (stacks[key][ei][idx], axis, sl)
+            for (role, k), (stack, present) in extra.items():
+                name = names[role].get(self.suff.get(k, k))
+                if name is not None:
+                    direct.append((name, stack[ei]))
+                    present[ei] = True
+            got = self.ckpt._read_many(direct, list(via))
             for name, (dst, axis, sl) in via.items():
-                a = got[name]
-                if a.dtype != dst.dtype and a.size and (a.min() < np.iinfo(np.int32).min
-                                                        or a.max() > np.iinfo(np.int32).max):
-                    raise ValueRangeError(f"{self._where(name)}: group indices must fit int32, got "
-                                          f"[{a.min()}, {a.max()}]")
-                idx = [slice(None)] * a.ndim
-                idx[axis] = sl
-                dst[...] = a[tuple(idx)]
-            # 3. values that are not stacked (symmetric zero points, natural g_idx), per expert
-            checks.expert(ei, {rk: (name, got[name]) for name, rk in checked.items()}, stacks)
-        # 3. values of the stacks, once per layer, in numpy, before anything is converted
-        checks.stacks(stacks, specs, file_name)
+                self._place(name, got[name], dst, axis, sl)
+        # 3. values, once per layer, in numpy, before anything is converted
+        _ValueChecks(self, h, i_full).check(stacks, extra, specs, file_name)
         weights = CheckpointWeights(**stacks, scheme=s, hidden_size=h, intermediate_size=i_local)
         return weights.validate()
 
@@ -820,22 +832,35 @@ class _ValueChecks:
             want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
             self.sym_word = np.int32(np.uint32(sum(want << (s.bits * j) for j in range(s.pack_factor))).view(np.int32))
 
-    def expert(self, ei: int, temps: dict, stacks: dict) -> None:
+    def check(self, stacks: dict, extra: dict, specs: dict, file_name) -> None:
+        self.extra(stacks, extra, file_name)
+        self.stacks(stacks, specs, file_name)
+
+    def extra(self, stacks: dict, extra: dict, file_name) -> None:
+        """The tensors read only to be checked: symmetric zero points, natural (or shared) g_idx."""
         ld, s = self.loader, self.loader.scheme
-        for (role, key), (name, a) in temps.items():
+        for (role, key), (stack, present) in extra.items():
             if key == "qzeros":
-                if a.size and not (a == self.sym_word).all():
+                bad = present & ~(stack == self.sym_word).reshape(len(stack), -1).all(axis=1)
+                if bad.any():
+                    ei = int(np.argmax(bad))
                     raise ValueRangeError(
-                        f"{ld._where(name)}: the config says sym=true, so every zero point must be "
-                        f"the implicit {s.implicit_zero} (word {np.uint32(self.sym_word.view(np.uint32)):#010x}), "
-                        "found other values")
+                        f"{ld._where(file_name(ei, role, key))}: the config says sym=true, so every zero "
+                        f"point must be the implicit {s.implicit_zero} (word "
+                        f"{np.uint32(self.sym_word.view(np.uint32)):#010x}), found other values")
             elif s.act_order:                                    # up's g_idx against gate's
-                if not np.array_equal(a, stacks["w13_g_idx"][ei]):
-                    raise ValueRangeError(f"{ld._where(name)}: gate and up g_idx differ; the fused w13 "
-                                          "holds one g_idx per expert")
-            elif not np.array_equal(a, self.natural[self.h if role != "down" else self.i_full]):
-                raise ConfigError(f"{ld._where(name)}: rows are not in natural group order, but the "
-                                  "config has desc_act=false")
+                bad = present & ~(stack == stacks["w13_g_idx"]).all(axis=1)
+                if bad.any():
+                    ei = int(np.argmax(bad))
+                    raise ValueRangeError(f"{ld._where(file_name(ei, role, key))}: gate and up g_idx differ; "
+                                          "the fused w13 holds one g_idx per expert")
+            else:
+                natural = self.natural[self.h if role != "down" else self.i_full]
+                bad = present & ~(stack == natural).all(axis=1)
+                if bad.any():
+                    ei = int(np.argmax(bad))
+                    raise ConfigError(f"{ld._where(file_name(ei, role, key))}: rows are not in natural group "
+                                      "order, but the config has desc_act=false")
 
     def stacks(self, stacks: dict, specs: dict, file_name) -> None:
         ld, s = self.loader, self.loader.scheme
