@@ -1,7 +1,7 @@
 """One expert-grouped W4A16 GEMM, kernel against kernel: the Triton-lowered engine kernel
-(`pallas_kernels.wna16_grouped_gemm.grouped_gemm`, mma and swapped operands) against the v4 Mosaic
-GPU wgmma kernel (`pallas_kernels.wgmma_w4a16`: 32-bit, 16-bit and tile-major 16-bit word layouts),
-same data, one run.
+(`pallas_kernels.wna16_grouped_gemm.grouped_gemm`, mma and swapped operands) against the Mosaic
+GPU wgmma kernel (`pallas_kernels.wgmma_gemm`) in its configurations (`GemmConfig`), same data,
+one run.
 
     PYTHONPATH=$PWD python3 benchmarks/gemm_kernels.py [--gemms mixtral1 qwen3_1] [--block-m 8 16 64]
         [--reps 20] [--append benchmarks/RESULTS.md]
@@ -35,76 +35,38 @@ GEMMS = {"mixtral1": (8, 28672, 4096), "mixtral2": (8, 4096, 14336),
 BW, FLOPS = 4.3e12, 640e12
 
 
-# WGMMA_VARIANTS: (layout, name, wgmma_grouped_gemm options), the name derived from the options;
-# layout: 32 / 16 = word bits, "t128" = 16-bit
-# tile-major words for 128-column programs; "wide": 128-byte swizzled [block_n, 64] word copies;
-# "shift32": nibbles extracted with 32-bit register ops; "zfold": scale and zero point folded
-# into each K-block's partial sum instead of applied per weight; "sfold": c − z into the wgmma,
-# only the scale per K-block partial (no Σx input); "ws": warp-specialized (two compute
-# warpgroups of block_n columns each, one copy warpgroup); "o16": bf16 output (no K split);
-# "tout": the output written [M, N] through a transposed shared-memory store; "ovl": overlap (each half of a
-# step dequantized while the other half's wgmmas run; v6 — the v5 form, a whole step's wgmmas
-# against the next step's dequantization, raced at 128-row blocks). (kpb 2 without wide measured no gain:
-# docs/journal/results-history.md; v26's half_tiles / unit_wait, measured and removed: docs/journal/notes.md v26.)
+# WGMMA_VARIANTS: (name, GemmConfig fields besides block_m / split_k), the name derived from the
+# fields: "wide": 128-byte swizzled [block_n, 64] word copies; "sfold": c − z into the wgmma, the
+# scale per K-block partial; "ws": warp-specialized (two compute warpgroups of block_n columns each,
+# one copy warpgroup); "o16": bf16 output (no K split); "tout": the output written [M, N] through a
+# transposed shared-memory store. The forms measured and removed are listed in docs/history.md.
 def _variant_name(opts):
-    """``dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)`` → ``"bn128 st4 kpb2 wide shift32"``
-    (the names ``--only`` filters on)."""
-    flags = (("wide", "wide"), ("shift32", "shift32"), ("zfold", "zfold"), ("sfold", "sfold"), ("overlap", "ovl"),
-             ("ws", "ws"), ("out_dtype", "o16"), ("tout", "tout"))
+    """``dict(block_n=128, stages=4, kpb=2, wide=True)`` → ``"bn128 st4 kpb2 wide"`` (the names
+    ``--only`` filters on)."""
+    flags = (("wide", "wide"), ("sfold", "sfold"), ("ws", "ws"), ("out16", "o16"), ("tout", "tout"))
     parts = [f"bn{opts['block_n']}"] if "block_n" in opts else []
     parts += [f"st{opts['stages']}"] + ([f"kpb{opts['kpb']}"] if "kpb" in opts else [])
-    cl = [f"cl{opts['cluster']}"] if opts.get("cluster", 1) != 1 else []
-    return " ".join(parts + [label for key, label in flags if opts.get(key)] + cl)
+    return " ".join(parts + [label for key, label in flags if opts.get(key)])
 
 
-WGMMA_VARIANTS = [(bits, _variant_name(opts), opts) for bits, opts in [
-    (32, dict(stages=4)),
-    (16, dict(stages=4)),
-    (16, dict(block_n=128, stages=4)),
-    ("t128", dict(block_n=128, stages=4)),
-    ("t128", dict(block_n=128, stages=3)),
-    ("t128", dict(block_n=128, stages=6)),
-    (16, dict(block_n=128, stages=4, kpb=2, wide=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True)),
-    (16, dict(stages=4, kpb=2, wide=True)),
-    (16, dict(block_n=128, stages=4, shift32=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True)),
-    (16, dict(block_n=128, stages=4, zfold=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True)),
-    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True)),
-    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, zfold=True)),
-    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, overlap=True)),
-    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, zfold=True)),
-    (16, dict(block_n=128, stages=6, kpb=2, wide=True, shift32=True, zfold=True)),
-    (16, dict(block_n=128, stages=4, shift32=True, overlap=True)),
-    (16, dict(block_n=128, stages=2, shift32=True)),
-    (16, dict(block_n=128, stages=2, shift32=True, overlap=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, overlap=True)),
-    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, overlap=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),
-    (16, dict(block_n=128, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),
-    (16, dict(block_n=128, stages=4, shift32=True, sfold=True)),       # v20: 128-deep steps at 24-row folds
-    (16, dict(block_n=128, stages=3, shift32=True, sfold=True)),
-    (16, dict(block_n=64, stages=2, kpb=2, wide=True, shift32=True, sfold=True)),    # v21: 64-column folds,
-    (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, sfold=True)),    # half the registers
-    # v22: clusters of 2 / 4 column tiles multicasting each step's token rows (read from L2 once
-    # per cluster; "cl2", "cl4")
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
-    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, sfold=True, cluster=2)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, cluster=4)),
-    # v24: the scale-only fold in ws programs (two compute warpgroups sharing each step's row tile,
-    # a copy warpgroup): more warps per SM than three plain programs, if the registers allow
-    (16, dict(block_n=64, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
-    (16, dict(block_n=64, stages=3, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
-    (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, sfold=True, ws=True)),
-    (16, dict(block_n=128, stages=4, shift32=True, ws=True)),
-    (16, dict(block_n=64, stages=4, kpb=2, wide=True, shift32=True, ws=True)),
-    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True)),
-    (16, dict(block_n=128, stages=4, shift32=True, ws=True, out_dtype=jnp.bfloat16)),
-    (16, dict(block_n=128, stages=4, shift32=True, ws=True, out_dtype=jnp.bfloat16, tout=True)),
-    (16, dict(block_n=128, stages=3, kpb=2, wide=True, shift32=True, ws=True, out_dtype=jnp.bfloat16, tout=True)),
-    (16, dict(block_n=128, stages=2, kpb=2, wide=True, shift32=True, zfold=True, out_dtype=jnp.bfloat16, tout=True)),
+WGMMA_VARIANTS = [(_variant_name(opts), opts) for opts in [
+    dict(stages=4),
+    dict(block_n=128, stages=4),
+    dict(block_n=128, stages=4, kpb=2, wide=True),
+    dict(block_n=128, stages=2, kpb=2, wide=True),
+    dict(stages=4, kpb=2, wide=True),
+    dict(block_n=128, stages=2),
+    dict(block_n=128, stages=2, kpb=2, wide=True, sfold=True),
+    dict(block_n=128, stages=4, kpb=2, wide=True, sfold=True),
+    dict(block_n=128, stages=4, sfold=True),
+    dict(block_n=64, stages=2, kpb=2, wide=True, sfold=True),
+    dict(block_n=64, stages=2, kpb=2, wide=True, sfold=True, ws=True),
+    dict(block_n=128, stages=2, kpb=2, wide=True, sfold=True, ws=True),
+    dict(block_n=128, stages=4, ws=True),
+    dict(block_n=128, stages=3, kpb=2, wide=True, ws=True),
+    dict(block_n=128, stages=4, ws=True, out16=True),
+    dict(block_n=128, stages=3, kpb=2, wide=True, ws=True, out16=True, tout=True),
+    dict(block_n=128, stages=2, kpb=2, wide=True, sfold=True, out16=True, tout=True),
 ]]
 
 
@@ -134,18 +96,22 @@ def variants(bm, n_kb, e, n, interpret):
             a, ids, *t, bits=4, group_size=128, block_m=bm, split_k=split, dot=dot, interpret=interpret).sum(0)
     if interpret:
         return v
-    from pallas_kernels.wgmma_w4a16 import _cluster_splits, wgmma_grouped_gemm
+    from pallas_kernels.errors import KernelConfigError
+    from pallas_kernels.wgmma_config import TRANSPOSED_STORE, GemmConfig
+    from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm
 
-    for bits, vname, opts in WGMMA_VARIANTS:
-        cl = opts.get("cluster", 1)
-        if cl != 1 and (not _cluster_splits(opts.get("kpb", 1), bm, cl) or (n // opts.get("block_n", 64)) % cl):
-            continue                          # a row tile or column tiles the cluster cannot split
+    for vname, opts in WGMMA_VARIANTS:
+        if opts.get("tout") and not TRANSPOSED_STORE:
+            continue
         for sk in sorted({1, split}):
             cols = opts.get("block_n", 64) * (2 if opts.get("ws") else 1)       # ws: two warpgroups' columns
-            if n_kb % (sk * opts.get("kpb", 1)) == 0 and n % cols == 0 and (sk == 1 or "out_dtype" not in opts):
-                label = bits if isinstance(bits, str) else f"i{bits}"
-                v[f"wgmma {label} {vname} s{sk}"] = lambda a, ids, t, g, sk=sk, label=label, opts=opts: \
-                    wgmma_grouped_gemm(a, ids, *g[label], block_m=bm, split_k=sk, **opts).sum(0)
+            if n_kb % (sk * opts.get("kpb", 1)) or n % cols or (sk != 1 and opts.get("out16")):
+                continue
+            try:
+                cfg = GemmConfig(block_m=bm, split_k=sk, **opts)
+            except KernelConfigError:
+                continue
+            v[f"wgmma {vname} s{sk}"] = lambda a, ids, t, g, cfg=cfg: wgmma_grouped_gemm(a, ids, *g, config=cfg).sum(0)
     return v
 
 
@@ -171,11 +137,9 @@ def main(argv=None):
         tile_ops = (words, scales, zeros)
         wg_ops = None
         if not args.interpret:
-            from pallas_kernels.wgmma_w4a16 import to_wgmma_layout
+            from pallas_kernels.wgmma_layout import to_wgmma_layout
 
-            conv = jax.jit(to_wgmma_layout, static_argnames=("word_bits", "tile_n"))
-            wg_ops = {"i16": conv(words, scales, zeros, word_bits=16), "i32": conv(words, scales, zeros, word_bits=32),
-                      "t128": conv(words, scales, zeros, tile_n=128)}
+            wg_ops = jax.jit(to_wgmma_layout)(words, scales, zeros)
         w64 = None
         nbytes = e * (n * k / 2 + (k // 128) * n * 2 * 2)        # int4 codes + scales + zeros (2 B each)
         for bm in args.block_m:

@@ -17,7 +17,7 @@ Alternatives in the same run:
 
 * ``engine AWQ`` / ``engine GPTQ``: :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles` on
   the kernel-native tile layout, converted once ahead of time (AWQ: zero points; GPTQ: symmetric);
-* ``wgmma AWQ`` / ``wgmma GPTQ``: :func:`pallas_kernels.wgmma_w4a16.fused_moe_wgmma`, the v4
+* ``wgmma AWQ`` / ``wgmma GPTQ``: :func:`pallas_kernels.wgmma_layer.fused_moe_wgmma`, the
   Mosaic GPU (Hopper wgmma) kernels on their own 16-bit-word layout, converted once ahead of
   time (GPU only; skipped in interpret mode);
 * ``engine←Marlin``: the same engine fed the vLLM Marlin layout, re-laid into tiles inside the
@@ -53,9 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fused_moe_tiles import choose_config, convert_tiles, fused_moe_tiles
+from pallas_kernels.fused_moe_tiles import choose_config, fused_moe_tiles
 from wna16_jax import routing
 from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.convert.tiles import convert_tiles
 from wna16_jax.moe import fused_moe, fused_moe_ragged_dot, silu_and_mul
 from wna16_jax.schemes import QuantScheme
 
@@ -185,21 +186,25 @@ def ragged_bf16(x, tw, ids, w13, w2):
 
 
 def engine(**cfg):
-    """A layer on the Triton-lowered engine, or (``kernel="wgmma"``) on the v4 wgmma kernels."""
+    """A layer on the Triton-lowered engine, or (``kernel="wgmma"``) on the wgmma kernels, over the
+    library's weight pytrees (``TileWeights`` / ``WgmmaWeights``)."""
     if cfg.pop("kernel", None) == "wgmma":
-        from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+        from pallas_kernels.wgmma_layer import fused_moe_wgmma
 
         def wg_layer(c, tw, ids, wg):
-            return fused_moe_wgmma(c, tw, ids, wg, **cfg)
+            w13, w2 = wg.gemms()
+            return fused_moe_wgmma(c, tw, ids, w13, w2, interleaved=wg.w13_interleaved, **cfg)
         return wg_layer
 
     def layer(c, tw, ids, tiles):
-        return fused_moe_tiles(c, tw, ids, tiles, interpret=INTERPRET, **cfg)
+        w13, w2 = tiles.gemms()
+        return fused_moe_tiles(c, tw, ids, w13, w2, bits=tiles.bits, group_size=tiles.group_size,
+                               interpret=INTERPRET, **cfg)
     return layer
 
 
 def engine_from_marlin(c, tw, ids, marlin):
-    return fused_moe_tiles(c, tw, ids, convert_tiles(marlin), interpret=INTERPRET)
+    return engine()(c, tw, ids, convert_tiles(marlin))
 
 
 def sweep_variants(key, t, k, e):
@@ -214,8 +219,6 @@ def sweep_variants(key, t, k, e):
         v["bm64 bn128 w4"] = {"block_m": 64, "block_n1": 128, "block_n2": 128, "num_warps": 4}
         v["bm64 bn64 w4"] = {"block_m": 64, "block_n1": 64, "block_n2": 64, "num_warps": 4}
         v["stages4"] = {"num_stages": 4}
-    if key == "mixtral" and t == 1:
-        v["i2f"] = {"dequant": "i2f"}
     return v
 
 
@@ -297,7 +300,7 @@ def main(argv=None):
         gptq_tiles = jax.jit(convert_tiles)(random_checkpoint_weights(rng, GPTQ, e, h, i).to_jax())
         wg = gptq_wg = None
         if not INTERPRET:
-            from pallas_kernels.wgmma_w4a16 import convert_wgmma
+            from wna16_jax.convert.wgmma import convert_wgmma
 
             wg, gptq_wg = jax.jit(convert_wgmma)(tiles), jax.jit(convert_wgmma)(gptq_tiles)
         dense = flat = None
@@ -401,7 +404,7 @@ def main(argv=None):
             cells = [statistics.median(samples[a]) / reps * 1e6 if a in runs else None for a in alts]
             row = {"shape": name, "dims": [e, k, h, i], "tokens": t, "floor_us": fl, "cells": cells,
                    "tflop": 2 * t * k * 3 * h * i / 1e12, "peak_tflops": peak,
-                   "err": max(errs) if errs else None, "config": dataclasses.asdict(choose_config(t, k, tiles))}
+                   "err": max(errs) if errs else None, "config": dataclasses.asdict(choose_config(t, k, tiles.num_experts, tiles.hidden_size, tiles.intermediate_size, tiles.bits))}
             lines.append(row)
             print(_row_md(row, alts), flush=True)
             if args.json:

@@ -7,7 +7,9 @@ counts × AWQ with zero points / GPTQ symmetric) and a few Triton-engine formats
 channelwise, group 64, the batched-experts format), the layer is traced with
 :func:`jax.make_jaxpr` on abstract weights — the kernels' own jaxprs, grids and compiler
 parameters included — with an H200's 132 SMs patched in. The printed jaxpr, with function names
-removed (so that moving or renaming code does not count), is hashed.
+removed (so that moving or renaming code does not count), is hashed. The layers are traced on
+the weight pytrees the library holds (their leaves in the pytrees' order), through
+``benchmarks.wgmma_plan.wgmma_layer`` and ``_triton_layer``.
 
 A refactoring that leaves every fingerprint unchanged leaves every program the GPU compiles
 unchanged, hence its speed: compare a run before and after with ``--compare``. Exit status 1
@@ -31,6 +33,7 @@ from benchmarks.wgmma_plan import abstract_weights
 
 def _normalise(text: str) -> str:
     text = re.sub(r"name=[^\s\]]+", "name=_", text)
+    text = re.sub(r"<function \S+ at", "<function _ at", text)       # inline Mosaic GPU functions
     return re.sub(r"\b(file|line|loc)=\S+", "", text)
 
 
@@ -44,7 +47,7 @@ def _inputs(t, k, h):
 
 
 def _tile_weights(scheme, e, h, i):
-    from pallas_kernels.fused_moe_tiles import convert_tiles
+    from wna16_jax.convert.tiles import convert_tiles
     from wna16_jax.weights import CheckpointWeights
 
     shapes = CheckpointWeights.expected_shapes(scheme, e, h, i)
@@ -55,13 +58,19 @@ def _tile_weights(scheme, e, h, i):
                                                            intermediate_size=i))
 
 
-def fingerprints() -> dict[str, str]:
-    import pallas_kernels.wna16_grouped_gemm as gg
+def _triton_layer(x, tw, ids, weights):
     from pallas_kernels.fused_moe_tiles import fused_moe_tiles
-    from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+
+    w13, w2 = weights.gemms()
+    return fused_moe_tiles(x, tw, ids, w13, w2, bits=weights.bits, group_size=weights.group_size)
+
+
+def fingerprints() -> dict[str, str]:
+    import pallas_kernels.device as dev
+    from benchmarks.wgmma_plan import wgmma_layer as fused_moe_wgmma
     from wna16_jax.schemes import QuantScheme
 
-    gg.num_sms = lambda: 132                     # an H200's, as on the device
+    dev.num_sms = lambda: 132                    # an H200's, as on the device
     out = {}
     for key, (_, (e, k, h, i), tokens) in SHAPES.items():
         if key == "tiny":
@@ -78,7 +87,7 @@ def fingerprints() -> dict[str, str]:
         for fmt, scheme in triton.items():
             w = _tile_weights(scheme, e, h, i)
             for t in (1, 64, 512):
-                out[f"triton {key} {t} {fmt}"] = _digest(fused_moe_tiles, *_inputs(t, k, h), w)
+                out[f"triton {key} {t} {fmt}"] = _digest(_triton_layer, *_inputs(t, k, h), w)
     return out
 
 

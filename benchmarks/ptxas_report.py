@@ -66,24 +66,26 @@ def main(argv=None):
     import numpy as np
 
     from benchmarks.gemm_kernels import GEMMS, WGMMA_VARIANTS
-    from pallas_kernels.wgmma_w4a16 import to_wgmma_layout, wgmma_grouped_gemm
+    from pallas_kernels.wgmma_config import GemmConfig
+    from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm
+    from pallas_kernels.wgmma_layout import to_wgmma_layout
 
     e, n, k = GEMMS[args.gemm]
     rng = np.random.default_rng(0)
     words = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, (e, k // 8, n), dtype=np.int64).astype(np.int32))
     scales = jnp.asarray(rng.random((e, k // 128, n)) * 0.01, jnp.bfloat16)
     zeros = jnp.asarray(rng.integers(0, 16, (e, k // 128, n)), jnp.uint8)
-    layouts = {16: dict(word_bits=16), 32: dict(word_bits=32), "t128": dict(tile_n=128)}
+    ops = to_wgmma_layout(words, scales, zeros)
+    lay = "i16"
     for bm in args.block_m:
         a = jnp.zeros((e * bm, k), jnp.bfloat16)
         ids = jnp.arange(e, dtype=jnp.int32)
-        for lay, name, opts in WGMMA_VARIANTS:
+        for name, opts in WGMMA_VARIANTS:
             if args.only and not any((o == name) if args.exact else (o in name) for o in args.only):
                 continue
             before = set(dump.iterdir())
-            ops = to_wgmma_layout(words, scales, zeros, **layouts[lay])
             try:
-                jax.block_until_ready(wgmma_grouped_gemm(a, ids, *ops, block_m=bm, **opts))
+                jax.block_until_ready(wgmma_grouped_gemm(a, ids, *ops, config=GemmConfig(block_m=bm, **opts)))
             except Exception as ex:  # noqa: BLE001 - report and continue
                 print(f"{args.gemm} bm={bm} {lay} {name}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
                 continue

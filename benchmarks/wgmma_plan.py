@@ -1,19 +1,20 @@
 """What the wgmma layer runs at each table row, per GEMM, without a GPU.
 
     PYTHONPATH=$PWD python3 benchmarks/wgmma_plan.py [--rows qwen3:512 mixtral] [--sms 132] \\
-        [--set "persistent:1,combine:add"]
+        [--set "persistent:1,ws:0"]
 
-The layer (:func:`pallas_kernels.wgmma_w4a16.fused_moe_wgmma`) is traced with
+The layer (:func:`pallas_kernels.wgmma_layer.fused_moe_wgmma`) is traced with
 :func:`jax.eval_shape` on abstract weights (AWQ, group 128), with the GPU's SM count patched in, and
-every :func:`~pallas_kernels.wgmma_w4a16.wgmma_grouped_gemm` call it makes is recorded. So the
-options shown are the ones the layer's own rules pick, not a copy of them. From those options
+the :class:`~pallas_kernels.wgmma_config.GemmConfig` of every
+:func:`~pallas_kernels.wgmma_gemm.wgmma_grouped_gemm` call it makes is recorded. So the
+configurations shown are the ones the layer's own rules pick, not a copy of them. From those options
 follow the numbers a prediction starts from (``docs/journal/notes.md``, the device's METHOD.md):
 
 * ``programs``: the kernel's grid (blocks × column tiles × K splits; ``ws`` programs cover two
-  column tiles; ``persistent``: the programs it launches), and ``live``: those of blocks with an
+  column tiles; ``stream``: the programs it launches), and ``live``: those of blocks with an
   expert (the rest end at once).
-* ``steps``: pipeline steps per program (per item with ``persistent``), each ``kpb`` K-blocks.
-* ``smem``: shared memory per program (:func:`~pallas_kernels.wgmma_w4a16.wgmma_smem_bytes`), and
+* ``steps``: pipeline steps per program (per item with ``stream``), each ``kpb`` K-blocks.
+* ``smem``: shared memory per program (:func:`~pallas_kernels.wgmma_config.wgmma_smem_bytes`), and
   ``/SM``: how many such programs fit on one SM by shared memory, and one for ``ws`` (its 384
   threads × 168 registers fill the register file; plain programs' registers can allow fewer
   than shared memory does).
@@ -23,7 +24,7 @@ follow the numbers a prediction starts from (``docs/journal/notes.md``, the devi
 
 Blocks: the layer sizes its grid for the most blocks a routing can need (the alignment step's
 static bound). The live blocks are the expected number with an expert under uniform random
-routing (:func:`~pallas_kernels.wgmma_w4a16.expected_blocks`), or every routed pair in the pair
+routing (:func:`~pallas_kernels.wgmma_config.expected_blocks`), or every routed pair in the pair
 schedule.
 """
 
@@ -39,9 +40,10 @@ import jax.numpy as jnp
 from benchmarks.moe_engine import SHAPES, parse_rows, parse_variants
 
 def abstract_weights(e, h, i, *, group=128, zeros=True, dtype=jnp.bfloat16):
-    """A :class:`~pallas_kernels.wgmma_w4a16.WgmmaWeights` of shapes only, as :func:`convert_wgmma`
+    """A :class:`~wna16_jax.convert.wgmma.WgmmaWeights` of shapes only, as :func:`convert_wgmma`
     lays out ``e`` experts of hidden size ``h`` and intermediate size ``i``."""
-    from pallas_kernels.wgmma_w4a16 import BLOCK_K, WgmmaWeights
+    from pallas_kernels.wgmma_layout import BLOCK_K
+    from wna16_jax.convert.wgmma import WgmmaWeights
 
     s = jax.ShapeDtypeStruct
     g1, g2 = (h // BLOCK_K, i // BLOCK_K) if group == BLOCK_K else (1, 1)
@@ -51,63 +53,65 @@ def abstract_weights(e, h, i, *, group=128, zeros=True, dtype=jnp.bfloat16):
                         hidden_size=h, intermediate_size=i, w13_interleaved=i % 64 == 0)
 
 
+def wgmma_layer(x, tw, ids, weights, **opts):
+    """The wgmma layer on a :class:`~wna16_jax.convert.wgmma.WgmmaWeights` (its two GEMMs' arrays)."""
+    from pallas_kernels.wgmma_layer import fused_moe_wgmma
+
+    w13, w2 = weights.gemms()
+    return fused_moe_wgmma(x, tw, ids, w13, w2, interleaved=weights.w13_interleaved, **opts)
+
+
 def layer_gemms(t, k, weights, sms=132, **opts):
-    """The ``(args, kwargs)`` of each GEMM the layer runs for ``t`` tokens, top-``k`` (abstract:
+    """The ``(args, config)`` of each GEMM the layer runs for ``t`` tokens, top-``k`` (abstract:
     nothing is computed), with ``sms`` streaming multiprocessors."""
-    import pallas_kernels.wgmma_w4a16 as wgm
-    import pallas_kernels.wna16_grouped_gemm as gg
+    import pallas_kernels.device as dev
+    import pallas_kernels.wgmma_layer as wgl
 
     calls = []
-    real = wgm.wgmma_grouped_gemm
+    real = wgl.wgmma_grouped_gemm
 
-    def record(*args, **kw):
-        calls.append((args, kw))
-        return real(*args, **kw)
+    def record(*args, config, **kw):
+        calls.append((args + (kw.get("row_scale"),), config))
+        return real(*args, config=config, **kw)
 
-    saved = wgm.wgmma_grouped_gemm, gg.num_sms
-    wgm.wgmma_grouped_gemm, gg.num_sms = record, lambda: sms
+    saved = wgl.wgmma_grouped_gemm, dev.num_sms
+    wgl.wgmma_grouped_gemm, dev.num_sms = record, lambda: sms
     try:
         s = jax.ShapeDtypeStruct
-        jax.eval_shape(functools.partial(wgm.fused_moe_wgmma, **opts), s((t, weights.hidden_size), jnp.bfloat16),
+        jax.eval_shape(functools.partial(wgmma_layer, **opts), s((t, weights.hidden_size), jnp.bfloat16),
                        s((t, k), jnp.float32), s((t, k), jnp.int32), weights)
     finally:
-        wgm.wgmma_grouped_gemm, gg.num_sms = saved
+        wgl.wgmma_grouped_gemm, dev.num_sms = saved
     return calls
 
 
-def describe(args, kw, live, sms=132):
+def describe(args, cfg, live, sms=132):
     """One GEMM call, ``live`` of whose blocks have an expert → a dict of what it runs (see the
     module docstring)."""
-    from pallas_kernels.wgmma_w4a16 import _SMEM_ALIGN, BLOCK_K, SM_SMEM, wgmma_smem_bytes
+    from pallas_kernels.wgmma_config import _SMEM_ALIGN, SM_SMEM, wgmma_smem_bytes
+    from pallas_kernels.wgmma_layout import BLOCK_K
 
-    a, ids, words, scales = args[:4]
-    zeros = args[4] if len(args) > 4 else kw.get("zeros")
+    a, ids, words, scales, zeros, rs = args[:6]
     m, kdim = a.shape
     n = words.shape[1]
     nb = ids.shape[0]
-    bm, bn, kpb = kw["block_m"], kw.get("block_n", 64), kw.get("kpb", 1)
-    split, ws, pers = kw.get("split_k", 1), kw.get("ws", False), kw.get("persistent", False)
+    bm, bn, kpb, split, ws, stream = cfg.block_m, cfg.block_n, cfg.kpb, cfg.split_k, cfg.ws, cfg.stream
     steps = kdim // BLOCK_K // split // kpb
-    stages = kw.get("stages", 3)
-    rs = (args[5] if len(args) > 5 else kw.get("row_scale")) is not None
-    dest = (args[6] if len(args) > 6 else kw.get("dest")) is not None
-    need = wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=stages if pers else min(stages, steps),
-                            n_blocks=nb, ws=ws, tout=kw.get("tout", False), gated=kw.get("gated") is not None,
-                            has_zp=zeros is not None, zfold=kw.get("zfold", False),
-                            channelwise=kw.get("group_size", 128) == -1, row_scale=rs, persistent=pers, dest=dest)
+    need = wgmma_smem_bytes(block_m=bm, block_n=bn, kpb=kpb, stages=cfg.stages if stream else min(cfg.stages, steps),
+                            n_blocks=nb, ws=ws, tout=cfg.tout, gated=cfg.gated is not None, has_zp=zeros is not None,
+                            channelwise=cfg.group_size == -1, row_scale=rs is not None, stream=stream)
     # registers: one ws program per SM (384 threads × 168 registers), as the kernel's own default
     per_sm = 1 if ws else max(1, SM_SMEM // (need + _SMEM_ALIGN))
     items = nb * (n // ((2 if ws else 1) * bn)) * split       # a ws program covers 2·block_n columns
-    programs = min(kw.get("programs") or sms * min(4, per_sm), items) if pers else items
-    live_programs = programs if pers else programs * live / nb
+    programs = min(cfg.programs or sms, items) if stream else items
+    live_programs = programs if stream else programs * live / nb
     words_bytes = live * n * kdim / 2
     meta = live * n * scales.shape[1] * 2 * (2 if zeros is not None else 1)
-    flags = [f for f in ("ws", "sfold", "zfold", "overlap", "tout", "persistent") if kw.get(f)]
-    flags += ["o16"] if jnp.dtype(kw.get("out_dtype", jnp.float32)).itemsize == 2 else []
-    flags += [f"gated {kw['gated']}"] if kw.get("gated") else []
-    flags += ["row_scale"] * rs + ["dest"] * dest
-    flags += [f"cluster {kw['cluster']}"] if kw.get("cluster", 1) != 1 else []
-    return dict(bm=bm, blocks=nb, n=n, k=kdim, bn=bn, kpb=kpb, stages=min(stages, steps) if not pers else stages,
+    flags = [f for f in ("ws", "sfold", "tout", "stream") if getattr(cfg, f)]
+    flags += ["o16"] if cfg.out16 else []
+    flags += [f"gated {cfg.gated}"] if cfg.gated else []
+    flags += ["row_scale"] * (rs is not None)
+    return dict(bm=bm, blocks=nb, n=n, k=kdim, bn=bn, kpb=kpb, stages=min(cfg.stages, steps) if not stream else cfg.stages,
                 split=split, steps=steps, programs=programs, live_programs=live_programs, smem_kb=need / 1024,
                 per_sm=per_sm, waves=live_programs / (sms * per_sm), weights_mb=(words_bytes + meta) / 1e6,
                 flags=" ".join(flags))
@@ -118,9 +122,9 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="*", default=["mixtral", "qwen3", "dsv2lite"],
                     help="shape[:tokens,...] as in moe_engine.py")
     ap.add_argument("--sms", type=int, default=132, help="streaming multiprocessors (H200: 132)")
-    ap.add_argument("--set", default="", help="layer options 'key:value,...' (fused_moe_wgmma's)")
+    ap.add_argument("--set", default="", help="layer options 'key:value,...' (LayerConfig's fields)")
     args = ap.parse_args(argv)
-    from pallas_kernels.wgmma_w4a16 import expected_blocks
+    from pallas_kernels.wgmma_config import expected_blocks
     from wna16_jax.routing import align_method
 
     opts = parse_variants(f"x={args.set}")["x"] if args.set else {}
@@ -129,7 +133,7 @@ def main(argv=None):
         weights = abstract_weights(e, h, i)
         for t in tokens:
             calls = layer_gemms(t, k, weights, sms=args.sms, **opts)
-            bm, nb = calls[0][1]["block_m"], calls[0][0][1].shape[0]
+            bm, nb = calls[0][1].block_m, calls[0][0][1].shape[0]
             pair = bm == 8 and nb == t * k and "pair" == opts.get("schedule", "pair" if t * k <= e else "")
             live = float(t * k) if pair else min(nb, expected_blocks(t * k, e, bm))
             print(f"## {title} T={t}: " + (f"pair schedule, {t * k} pair blocks" if pair else
@@ -137,8 +141,8 @@ def main(argv=None):
                                            f"{align_method(t * k, bm, e, opts.get('align', 'auto'))}"))
             print("  GEMM   bm blocks     N     K   bn kpb st split steps programs     live  smem KB /SM waves"
                   " weights MB  flags")
-            for name, (a, kw) in zip(("GEMM1", "GEMM2"), calls):
-                d = describe(a, kw, live, args.sms)
+            for name, (a, cfg) in zip(("GEMM1", "GEMM2"), calls):
+                d = describe(a, cfg, live, args.sms)
                 print(f"  {name} {d['bm']:4d} {d['blocks']:6d} {d['n']:5d} {d['k']:5d} {d['bn']:4d} {d['kpb']:3d} "
                       f"{d['stages']:2d} {d['split']:5d} {d['steps']:5d} {d['programs']:8d} {d['live_programs']:8.0f} "
                       f"{d['smem_kb']:8.1f} {d['per_sm']:3d} {d['waves']:5.1f} {d['weights_mb']:10.1f}  {d['flags']}")

@@ -1,9 +1,8 @@
-"""The fused MoE layer on the Pallas kernels (the GPU engine) and its kernel-native layout.
+"""The fused MoE layer on the Triton-lowered Pallas kernels (:mod:`pallas_kernels.wna16_grouped_gemm`).
 
-``TileWeights`` holds one layer in the tile layout of :mod:`pallas_kernels.wna16_grouped_gemm`
-(converted once, ahead of time, from any layout through its logical decode — the converter
-that the dispatch table registers for the MARLIN rows on NVIDIA GPUs). :func:`fused_moe_tiles`
-runs the layer with the semantics of :func:`wna16_jax.moe.fused_moe`, in one of two schedules:
+:func:`fused_moe_tiles` runs one layer whose two GEMMs' experts are given in the kernels' tile
+layout (:class:`~pallas_kernels.experts.GemmExperts` of ``[E, K/pf, N]`` int32 tiles), with the
+semantics of ``wna16_jax.moe.fused_moe``, in one of two schedules:
 
 * ``"pair"`` (decode; default while the routed pairs are no more than the experts): no
   alignment; GEMM1 over the pairs (split-K) → bias + activation (XLA, fused with the split sum)
@@ -13,12 +12,11 @@ runs the layer with the semantics of :func:`wna16_jax.moe.fused_moe`, in one of 
   epilogue when no split-K is needed; GEMM2 with bias and router weight in its epilogue; the
   top-k sum as one segment sum.
 
-Act-order checkpoints (``g_idx``) are converted like Marlin does: each expert's K rows are
-sorted by group (a stable sort, so groups become contiguous) and the activations are
-permuted to match at run time. Not supported (the caller falls back to the XLA executor with
-the reason): K dimensions that are not a multiple of the tile depth (128 rows for 4-bit, 64
-for 8-bit); act-order whose sorted groups are not ``group_size`` rows each; float32
-activations (the GEMMs take 16-bit operands).
+Act-order layers come with each expert's K rows sorted by group (``perm``) and the activations
+are permuted to match at run time, as Marlin does. :func:`batched_experts_tiles` runs the
+batched-experts format, :func:`fused_moe_tiles_bwd` the input and router-weight gradients.
+The kernels take 16-bit activations and K a multiple of the tile depth (128 rows for 4-bit, 64
+for 8-bit).
 """
 
 from __future__ import annotations
@@ -29,127 +27,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError
-from wna16_jax.moe import check_activation, default_block_m
-from wna16_jax.routing import _moe_align
-from wna16_jax.weights import ExpertsMixin, LogicalQuant, pytree_dataclass
-
-from .wna16_grouped_gemm import (FUSED_ACTIVATIONS, choose_split, grouped_gemm, grouped_gemm_t, num_sms,
-                                 pack_tiles, pair_gemm, tile_bk, unpack_tiles, valid_split)
+from . import device
+from .activations import FUSED_ACTIVATIONS, check_activation
+from .align import align_pairs, vllm_block_m
+from .errors import KernelConfigError, KernelDTypeError, KernelShapeError
+from .experts import GemmExperts
+from .wna16_grouped_gemm import choose_split, grouped_gemm, grouped_gemm_t, pair_gemm, tile_bk, valid_split
 
 ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MODES = ("pair", "blocked")
-
-
-@pytree_dataclass(meta=("bits", "group_size", "hidden_size", "intermediate_size"))
-class TileWeights(ExpertsMixin):
-    """``w13 [E, H/pf, 2I]``, ``w2 [E, I/pf, H]`` int32 tiles; scales ``[E, G, N]``; zero points
-    ``[E, G, N]`` uint8 or None; biases ``[E, 2I]`` / ``[E, H]`` or None; act-order row orders
-    ``w13_perm [E, H]`` / ``w2_perm [E, I]`` int32 (row ``j`` of the tiles is input row
-    ``perm[e, j]``) or None."""
-
-    w13_qweight: Any
-    w2_qweight: Any
-    w13_scales: Any
-    w2_scales: Any
-    w13_zeros: Any = None
-    w2_zeros: Any = None
-    w13_bias: Any = None
-    w2_bias: Any = None
-    w13_perm: Any = None
-    w2_perm: Any = None
-    bits: int = 4
-    group_size: int = 128
-    hidden_size: int = 0
-    intermediate_size: int = 0
-
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
-        def one(w, s, z, perm):
-            codes = unpack_tiles(w, self.bits)                                 # [E, N, K] sorted rows
-            scales = jnp.swapaxes(s, 1, 2)
-            zeros = None if z is None else jnp.swapaxes(z, 1, 2).astype(jnp.int32)
-            g_idx = None
-            if perm is not None:                                              # undo the row sort
-                inv = jnp.argsort(perm, axis=1)
-                codes = jnp.take_along_axis(codes, inv[:, None, :], axis=2)
-                k = codes.shape[-1]
-                g_idx = jnp.take_along_axis(jnp.broadcast_to(jnp.arange(k) // self.group_size, perm.shape),
-                                            inv, axis=1).astype(jnp.int32)
-            return LogicalQuant(codes, scales, zeros, g_idx, bits=self.bits, group_size=self.group_size)
-
-        return (one(self.w13_qweight, self.w13_scales, self.w13_zeros, self.w13_perm),
-                one(self.w2_qweight, self.w2_scales, self.w2_zeros, self.w2_perm))
-
-
-def tile_unsupported_reason(weights) -> str | None:
-    """Why :func:`convert_tiles` cannot take ``weights`` (None if it can)."""
-    scheme = getattr(weights, "scheme", None)
-    bits = scheme.bits if scheme is not None else getattr(weights, "bits", 4)
-    bk = tile_bk(bits)
-    for name, k in (("hidden size", weights.hidden_size), ("intermediate size", weights.intermediate_size)):
-        if k % bk:
-            return f"{name} {k} is not a multiple of the engine's {bk}-row tile"
-    if scheme is not None and scheme.act_order and (scheme.group_size <= 0 or scheme.group_size % 16):
-        return f"act-order with group size {scheme.group_size} (needs a multiple of 16)"
-    return None
-
-
-def engine_unsupported_reason(weights, hidden_dtype=None) -> str | None:
-    """Why the engine cannot run this layer (None if it can): layout and activation dtype."""
-    if not isinstance(weights, TileWeights):
-        reason = tile_unsupported_reason(weights)
-        if reason:
-            return reason
-    if hidden_dtype is not None and jnp.dtype(hidden_dtype) not in ENGINE_DTYPES:
-        return (f"activations are {jnp.dtype(hidden_dtype).name}; the engine's tensor-core GEMMs take "
-                f"bfloat16/float16 (the XLA executor computes float32 exactly)")
-    return None
-
-
-def _sort_rows(lq: LogicalQuant):
-    """Act-order: stable-sort each expert's K rows by group. Returns (codes, perm, ok)."""
-    gi = jnp.asarray(lq.g_idx).astype(jnp.int32)                            # [E, K]
-    perm = jnp.argsort(gi, axis=1, stable=True).astype(jnp.int32)
-    codes = jnp.take_along_axis(jnp.asarray(lq.codes), perm[:, None, :], axis=2)
-    k = gi.shape[1]
-    ok = jnp.all(jnp.take_along_axis(gi, perm, axis=1) == (jnp.arange(k) // lq.group_size)[None])
-    return codes, perm, ok
-
-
-def convert_tiles(weights) -> TileWeights:
-    """Any experts pytree with a decode (loader or backend layout) → :class:`TileWeights`.
-
-    Act-order layers are sorted by group; if a sorted expert does not have exactly
-    ``group_size`` rows per group, :class:`UnsupportedError` (concrete inputs) or NaN scales
-    (under ``jit``, where it cannot be checked) — never a silently wrong layer."""
-    reason = tile_unsupported_reason(weights)
-    if reason:
-        raise UnsupportedError(f"tile engine: {reason}")
-    if isinstance(weights, TileWeights):
-        return weights
-    to_tiles = getattr(weights, "to_tiles", None)      # the wgmma layout: a bit-exact re-lay
-    if to_tiles is not None:
-        return to_tiles()
-    l13, l2 = weights.decode()
-    b13, b2 = weights.decode_bias() or (None, None)
-
-    def one(lq: LogicalQuant, name):
-        perm = None
-        codes = lq.codes
-        scales = jnp.swapaxes(jnp.asarray(lq.scales), 1, 2)
-        if lq.g_idx is not None and jnp.asarray(lq.g_idx).ndim == 2:
-            codes, perm, ok = _sort_rows(lq)
-            if not isinstance(ok, jax.core.Tracer) and not bool(ok):
-                raise UnsupportedError(f"tile engine: {name}: act-order groups are not {lq.group_size} "
-                                       f"rows each after sorting")
-            scales = jnp.where(ok, scales, jnp.nan).astype(scales.dtype)
-        z = None if lq.zeros is None else jnp.swapaxes(jnp.asarray(lq.zeros), 1, 2).astype(jnp.uint8)
-        return pack_tiles(jnp.asarray(codes), lq.bits), scales, z, perm
-
-    w13, s13, z13, p13 = one(l13, "w13")
-    w2, s2, z2, p2 = one(l2, "w2")
-    return TileWeights(w13, w2, s13, s2, z13, z2, b13, b2, p13, p2, bits=l13.bits, group_size=l13.group_size,
-                       hidden_size=weights.hidden_size, intermediate_size=weights.intermediate_size)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -175,7 +61,7 @@ def _divisor(n, prefs):
     for b in prefs:
         if n % b == 0:
             return b
-    raise ShapeError(f"no column tile among {prefs} divides {n}")
+    raise KernelShapeError(f"no column tile among {prefs} divides {n}")
 
 
 def _pow2(n: int) -> int:
@@ -189,17 +75,18 @@ def max_blocks(num_pairs: int, block_m: int, num_experts: int) -> int:
                -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m))
 
 
-def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: str | None = None,
-                  block_m: int | None = None, **overrides) -> EngineConfig:
-    """The engine's static schedule for ``num_tokens`` tokens (measured: docs/journal/notes.md)."""
-    e = weights.num_experts
+def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int,
+                  bits: int, *, mode: str | None = None, block_m: int | None = None, **overrides) -> EngineConfig:
+    """The engine's static schedule for ``num_tokens`` tokens on a layer of ``num_experts`` experts
+    of ``bits``-bit codes (measured: docs/journal/notes.md)."""
+    e = num_experts
     pairs = num_tokens * top_k
-    h, i = weights.hidden_size, weights.intermediate_size
-    bk = tile_bk(weights.bits)
+    h, i = hidden_size, intermediate_size
+    bk = tile_bk(bits)
     mode = mode or ("pair" if pairs <= e else "blocked")
     if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    sms = num_sms()
+        raise KernelConfigError(f"mode: expected one of {MODES}, got {mode!r}")
+    sms = device.num_sms()
     if mode == "pair":
         # Measured (docs/journal/notes.md, v2): 64-column tiles and many split-K programs (~16 per SM) keep the
         # most weight loads in flight; Mixtral 1 token 143 µs (128 cols, 2 splits) → 103 µs.
@@ -211,7 +98,7 @@ def choose_config(num_tokens: int, top_k: int, weights: TileWeights, *, mode: st
     else:
         avg = pairs / max(e, 1)
         if avg < 48:      # decode-sized blocks: 16/32 rows, 64 columns, 4 warps (measured best)
-            bm = _pow2(max(16, block_m or default_block_m(num_tokens, top_k, e)))
+            bm = _pow2(max(16, block_m or vllm_block_m(num_tokens, top_k, e)))
             bn1, bn2, warps = _divisor(i, (64, 32, 16)), _divisor(h, (64, 32, 16)), 4
             # weights as the MMA's A operand pay off from 64-row blocks on (Qwen3 512 tokens,
             # 64-row blocks: 704 → 612 µs; 16/32-row blocks: slower, e.g. Mixtral 16 411 → 551)
@@ -251,27 +138,38 @@ def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, method="auto"):
     more where it has none) where the alignment ``method`` gives them for free (``"compare"``,
     ``"rank"``), else ``None``."""
     t, k = topk_ids.shape
-    aligned, rows = _moe_align(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, expert_map,
-                               ignore_invalid_experts=True, method=method, with_rows=True)
-    nb = min(max_blocks(t * k, bm, e), aligned.expert_ids.shape[0])
-    ids = aligned.sorted_token_ids[:nb * bm]
-    experts = aligned.expert_ids[:nb]
+    em = None if expert_map is None else jnp.asarray(expert_map).astype(jnp.int32)
+    sorted_ids, block_expert, _, rows = align_pairs(jnp.where(bad, 0, topk_ids.astype(jnp.int32)), bm, gne, em,
+                                                    ignore_invalid_experts=True, method=method)
+    nb = min(max_blocks(t * k, bm, e), block_expert.shape[0])
+    ids = sorted_ids[:nb * bm]
+    experts = block_expert[:nb]
     valid = ids < t * k
     flat = jnp.where(valid, ids, 0)
     return nb, experts, jnp.repeat(experts, bm), valid, flat, flat // k, rows
 
 
-def _layer_inputs(hidden_states, topk_ids, weights, expert_map, global_num_experts):
+def layer_sizes(w13: GemmExperts, w2: GemmExperts, bits: int) -> tuple[int, int, int]:
+    """``(E, H, I)`` of a layer in the tile layout (``w13 [E, H/pf, 2I]``, ``w2 [E, I/pf, H]``)."""
+    pf = 32 // bits
+    e, kw13, n13 = w13.words.shape
+    if w2.words.shape != (e, n13 // 2 // pf, kw13 * pf) or n13 % 2:
+        raise KernelShapeError(f"w2.words: expected shape {(e, n13 // 2 // pf, kw13 * pf)} for w13.words "
+                               f"{tuple(w13.words.shape)} ({bits}-bit tiles), got {tuple(w2.words.shape)}")
+    return e, kw13 * pf, n13 // 2
+
+
+def _layer_inputs(hidden_states, topk_ids, w13, w2, bits, expert_map, global_num_experts):
     """Shared argument checks of the engine layer and its backward → ``(t, k, cdt, e, H, I, gne)``."""
     t, k = topk_ids.shape
-    if hidden_states.shape != (t, weights.hidden_size):
-        raise ShapeError(f"hidden_states: expected shape ({t}, {weights.hidden_size}), got {hidden_states.shape}")
+    e, h, i = layer_sizes(w13, w2, bits)
+    if hidden_states.shape != (t, h):
+        raise KernelShapeError(f"hidden_states: expected shape ({t}, {h}), got {hidden_states.shape}")
     cdt = jnp.dtype(hidden_states.dtype)
     if cdt not in ENGINE_DTYPES:
-        raise DTypeError(f"hidden_states: the engine takes bfloat16 or float16, got {cdt.name}")
-    e = weights.num_experts
+        raise KernelDTypeError(f"hidden_states: the engine takes bfloat16 or float16, got {cdt.name}")
     gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
-    return t, k, cdt, e, weights.hidden_size, weights.intermediate_size, gne
+    return t, k, cdt, e, h, i, gne
 
 
 def _permute_cols(a, perm, row_expert):
@@ -280,8 +178,8 @@ def _permute_cols(a, perm, row_expert):
     return jnp.take_along_axis(a, perm[jnp.maximum(row_expert, 0)], axis=1)
 
 
-def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights, *,
-                    activation: str = "silu", apply_router_weight_on_input: bool = False, expert_map=None,
+def fused_moe_tiles(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2: GemmExperts, *, bits: int,
+                    group_size: int, activation: str = "silu", apply_router_weight_on_input: bool = False, expert_map=None,
                     global_num_experts: int | None = None, config: EngineConfig | None = None,
                     interpret: bool = False, poison_outputs: bool = False, **config_overrides):
     """The fused MoE layer on the Pallas kernels; returns ``[T, H]`` in the input dtype.
@@ -293,17 +191,17 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
     """
     act_name = activation
     act = check_activation(activation)
-    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
+    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, w13, w2, bits, expert_map,
                                                     global_num_experts)
     if t == 0:
         return jnp.zeros_like(hidden_states)
-    cfg = config or choose_config(t, k, weights, **config_overrides)
-    bk = tile_bk(weights.bits)
+    cfg = config or choose_config(t, k, e, h_dim, i_dim, bits, **config_overrides)
+    bk = tile_bk(bits)
     cfg = dataclasses.replace(cfg, split1=valid_split(cfg.split1, h_dim // bk),
                               split2=valid_split(cfg.split2, i_dim // bk))
     local, bad = _local(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32)
-    kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, dequant=cfg.dequant,
+    kw = dict(bits=bits, group_size=group_size, interpret=interpret, dequant=cfg.dequant,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, dot=cfg.dot)
     x = hidden_states
 
@@ -315,38 +213,38 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
         p = pe.shape[0]
         twf = jnp.where(pe >= 0, tw.reshape(-1), 0.0)
         a1, top = (x, k)
-        if weights.w13_perm is not None:
-            a1, top = _permute_cols(jnp.repeat(x, k, axis=0), weights.w13_perm, pe), 1
-        part = pair_gemm(a1, pe, weights.w13_qweight, weights.w13_scales, weights.w13_zeros, None,
-                         weights.w13_bias, poison((cfg.split1, p, 2 * i_dim)), top_k=top,
+        if w13.perm is not None:
+            a1, top = _permute_cols(jnp.repeat(x, k, axis=0), w13.perm, pe), 1
+        part = pair_gemm(a1, pe, w13.words, w13.scales, w13.zeros, None,
+                         w13.bias, poison((cfg.split1, p, 2 * i_dim)), top_k=top,
                          block_n=cfg.block_n1, split_k=cfg.split1, **kw)
         hh = part.sum(0)
         if apply_router_weight_on_input:
             hh = hh * twf[:, None]
-        a2 = _permute_cols(act(hh).astype(cdt), weights.w2_perm, pe)
+        a2 = _permute_cols(act(hh).astype(cdt), w2.perm, pe)
         rs = (pe >= 0).astype(jnp.float32) if apply_router_weight_on_input else twf
-        y = pair_gemm(a2, pe, weights.w2_qweight, weights.w2_scales, weights.w2_zeros, rs, weights.w2_bias,
+        y = pair_gemm(a2, pe, w2.words, w2.scales, w2.zeros, rs, w2.bias,
                       poison((cfg.split2, p, h_dim)), top_k=1, block_n=cfg.block_n2, split_k=cfg.split2, **kw)
         out = y.sum(0).reshape(t, k, h_dim).sum(1)
     else:
         bm = cfg.block_m
         nb, experts, row_expert, valid, flat, tok, _ = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
-        a1 = _permute_cols(jnp.where(valid[:, None], x[tok], 0).astype(cdt), weights.w13_perm, row_expert)
+        a1 = _permute_cols(jnp.where(valid[:, None], x[tok], 0).astype(cdt), w13.perm, row_expert)
         tw_rows = jnp.where(valid, tw.reshape(-1)[flat], 0.0)
         fuse = cfg.split1 == 1 and act_name in FUSED_ACTIVATIONS
         rs1 = tw_rows if apply_router_weight_on_input else None
         if fuse:
-            a2 = grouped_gemm(a1, experts, weights.w13_qweight, weights.w13_scales, weights.w13_zeros, rs1,
-                              weights.w13_bias, poison((nb * bm, i_dim), cdt), block_m=bm, block_n=cfg.block_n1,
+            a2 = grouped_gemm(a1, experts, w13.words, w13.scales, w13.zeros, rs1,
+                              w13.bias, poison((nb * bm, i_dim), cdt), block_m=bm, block_n=cfg.block_n1,
                               activation=act_name, **kw)
         else:
-            part = grouped_gemm(a1, experts, weights.w13_qweight, weights.w13_scales, weights.w13_zeros, rs1,
-                                weights.w13_bias, poison((cfg.split1, nb * bm, 2 * i_dim)), block_m=bm,
+            part = grouped_gemm(a1, experts, w13.words, w13.scales, w13.zeros, rs1,
+                                w13.bias, poison((cfg.split1, nb * bm, 2 * i_dim)), block_m=bm,
                                 block_n=_divisor(2 * i_dim, (cfg.block_n1, 64, 32, 16)), split_k=cfg.split1, **kw)
             a2 = act(part.sum(0)).astype(cdt)
-        a2 = _permute_cols(a2, weights.w2_perm, row_expert)
+        a2 = _permute_cols(a2, w2.perm, row_expert)
         rs2 = valid.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
-        y = grouped_gemm(a2, experts, weights.w2_qweight, weights.w2_scales, weights.w2_zeros, rs2, weights.w2_bias,
+        y = grouped_gemm(a2, experts, w2.words, w2.scales, w2.zeros, rs2, w2.bias,
                          poison((cfg.split2, nb * bm, h_dim)), block_m=bm, block_n=cfg.block_n2,
                          split_k=cfg.split2, **kw)
         seg = jnp.where(valid, tok, t)
@@ -355,8 +253,9 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, weights: TileWeights,
     return out.astype(cdt)
 
 
-def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeights, *, activation: str = "silu",
-                          block_m: int | None = None, interpret: bool = False, poison_outputs: bool = False):
+def batched_experts_tiles(batched_hidden, expert_num_tokens, w13: GemmExperts, w2: GemmExperts, *, bits: int,
+                          group_size: int, activation: str = "silu", block_m: int | None = None,
+                          interpret: bool = False, poison_outputs: bool = False):
     """The BatchedExperts format on the engine (BATCHED_MARLIN's activations, docs/moe-semantics.md §2.8).
 
     ``batched_hidden [E, M, H]`` (first ``expert_num_tokens[e]`` rows of expert ``e`` valid) →
@@ -366,13 +265,12 @@ def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeight
     """
     act = check_activation(activation)
     e, m, h = batched_hidden.shape
-    if e != weights.num_experts or h != weights.hidden_size:
-        raise ShapeError(f"batched_hidden: expected shape ({weights.num_experts}, M, {weights.hidden_size}), "
-                         f"got {tuple(batched_hidden.shape)}")
+    ne, hw, i_dim = layer_sizes(w13, w2, bits)
+    if e != ne or h != hw:
+        raise KernelShapeError(f"batched_hidden: expected shape ({ne}, M, {hw}), got {tuple(batched_hidden.shape)}")
     cdt = jnp.dtype(batched_hidden.dtype)
     if cdt not in ENGINE_DTYPES:
-        raise DTypeError(f"batched_hidden: the engine takes bfloat16 or float16, got {cdt.name}")
-    i_dim = weights.intermediate_size
+        raise KernelDTypeError(f"batched_hidden: the engine takes bfloat16 or float16, got {cdt.name}")
     bm = _pow2(max(16, block_m or min(64, m)))
     mp = -(-m // bm) * bm
     nbe = mp // bm
@@ -382,7 +280,7 @@ def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeight
     x = jnp.where(valid[:, None], x.reshape(e * mp, h), 0).astype(cdt)
     experts = jnp.where(jnp.arange(nbe)[None, :] * bm < counts[:, None], jnp.arange(e)[:, None], -1).reshape(-1)
     row_expert = jnp.repeat(experts, bm)
-    kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, block_m=bm)
+    kw = dict(bits=bits, group_size=group_size, interpret=interpret, block_m=bm)
     wide = bm >= 64
     bn1 = _divisor(i_dim, (128, 64, 32, 16) if wide else (64, 32, 16))
     bn2 = _divisor(h, (128, 64, 32, 16) if wide else (64, 32, 16))
@@ -390,27 +288,27 @@ def batched_experts_tiles(batched_hidden, expert_num_tokens, weights: TileWeight
     def poison(shape, dtype=jnp.float32):
         return jnp.full(shape, jnp.nan, dtype) if poison_outputs else None
 
-    a1 = _permute_cols(x, weights.w13_perm, row_expert)
+    a1 = _permute_cols(x, w13.perm, row_expert)
     if activation in FUSED_ACTIVATIONS:
-        a2 = grouped_gemm(a1, experts, weights.w13_qweight, weights.w13_scales, weights.w13_zeros, None,
-                          weights.w13_bias, poison((e * mp, i_dim), cdt), block_n=bn1, activation=activation, **kw)
+        a2 = grouped_gemm(a1, experts, w13.words, w13.scales, w13.zeros, None,
+                          w13.bias, poison((e * mp, i_dim), cdt), block_n=bn1, activation=activation, **kw)
     else:
-        part = grouped_gemm(a1, experts, weights.w13_qweight, weights.w13_scales, weights.w13_zeros, None,
-                            weights.w13_bias, poison((1, e * mp, 2 * i_dim)), block_n=_divisor(2 * i_dim, (bn1, 64, 32, 16)),
+        part = grouped_gemm(a1, experts, w13.words, w13.scales, w13.zeros, None,
+                            w13.bias, poison((1, e * mp, 2 * i_dim)), block_n=_divisor(2 * i_dim, (bn1, 64, 32, 16)),
                             **kw)
         a2 = act(part.sum(0)).astype(cdt)
-    a2 = _permute_cols(a2, weights.w2_perm, row_expert)
-    y = grouped_gemm(a2, experts, weights.w2_qweight, weights.w2_scales, weights.w2_zeros, None, weights.w2_bias,
+    a2 = _permute_cols(a2, w2.perm, row_expert)
+    y = grouped_gemm(a2, experts, w2.words, w2.scales, w2.zeros, None, w2.bias,
                      poison((1, e * mp, h)), block_n=bn2, **kw).sum(0)
     y = jnp.where(valid[:, None], y, 0.0).reshape(e, mp, h)[:, :m]
     return y
 
 
-# ----------------------------------------------------------------------------- backward (issue 5)
+# ----------------------------------------------------------------------------- backward
 
 
-def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileWeights, *,
-                        activation: str = "silu", apply_router_weight_on_input: bool = False, expert_map=None,
+def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2: GemmExperts, *,
+                        bits: int, group_size: int, activation: str = "silu", apply_router_weight_on_input: bool = False, expert_map=None,
                         global_num_experts: int | None = None, block_m: int | None = None,
                         interpret: bool = False, poison_outputs: bool = False):
     """``(dx [T, H] float32, dtw [T, k] float32)`` for the output cotangent ``g [T, H]``.
@@ -423,14 +321,14 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
     """
     act = check_activation(activation)
     on_input = apply_router_weight_on_input
-    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, weights, expert_map,
+    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, w13, w2, bits, expert_map,
                                                     global_num_experts)
-    bm = _pow2(max(16, block_m or default_block_m(t, k, e)))      # Triton: power-of-two blocks
+    bm = _pow2(max(16, block_m or vllm_block_m(t, k, e)))      # Triton: power-of-two blocks
     _, bad = _local(topk_ids, expert_map, gne, e)
     nb, experts, row_expert, valid, flat, tok, _ = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
     live = valid & (row_expert >= 0)
     w_rows = jnp.where(live, topk_weights.astype(jnp.float32).reshape(-1)[flat], 0.0)
-    kw = dict(bits=weights.bits, group_size=weights.group_size, interpret=interpret, block_m=bm)
+    kw = dict(bits=bits, group_size=group_size, interpret=interpret, block_m=bm)
 
     def poison(shape):
         return jnp.full(shape, jnp.nan, jnp.float32) if poison_outputs else None
@@ -441,30 +339,30 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
         idx = perm[jnp.maximum(row_expert, 0)]
         return jnp.zeros_like(d).at[jnp.arange(d.shape[0])[:, None], idx].set(d)
 
-    x_rows = _permute_cols(jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt), weights.w13_perm,
+    x_rows = _permute_cols(jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt), w13.perm,
                            row_expert)
-    h = grouped_gemm(x_rows, experts, weights.w13_qweight, weights.w13_scales, weights.w13_zeros, None,
-                     weights.w13_bias, block_n=_divisor(2 * i_dim, (64, 32, 16)), **kw).sum(0)   # [M, 2I]
+    h = grouped_gemm(x_rows, experts, w13.words, w13.scales, w13.zeros, None,
+                     w13.bias, block_n=_divisor(2 * i_dim, (64, 32, 16)), **kw).sum(0)   # [M, 2I]
     g_rows = jnp.where(live[:, None], g.astype(jnp.float32)[tok], 0.0)
     hw = h * w_rows[:, None] if on_input else h
     a, act_vjp = jax.vjp(act, hw)
     dy = g_rows if on_input else g_rows * w_rows[:, None]
-    a2 = _permute_cols(a.astype(cdt), weights.w2_perm, row_expert)
-    da = grouped_gemm_t(dy.astype(cdt), experts, weights.w2_qweight, weights.w2_scales, weights.w2_zeros,
+    a2 = _permute_cols(a.astype(cdt), w2.perm, row_expert)
+    da = grouped_gemm_t(dy.astype(cdt), experts, w2.words, w2.scales, w2.zeros,
                         poison((nb * bm, i_dim)), block_n=_divisor(h_dim, (64, 32, 16)), **kw)
-    da = unpermute(da, weights.w2_perm)
+    da = unpermute(da, w2.perm)
     (dhw,) = act_vjp(da)
     if on_input:
         dw = jnp.sum(dhw * h, axis=-1)
         dh = dhw * w_rows[:, None]
     else:
-        y = grouped_gemm(a2, experts, weights.w2_qweight, weights.w2_scales, weights.w2_zeros, None,
-                         weights.w2_bias, block_n=_divisor(h_dim, (64, 32, 16)), **kw).sum(0)
+        y = grouped_gemm(a2, experts, w2.words, w2.scales, w2.zeros, None,
+                         w2.bias, block_n=_divisor(h_dim, (64, 32, 16)), **kw).sum(0)
         dw = jnp.sum(g_rows * y, axis=-1)
         dh = dhw
-    dx_rows = grouped_gemm_t(dh.astype(cdt), experts, weights.w13_qweight, weights.w13_scales, weights.w13_zeros,
+    dx_rows = grouped_gemm_t(dh.astype(cdt), experts, w13.words, w13.scales, w13.zeros,
                              poison((nb * bm, h_dim)), block_n=_divisor(2 * i_dim, (64, 32, 16)), **kw)
-    dx_rows = jnp.where(live[:, None], unpermute(dx_rows, weights.w13_perm), 0.0)
+    dx_rows = jnp.where(live[:, None], unpermute(dx_rows, w13.perm), 0.0)
     dx = jax.ops.segment_sum(dx_rows, jnp.where(live, tok, t), num_segments=t + 1)[:t]
     slot = jnp.where(live, flat, t * k)
     dtw = jax.ops.segment_sum(jnp.where(live, dw, 0.0), slot, num_segments=t * k + 1)[:t * k].reshape(t, k)
@@ -472,6 +370,5 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, weights: TileW
     return jnp.where(nan_rows[:, None], jnp.nan, dx), jnp.where(nan_rows[:, None], jnp.nan, dtw)
 
 
-__all__ = ["ENGINE_DTYPES", "EngineConfig", "TileWeights", "batched_experts_tiles", "choose_config", "convert_tiles",
-           "engine_unsupported_reason", "fused_moe_tiles", "fused_moe_tiles_bwd", "max_blocks",
-           "tile_unsupported_reason"]
+__all__ = ["ENGINE_DTYPES", "EngineConfig", "MODES", "batched_experts_tiles", "choose_config", "fused_moe_tiles",
+           "fused_moe_tiles_bwd", "layer_sizes", "max_blocks"]

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from wna16_jax.errors import ConfigError, DTypeError, ShapeError
+from .errors import KernelConfigError, KernelDTypeError, KernelShapeError
 
 IDX_W = 32                  # one program's row indices, padded to a 128-byte row; the last slot: "any row"
 ROW_BYTES_PER_PROGRAM = 64 * 1024   # shared memory for one program's rows: three programs per SM
@@ -47,6 +47,28 @@ def gather_rows_reason(row_len: int, dtype) -> str | None:
     return None
 
 
+def _check(x, idx, block_m):
+    if x.ndim != 2:
+        raise KernelShapeError(f"gather_rows: x must be [T, H], got shape {x.shape}")
+    why = gather_rows_reason(x.shape[1], x.dtype)
+    if why and jnp.dtype(x.dtype).itemsize != 2:
+        raise KernelDTypeError(f"gather_rows: x: {why}")
+    if why:
+        raise KernelShapeError(f"gather_rows: x: {why}")
+    if idx.ndim != 1 or jnp.dtype(idx.dtype) != jnp.dtype(jnp.int32):
+        raise KernelDTypeError(f"gather_rows: idx must be a 1-D int32 array, got {idx.dtype}{idx.shape}")
+    if block_m < 1 or idx.shape[0] % block_m:
+        raise KernelConfigError(f"gather_rows: idx's {idx.shape[0]} rows are not whole blocks of block_m={block_m}")
+
+
+def gather_rows_reference(x, idx, *, block_m: int):
+    """:func:`gather_rows`'s contract in ``jnp``: row ``r`` is ``x[idx[r]]`` where ``idx[r] >= 0``;
+    the rows the contract leaves unspecified are NaN here, so that a caller whose result
+    depended on them would show it."""
+    _check(x, idx, block_m)
+    return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.nan).astype(x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("block_m",))
 def gather_rows(x, idx, *, block_m: int):
     """``out[r] = x[idx[r]]`` for every ``r`` with ``idx[r] >= 0``; other rows unspecified.
@@ -57,17 +79,7 @@ def gather_rows(x, idx, *, block_m: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if x.ndim != 2:
-        raise ShapeError(f"gather_rows: x must be [T, H], got shape {x.shape}")
-    why = gather_rows_reason(x.shape[1], x.dtype)
-    if why and jnp.dtype(x.dtype).itemsize != 2:
-        raise DTypeError(f"gather_rows: x: {why}")
-    if why:
-        raise ShapeError(f"gather_rows: x: {why}")
-    if idx.ndim != 1 or jnp.dtype(idx.dtype) != jnp.dtype(jnp.int32):
-        raise DTypeError(f"gather_rows: idx must be a 1-D int32 array, got {idx.dtype}{idx.shape}")
-    if block_m < 1 or idx.shape[0] % block_m:
-        raise ConfigError(f"gather_rows: idx's {idx.shape[0]} rows are not whole blocks of block_m={block_m}")
+    _check(x, idx, block_m)
     t, h = x.shape
     r = idx.shape[0]
     if r == 0:
@@ -105,3 +117,6 @@ def gather_rows(x, idx, *, block_m: int):
 
     return plgpu.kernel(row_gather, out_type=jax.ShapeDtypeStruct((r, h), x.dtype), grid=(nprog,),
                         grid_names=("p",))(idx2, x)
+
+
+__all__ = ["gather_rows", "gather_rows_reason", "gather_rows_reference", "program_rows"]

@@ -29,7 +29,6 @@ Dequantization modes (``dequant=``):
   integer→float conversions.
 * ``"magic"`` (portable, any bits/group): ``code | 0x4B000000`` read as float32 is
   ``2**23 + code``; subtract ``2**23 + zero``, multiply by the scale, cast.
-* ``"i2f"``: integer→float conversion (version 1; kept for measurement).
 
 :func:`grouped_gemm_reference` is the plain-jnp twin the tests compare against.
 """
@@ -37,14 +36,17 @@ Dequantization modes (``dequant=``):
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import device
+from .activations import FUSED_ACTIVATIONS, act_pair
+from .errors import KernelConfigError, KernelShapeError, KernelUnsupportedError
+
 ROWS_PER_SLOT = 16  # one MMA k-step for 16-bit operands
-DEQUANT_MODES = ("asm", "magic", "i2f")
+DEQUANT_MODES = ("asm", "magic")
 _F32_MAGIC = 0x4B000000            # float32 bits of 2**23
 _F32_MAGIC_VALUE = float(1 << 23)
 
@@ -60,7 +62,7 @@ def pack_tiles(codes, bits: int):
     bk = tile_bk(bits)
     e, n, k = codes.shape
     if k % bk:
-        raise ValueError(f"codes: K={k} is not a multiple of the tile depth {bk}")
+        raise KernelShapeError(f"codes: K={k} is not a multiple of the tile depth {bk}")
     c = jnp.swapaxes(codes, 1, 2).astype(jnp.uint32)               # [E, K, N]
     c = c.reshape(e, k // bk, pf, ROWS_PER_SLOT, n)                 # [E, kb, slot, w, N]
     shifts = (jnp.arange(pf, dtype=jnp.uint32) * bits)[None, None, :, None, None]
@@ -140,11 +142,8 @@ def _codes(words, slot, bits):
 def _dequant_slot(words, slot, zero, scale, *, bits, dtype, mode):
     """One slot of ``words [R, C]`` → ``[R, C]`` ``dtype``; ``zero`` float32 ``[C]``, ``scale`` ``[C]``."""
     codes = _codes(words, slot, bits)
-    if mode == "i2f":
-        v = codes.astype(jnp.float32) - zero[None, :]
-    else:
-        m = jax.lax.bitcast_convert_type(codes | _F32_MAGIC, jnp.float32)       # 2**23 + code
-        v = m - (zero + _F32_MAGIC_VALUE)[None, :]
+    m = jax.lax.bitcast_convert_type(codes | _F32_MAGIC, jnp.float32)       # 2**23 + code
+    v = m - (zero + _F32_MAGIC_VALUE)[None, :]
     return (v * scale.astype(jnp.float32)[None, :]).astype(dtype)
 
 
@@ -176,17 +175,7 @@ def _block_tiles(w_ref, s_ref, z_ref, e, kb, cols, *, bits, group, has_zp, dtype
 # ----------------------------------------------------------------------------- epilogues
 
 
-def act_pair(name, g, u):
-    """``act(gate) · up`` for the activations the gated epilogue fuses (float32 in and out)."""
-    if name == "silu":
-        return g / (1.0 + jnp.exp(-g)) * u
-    if name == "gelu_tanh":
-        c = math.sqrt(2.0 / math.pi)
-        return 0.5 * g * (1.0 + jnp.tanh(c * (g + 0.044715 * g * g * g))) * u
-    raise ValueError(f"activation {name!r} is not fused")
-
-
-FUSED_ACTIVATIONS = ("silu", "gelu_tanh")
+# act_pair and FUSED_ACTIVATIONS: pallas_kernels.activations
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -269,14 +258,6 @@ def _compiler(interpret, num_warps, num_stages):
     return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
-def num_sms() -> int:
-    """Streaming multiprocessors of the default device (132 on an H200; 1 off-GPU)."""
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0) or 1)
-    except Exception:  # noqa: BLE001 - no device information: assume one
-        return 1
-
-
 def valid_split(split: int, n_kb: int) -> int:
     """The largest split-K ≤ ``split`` whose K chunks (of ``ceil(n_kb / split)`` blocks) are all
     non-empty."""
@@ -287,14 +268,14 @@ def valid_split(split: int, n_kb: int) -> int:
 
 def choose_split(programs: int, n_kb: int, *, sms: int | None = None, waves: int = 4) -> int:
     """Split-K factor that gives about ``waves`` programs per SM (at most one K-block each)."""
-    sms = sms or num_sms()
+    sms = sms or device.num_sms()
     return valid_split(-(-waves * sms // max(programs, 1)), n_kb)
 
 
 def _chunk(n_kb: int, split_k: int, name: str) -> int:
     """K-blocks per split; ``split_k`` must leave no split empty (see :func:`valid_split`)."""
     if valid_split(split_k, n_kb) != split_k:
-        raise ValueError(f"{name}: split_k={split_k} does not divide {n_kb} K-blocks into non-empty chunks")
+        raise KernelConfigError(f"{name}: split_k={split_k} does not divide {n_kb} K-blocks into non-empty chunks")
     return -(-n_kb // split_k)
 
 
@@ -304,7 +285,7 @@ def _launch(kernel, args, in_specs, *, grid, out_shape, out_spec, out, interpret
     kwargs = _compiler(interpret, num_warps, num_stages)
     if out is not None:
         if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
-            raise ValueError(f"out: expected {out_shape.dtype} {out_shape.shape}, got {out.dtype} {out.shape}")
+            raise KernelShapeError(f"out: expected {out_shape.dtype} {out_shape.shape}, got {out.dtype} {out.shape}")
         base, n_in = kernel, len(args)
 
         def kernel(*refs):                  # the aliased input ref is skipped: write the output ref
@@ -331,7 +312,7 @@ def _check(a, words, bits, k_axis_len, n, block_n, name):
     bk = tile_bk(bits)
     e, kw, nw = words.shape
     if kw * (32 // bits) != k_axis_len or k_axis_len % bk or nw != n or n % block_n:
-        raise ValueError(f"{name}: inconsistent shapes a={a.shape}, words={words.shape} "
+        raise KernelShapeError(f"{name}: inconsistent shapes a={a.shape}, words={words.shape} "
                          f"(bits={bits}, tile depth {bk}), block_n={block_n}")
 
 
@@ -339,12 +320,12 @@ def _resolve_mode(dequant, bits, group_size, dtype, interpret):
     if dequant == "auto":
         return "magic" if interpret or asm_supported(bits, group_size, dtype) else "asm"
     if dequant not in DEQUANT_MODES:
-        raise ValueError(f"dequant: expected 'auto' or one of {DEQUANT_MODES}, got {dequant!r}")
+        raise KernelConfigError(f"dequant: expected 'auto' or one of {DEQUANT_MODES}, got {dequant!r}")
     if dequant == "asm":
         reason = asm_supported(bits, group_size, dtype) or ("inline PTX cannot run in interpret mode"
                                                           if interpret else None)
         if reason:
-            raise ValueError(f"dequant='asm': {reason}")
+            raise KernelUnsupportedError(f"dequant='asm': {reason}")
     return dequant
 
 
@@ -366,7 +347,7 @@ DOTS = ("mma", "fma", "swap")
 
 def _check_dot(dot, pair, name):
     if dot not in DOTS or (dot == "fma" and not pair):
-        raise ValueError(f"{name}: dot must be one of {DOTS if pair else ('mma', 'swap')}, got {dot!r}")
+        raise KernelConfigError(f"{name}: dot must be one of {DOTS if pair else ('mma', 'swap')}, got {dot!r}")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -395,12 +376,12 @@ def grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None, bias=
     n_out = n // 2 if gated else n
     _check(a, words, bits, k, n, block_n, "grouped_gemm")
     if m != nb * block_m or n_out % block_n:
-        raise ValueError(f"grouped_gemm: a={a.shape} is not {nb} blocks of {block_m} rows, or "
+        raise KernelShapeError(f"grouped_gemm: a={a.shape} is not {nb} blocks of {block_m} rows, or "
                          f"{n_out} columns are not a multiple of block_n={block_n}")
     if gated and split_k != 1:
-        raise ValueError("grouped_gemm: the gated epilogue needs split_k=1")
+        raise KernelConfigError("grouped_gemm: the gated epilogue needs split_k=1")
     if gated and activation not in FUSED_ACTIVATIONS:
-        raise ValueError(f"grouped_gemm: activation {activation!r} is not fused (have {FUSED_ACTIVATIONS})")
+        raise KernelConfigError(f"grouped_gemm: activation {activation!r} is not fused (have {FUSED_ACTIVATIONS})")
     kernel = _kernel(a, k, n, zeros, row_scale, bias, bits=bits, group_size=group_size, split_k=split_k,
                      dequant=dequant, interpret=interpret, gated=gated, act=activation, pair_top_k=0, dot=dot,
                      name="grouped_gemm")
@@ -436,13 +417,13 @@ def pair_gemm(a, pair_experts, words, scales, zeros=None, row_scale=None, bias=N
     """
     _check_dot(dot, True, "pair_gemm")
     if block_m or activation is not None or out_dtype is not None:
-        raise ValueError("pair_gemm: block_m, activation and out_dtype are not used")
+        raise KernelConfigError("pair_gemm: block_m, activation and out_dtype are not used")
     t, k = a.shape
     e, kw, n = words.shape
     p = pair_experts.shape[0]
     _check(a, words, bits, k, n, block_n, "pair_gemm")
     if p != t * top_k:
-        raise ValueError(f"pair_gemm: {p} pairs for {t} rows × top_k={top_k}")
+        raise KernelShapeError(f"pair_gemm: {p} pairs for {t} rows × top_k={top_k}")
     kernel = _kernel(a, k, n, zeros, row_scale, bias, bits=bits, group_size=group_size, split_k=split_k,
                      dequant=dequant, interpret=interpret, gated=False, act=None, pair_top_k=top_k, dot=dot,
                      name="pair_gemm")
@@ -503,7 +484,7 @@ def grouped_gemm_t(g, expert_ids, words, scales, zeros=None, out=None, *, bits: 
     k = kw * (32 // bits)
     nb = expert_ids.shape[0]
     if nw != n or m != nb * block_m or n % block_n:
-        raise ValueError(f"grouped_gemm_t: inconsistent shapes g={g.shape}, words={words.shape}, "
+        raise KernelShapeError(f"grouped_gemm_t: inconsistent shapes g={g.shape}, words={words.shape}, "
                          f"blocks={nb}x{block_m}, block_n={block_n}")
     mode = _resolve_mode(dequant, bits, group_size, g.dtype, interpret)
     kernel = functools.partial(_gemm_t_kernel, bits=bits, group=group_size, n=n, block_n=block_n,
@@ -541,6 +522,6 @@ def grouped_gemm_reference(a, expert_ids, words, scales, zeros=None, *, bits: in
     return jnp.where(jnp.repeat(expert_ids >= 0, block_m)[:, None], out, 0.0)
 
 
-__all__ = ["DEQUANT_MODES", "FUSED_ACTIVATIONS", "asm_supported", "choose_split", "dequantize_tiles", "valid_split",
-           "grouped_gemm", "grouped_gemm_reference", "grouped_gemm_t", "num_sms", "one_group_per_block",
+__all__ = ["DEQUANT_MODES", "asm_supported", "choose_split", "dequantize_tiles", "valid_split",
+           "grouped_gemm", "grouped_gemm_reference", "grouped_gemm_t", "one_group_per_block",
            "pack_tiles", "pair_gemm", "tile_bk", "unpack_tiles"]

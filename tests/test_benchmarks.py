@@ -99,26 +99,6 @@ def test_sass_loops_finds_the_k_loop():
     assert found[0][2] == {"LOP3.LUT": 2, "BRA": 2, "HGMMA.64": 1}      # (opcodes up to the first lowercase)
 
 
-def test_stream_ceiling_probe_lowers():
-    """The copy-ring probe's kernels (every mode, narrow / wide / flat copies) lower to Mosaic GPU
-    on the CPU; registers cannot be loaded from the flat (unswizzled) buffer, which says so."""
-    import jax
-    import jax.numpy as jnp
-    import pytest
-
-    from benchmarks.stream_ceiling import stream
-
-    s = jax.ShapeDtypeStruct
-    plain, flat = s((2, 256, 64), jnp.int16), s((2, 2, 32, 256), jnp.int16)
-    cases = [(plain, m, w) for m in ("copy", "load", "dequant", "dequant32") for w in (False, True)]
-    for words, mode, wide in cases + [(flat, "copy", False)]:
-        text = jax.jit(lambda w, mode=mode, wide=wide: stream(w, mode, 4, wide)).trace(words).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, (mode, wide)
-    with pytest.raises(ValueError, match="copy mode only"):
-        jax.jit(lambda w: stream(w, "load", 4)).trace(flat)
-
-
 def test_call_timeline_gaps():
     """A call's span, busy time (overlapping kernels counted once) and the largest gaps between
     consecutive kernels, averaged over the calls; events that do not split into equal calls give

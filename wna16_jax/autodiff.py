@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import executors
 from . import moe as _moe
 from .moe import check_activation, default_block_m, dot_f32, expert_gemm1, expert_gemm2, validate_moe_inputs
 
@@ -111,14 +112,11 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name, executor):
         x, tw, ids, weights, expert_map = res
         t, k = ids.shape
         bm = block_m or default_block_m(t, k, weights.num_experts)
-        which, _ = _moe.select_executor(weights, x.dtype, executor=executor, formulation=formulation,
-                                        compute_dtype=cdt)
-        if which == "pallas":           # the engine's transposed-access kernels (GPU)
-            from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles_bwd
-
-            dx, dtw = fused_moe_tiles_bwd(g, x, tw, ids, convert_tiles(weights), activation=activation,
-                                          apply_router_weight_on_input=on_input, expert_map=expert_map,
-                                          global_num_experts=gne, block_m=block_m)
+        choice = executors.select(weights, x.dtype, executor=executor, formulation=formulation, compute_dtype=cdt)
+        if choice.executor is not executors.XLA:   # the engine's transposed-access kernels (GPU)
+            dx, dtw = executors.TRITON.backward(g, x, tw, ids, weights, expert_map, activation=activation,
+                                                apply_router_weight_on_input=on_input, global_num_experts=gne,
+                                                block_m=block_m)
         else:
             dx, dtw = _backward_blocked(g, x, tw, ids, weights, expert_map, activation=activation,
                                         on_input=on_input, gne=gne, block_m=bm, cdt=cdt or jnp.float32)
@@ -138,8 +136,8 @@ def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activ
     """:func:`wna16_jax.moe.fused_moe` with a memory-lean VJP (see the module docstring).
 
     ``executor`` as in :func:`~wna16_jax.moe.fused_moe`: where the forward runs on the Pallas
-    engine, so does the backward (:func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles_bwd`,
-    transposed access to the packed tiles).
+    engine, so does the backward (the Triton-lowered engine's transposed access to the packed tiles,
+    :func:`pallas_kernels.fused_moe_tiles.fused_moe_tiles_bwd`; a wgmma layout is re-laid as tiles).
 
     Differentiable in ``hidden_states`` and ``topk_weights`` (hence in a router through the
     routing functions); the quantized ``weights`` are frozen (zero cotangents).

@@ -281,7 +281,7 @@ class BackendSpec:
     executes_on: str                      # what runs the layout in this project
     supports_fn: Check
     convert_path: str | None              # "module:function" of the converter (lazy import)
-    engine_path: str | None = None        # "module:function": layout converter of the GPU engine
+    engines: tuple[str, ...] = ()         # the GPU engines (wna16_jax.executors) that prepare this row
 
     def supports(self, scheme: QuantScheme, device: Device | None = None, **request: Any) -> str | None:
         """``None`` if this backend serves ``scheme`` on ``device``, else the reason it does not."""
@@ -345,66 +345,56 @@ class BackendSpec:
             raise UnsupportedError(f"{self.backend}: layout converter not implemented yet")
         return _jitted(fn)(scheme, weights, None if input_dtype is None else _hashable_dtype(input_dtype))
 
-    def executor_reason(self, weights: Any, device: Device | None = None, input_dtype: Any = None) -> str | None:
-        """``None`` if this row's GPU engine executes ``weights`` on ``device``, else why not
-        (then the row's layout runs on the XLA executor)."""
-        dev = device or Device.current()
-        if self.engine_path is None:
-            return f"{self.backend} has no GPU engine in this project; its executor is {self.executes_on}"
-        if not dev.is_nvidia:
-            return f"the Pallas engine needs an NVIDIA GPU, not {dev.describe()}"
-        if input_dtype is not None and _dtype_name(input_dtype) not in (None, "bfloat16", "float16"):
-            return f"the engine takes 16-bit activations, not {_dtype_name(input_dtype)}"
-        from pallas_kernels.fused_moe_tiles import engine_unsupported_reason
+    def _engines(self):
+        from . import executors
 
-        return engine_unsupported_reason(weights)
+        return tuple(executors.BY_NAME[n] for n in self.engines)
+
+    def executor_reason(self, weights: Any, device: Device | None = None, input_dtype: Any = None) -> str | None:
+        """``None`` if one of this row's GPU engines takes ``weights`` on ``device`` (then
+        :meth:`prepare` converts them into its layout), else why none does (then the row's layout
+        runs on the XLA executor)."""
+        from . import executors
+
+        if not self.engines:
+            return f"{self.backend} has no GPU engine in this project; its executor is {self.executes_on}"
+        ex, refused = executors.preparing_engine(weights, device or Device.current(), input_dtype, self._engines())
+        return None if ex is not None else "; ".join(f"{n}: {r}" for n, r in refused)
 
     def wgmma_reason(self, weights: Any, device: Device | None = None) -> str | None:
         """``None`` if :meth:`prepare` lays ``weights`` out for the wgmma kernels on ``device``
         (MARLIN on a Hopper GPU, 4-bit, group 128 or channelwise), else why the engine's tile
         layout (Triton-lowered kernels) is used instead. ``WNA16_JAX_GPU_KERNELS=triton`` (or
         ``wgmma``) forces the choice; ``wgmma`` still needs a layer the wgmma kernels take."""
-        forced = forced_gpu_kernels()
-        if self.engine_path is None:
-            return f"{self.backend} has no GPU engine in this project"
-        if forced == "triton":
-            return "WNA16_JAX_GPU_KERNELS=triton"
-        if self.backend is not Backend.MARLIN:
-            return f"{self.backend}: the batched-experts format runs on the Triton-lowered kernels"
-        from pallas_kernels.wgmma_w4a16 import wgmma_device_reason, wgmma_unsupported_reason
+        from . import executors
 
-        return wgmma_device_reason(device or Device.current()) or wgmma_unsupported_reason(weights)
+        if "wgmma" not in self.engines:
+            return (f"{self.backend}: the batched-experts format runs on the Triton-lowered kernels" if self.engines
+                    else f"{self.backend} has no GPU engine in this project")
+        return executors.WGMMA.prepares(weights, device or Device.current())
 
     def prepare(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None,
                 device: Device | None = None) -> Any:
         """The layout this row's executor reads on ``device``, converted once ahead of time.
 
-        MARLIN on a Hopper GPU, 4-bit with group 128 or channelwise scales: the wgmma kernels'
-        layout (:class:`pallas_kernels.wgmma_w4a16.WgmmaWeights`, faster than the Triton-lowered
-        kernels at most measured rows: ``docs/journal/results-history.md``); see :meth:`wgmma_reason`.
-        MARLIN / BATCHED_MARLIN on other NVIDIA GPUs and for the other configurations the engine
-        takes: the engine's kernel-native tile layout
-        (:class:`pallas_kernels.fused_moe_tiles.TileWeights`; ``docs/journal/notes.md`` measures it
-        against re-laying the Marlin layout on every call). Everywhere else, and for
-        configurations outside the engine: :meth:`convert` (the backend's own layout).
-        """
+        The row's GPU engines (MARLIN: the wgmma engine, then the Triton-lowered one;
+        BATCHED_MARLIN: the Triton-lowered one) are asked in that order
+        (:func:`wna16_jax.executors.preparing_engine`): the first that takes the layer converts
+        it into its own layout — the wgmma layout on a Hopper GPU for 4-bit layers with group-128
+        or channelwise scales (faster than the Triton-lowered kernels at most measured rows:
+        ``docs/journal/results-history.md``), else the engine's tile layout. Everywhere else, and
+        for configurations outside the engines: :meth:`convert` (the backend's own layout), which
+        the XLA executor runs. ``WNA16_JAX_GPU_KERNELS`` narrows the engines asked."""
+        from . import executors
+
         dev = device or Device.current()
-        if self.backend is Backend.LOADER:
+        if self.backend is Backend.LOADER or not self.engines:
             return self.convert(scheme, weights, input_dtype)
-        if self.executor_reason(weights, dev, input_dtype) is None:
-            import jax
-
-            if self.wgmma_reason(weights, dev) is None:
-                from pallas_kernels.wgmma_w4a16 import convert_wgmma
-
-                import jax.numpy as jnp
-
-                dt = jnp.float16 if input_dtype is not None and jnp.dtype(input_dtype) == jnp.float16 else jnp.bfloat16
-                return jax.jit(convert_wgmma, static_argnums=1)(weights, dt)
-            if forced_gpu_kernels() == "wgmma":
-                raise UnsupportedError(f"WNA16_JAX_GPU_KERNELS=wgmma: {self.wgmma_reason(weights, dev)}")
-            module, _, fn = self.engine_path.partition(":")
-            return jax.jit(getattr(importlib.import_module(module), fn))(weights)
+        ex, refused = executors.preparing_engine(weights, dev, input_dtype, self._engines())
+        if ex is not None:
+            return ex.prepare(weights, input_dtype)
+        if executors.forced_gpu_kernels() == "wgmma" and "wgmma" in self.engines and dev.is_nvidia:
+            raise UnsupportedError(f"WNA16_JAX_GPU_KERNELS=wgmma: {dict(refused)['wgmma']}")
         return self.convert(scheme, weights, input_dtype)
 
 
@@ -425,17 +415,12 @@ def _hashable_dtype(input_dtype: Any) -> Any:
         raise ConfigError(f"input_dtype: not a dtype: {input_dtype!r}") from None
 
 
-_ENGINE_LAYOUT = "pallas_kernels.fused_moe_tiles:convert_tiles"
-#: ``WNA16_JAX_GPU_KERNELS``: which of the engine's kernels :meth:`BackendSpec.prepare` lays out for.
-GPU_KERNELS = ("auto", "wgmma", "triton")
-
-
 def forced_gpu_kernels() -> str:
-    """``WNA16_JAX_GPU_KERNELS`` (default ``"auto"``), checked against :data:`GPU_KERNELS`."""
-    forced = os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower()
-    if forced not in GPU_KERNELS:
-        raise ConfigError(f"WNA16_JAX_GPU_KERNELS: expected one of {GPU_KERNELS}, got {forced!r}")
-    return forced
+    """``WNA16_JAX_GPU_KERNELS`` (see :func:`wna16_jax.executors.forced_gpu_kernels`)."""
+    from .executors import forced_gpu_kernels as forced
+
+    return forced()
+
 
 TABLE: dict[Backend, BackendSpec] = {
     Backend.CPU: BackendSpec(
@@ -448,11 +433,11 @@ TABLE: dict[Backend, BackendSpec] = {
         Backend.MARLIN, ("gpu",), "Marlin tile layout (docs/formats.md §3)",
         "Pallas engine on NVIDIA GPUs (Hopper, 4-bit g128/channelwise: wgmma layout, Mosaic GPU kernels; "
         "otherwise kernel-native tile layout, Triton-lowered kernels), XLA decode elsewhere",
-        _supports_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
+        _supports_marlin, "wna16_jax.convert.marlin:convert_marlin", ("wgmma", "triton")),
     Backend.BATCHED_MARLIN: BackendSpec(
         Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (docs/formats.md §3, docs/moe-semantics.md §2.8)",
         "Pallas engine on NVIDIA GPUs (kernel-native tile layout), XLA decode elsewhere",
-        _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin", _ENGINE_LAYOUT),
+        _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin", ("triton",)),
     Backend.FLASHINFER_TRTLLM: BackendSpec(
         Backend.FLASHINFER_TRTLLM, ("gpu",), "MXINT4: signed int4, bf16 g32 scales, shuffled blocks (docs/formats.md §4)",
         "XLA decode (the real kernel is SM100-only)", _supports_trtllm,

@@ -96,3 +96,37 @@ def check_divisible(name: str, value: int, divisor: int, rule: str = "") -> None
     if divisor <= 0 or value % divisor != 0:
         extra = f" ({rule})" if rule else ""
         raise ShapeError(f"{name}: {value} is not a multiple of {divisor}{extra}")
+
+
+def from_kernel_error(e: Exception) -> WNA16Error:
+    """The library's error for a ``pallas_kernels`` error (same message, the matching kind)."""
+    from pallas_kernels import errors as k
+
+    kind = (ConfigError if isinstance(e, k.KernelConfigError) else ShapeError if isinstance(e, k.KernelShapeError)
+            else DTypeError if isinstance(e, k.KernelDTypeError)
+            else UnsupportedError if isinstance(e, k.KernelUnsupportedError) else ConfigError)
+    return kind(str(e))
+
+
+class kernel_errors:
+    """Context manager (and decorator) at the boundary to ``pallas_kernels``: a kernel's
+    ``KernelError`` leaves it as the matching :class:`WNA16Error`, with the same message."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, value, tb):
+        from pallas_kernels.errors import KernelError
+
+        if value is not None and isinstance(value, KernelError):
+            raise from_kernel_error(value) from None
+        return False
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with kernel_errors():
+                return fn(*args, **kwargs)
+        return wrapped

@@ -24,15 +24,15 @@ one runs is chosen statically from the sizes (see :func:`choose_formulation` and
   rows (``moe_align_block_size``), then per block dequantize its expert and run one small GEMM.
   Work ∝ T·k (+ padding); memory holds one expert at a time.
 
-On an NVIDIA GPU, layers in the MARLIN rows' layouts run on the Pallas engine instead
-(``executor="auto"``, see :func:`select_executor`): the wgmma kernels' layout
-(:class:`~pallas_kernels.wgmma_w4a16.WgmmaWeights`, which the table prepares for 4-bit layers on
-Hopper) on the Mosaic GPU wgmma kernels; the engine's kernel-native
-:class:`~pallas_kernels.fused_moe_tiles.TileWeights` (prepared on other NVIDIA GPUs and for what
-the wgmma kernels do not take: 8-bit codes, group sizes other than 128 and channelwise, the
+Which executor runs a call is the executor registry's choice (:mod:`wna16_jax.executors`,
+``executor="auto"``): on an NVIDIA GPU the wgmma kernels' layout
+(:class:`~wna16_jax.convert.wgmma.WgmmaWeights`, which the table prepares for 4-bit layers on
+Hopper) runs on the Mosaic GPU wgmma kernels; the engine's tile layout
+(:class:`~wna16_jax.convert.tiles.TileWeights`, prepared on other NVIDIA GPUs and for what the
+wgmma kernels do not take: 8-bit codes, group sizes other than 128 and channelwise, the
 batched-experts format) or vLLM's Marlin layout (re-laid per call) on the Triton-lowered
-kernels. A configuration outside the engine falls back to this XLA executor with an
-:class:`EngineFallbackWarning` that states why.
+kernels; everything else on this XLA executor. An engine layout that falls back runs here with
+an :class:`EngineFallbackWarning` that states why.
 
 ``jax.lax.ragged_dot`` is deliberately not the production path (on GPU stacks it lowers to a
 padded dense dot, ``docs/jax-ecosystem.md`` §5); :func:`fused_moe_ragged_dot` keeps it as a
@@ -51,38 +51,9 @@ from .errors import ConfigError, DTypeError, ShapeError, UnsupportedError, Value
 
 # --------------------------------------------------------------------------- activations
 
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
-
-
-def silu_and_mul(x):
-    i = x.shape[-1] // 2
-    return jax.nn.silu(x[..., :i]) * x[..., i:]
-
-
-def gelu_and_mul(x):
-    i = x.shape[-1] // 2
-    return jax.nn.gelu(x[..., :i], approximate=False) * x[..., i:]
-
-
-def gelu_tanh_and_mul(x):
-    i = x.shape[-1] // 2
-    return jax.nn.gelu(x[..., :i], approximate=True) * x[..., i:]
-
-
-def swigluoai_and_mul(x, alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT):
-    """gpt-oss SwiGLU on interleaved columns: gate = even, up = odd."""
-    g = jnp.minimum(x[..., 0::2], limit)
-    u = jnp.clip(x[..., 1::2], -limit, limit)
-    return (u + 1.0) * g * jax.nn.sigmoid(alpha * g)
-
-
-ACTIVATIONS: dict[str, Callable] = {
-    "silu": silu_and_mul,
-    "gelu": gelu_and_mul,
-    "gelu_tanh": gelu_tanh_and_mul,
-    "swigluoai": swigluoai_and_mul,
-}
+from pallas_kernels.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,  # noqa: E402,F401
+                                        gelu_and_mul, gelu_tanh_and_mul, silu_and_mul, swigluoai_and_mul)
+from pallas_kernels.align import vllm_block_m as default_block_m  # noqa: E402
 
 
 def check_activation(activation: str) -> Callable:
@@ -216,15 +187,6 @@ def choose_formulation(num_tokens: int, top_k: int, num_experts: int, platform: 
     return "blocked"
 
 
-def default_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """vLLM's rule: the first of 8..64 with (T·k/E)/block_m < 0.9."""
-    avg = num_tokens * top_k / max(num_experts, 1)
-    for bm in (8, 16, 32, 48, 64):
-        if avg / bm < 0.9:
-            return bm
-    return 64
-
-
 # --------------------------------------------------------------------------- formulations
 
 
@@ -310,9 +272,6 @@ def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_nu
 
 # --------------------------------------------------------------------------- executors
 
-EXECUTORS = ("auto", "xla", "pallas")
-
-
 class EngineFallbackWarning(UserWarning):
     """A layer the GPU engine would run went to the XLA executor; the message says why."""
 
@@ -320,78 +279,12 @@ class EngineFallbackWarning(UserWarning):
 _WARNED: set[str] = set()
 
 
-def _engine_layout(weights) -> bool:
-    """Layouts the Pallas engine executes: its tile layout, the wgmma kernels' layout (Hopper)
-    and the Marlin layout."""
-    from .convert.marlin import MarlinWeights
+def _warn_fallback(weights, choice) -> None:
+    from . import executors
 
-    try:
-        from pallas_kernels.fused_moe_tiles import TileWeights
-        from pallas_kernels.wgmma_w4a16 import WgmmaWeights
-    except ImportError:  # pragma: no cover - the package ships both
-        return False
-    return isinstance(weights, (TileWeights, WgmmaWeights, MarlinWeights))
-
-
-def _is_wgmma(weights) -> bool:
-    from pallas_kernels.wgmma_w4a16 import WgmmaWeights
-
-    return isinstance(weights, WgmmaWeights)
-
-
-def engine_reason(weights, hidden_dtype, *, platform: str | None = None, formulation: str | None = None,
-                  compute_dtype=None) -> str | None:
-    """Why the Pallas engine cannot run this call (``None``: it can)."""
-    from .backends import Device
-
-    platform = platform or jax.default_backend()
-    if platform != "gpu" or not Device.current().is_nvidia:
-        return f"the Pallas engine needs an NVIDIA GPU (default backend: {platform})"
-    if not _engine_layout(weights):
-        return (f"{type(weights).__name__} is not a MARLIN-row layout (the engine reads its tile layout, "
-                f"the wgmma layout or the Marlin layout)")
-    from pallas_kernels.fused_moe_tiles import engine_unsupported_reason
-
-    if _is_wgmma(weights):
-        from pallas_kernels.wgmma_w4a16 import wgmma_device_reason
-
-        reason = wgmma_device_reason(Device.current())
-        if reason:
-            return f"{reason} (these weights were prepared in the wgmma layout for a Hopper GPU)"
-    if formulation is not None:
-        return f"formulation={formulation!r} names an XLA formulation"
-    if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.dtype(hidden_dtype):
-        return (f"compute_dtype={jnp.dtype(compute_dtype).name} differs from the activations "
-                f"({jnp.dtype(hidden_dtype).name}); the engine computes in the activation dtype")
-    if getattr(weights, "is_a_8bit", False) or getattr(weights, "input_dtype", None) not in (
-            None, "bfloat16", "float16"):
-        return (f"Marlin layout prepared for {getattr(weights, 'input_dtype', None) or 'int8'} activations "
-                f"(the engine takes 16-bit activations)")
-    return engine_unsupported_reason(weights, hidden_dtype)
-
-
-def select_executor(weights, hidden_dtype, *, executor: str = "auto", platform: str | None = None,
-                    formulation: str | None = None, compute_dtype=None) -> tuple[str, str | None]:
-    """``("pallas", None)`` or ``("xla", reason)`` for one call (``reason`` is None when the
-    layout simply has no other executor). ``executor="pallas"`` raises
-    :class:`UnsupportedError` with the reason instead of falling back."""
-    if executor not in EXECUTORS:
-        raise ConfigError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
-    if executor == "xla":
-        return "xla", None
-    reason = engine_reason(weights, hidden_dtype, platform=platform, formulation=formulation,
-                           compute_dtype=compute_dtype)
-    if reason is None:
-        return "pallas", None
-    if executor == "pallas":
-        raise UnsupportedError(f"executor='pallas': {reason}")
-    return "xla", reason
-
-
-def _warn_fallback(weights, reason: str) -> None:
-    platform = jax.default_backend()
-    if platform != "gpu" or not _engine_layout(weights):
+    if not executors.fallback_warning_applies(weights, choice):
         return            # not an engine layout on an engine platform: XLA is its executor
+    reason = choice.reason
     if reason not in _WARNED:
         _WARNED.add(reason)
         import warnings
@@ -412,13 +305,17 @@ def _resolve_options(hidden_states, topk_weights, topk_ids, weights, *, activati
     Runs outside any compiled program, so the checks that need concrete values (``topk_ids`` and
     ``expert_map`` ranges) run whenever the arguments are concrete. Returns ``(options, reason)``:
     ``options`` the hashable static keyword arguments of :func:`_fused_moe_jit` (the executor
-    resolved to ``"xla"`` or ``"pallas"``, ``compute_dtype`` as a dtype name), ``reason`` why an
-    engine layout falls back to XLA (or ``None``).
+    resolved to the registry's name: ``"wgmma"``, ``"triton"`` or ``"xla"``; ``compute_dtype`` as a
+    dtype name), ``choice`` the registry's :class:`~wna16_jax.executors.Choice` (with the reasons
+    of the executors that refused).
     """
+    from . import executors
+
     check_activation(activation)
     gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
-    which, reason = select_executor(weights, hidden_states.dtype, executor=executor, formulation=formulation,
-                                    compute_dtype=compute_dtype)
+    choice = executors.select(weights, hidden_states.dtype, executor=executor, formulation=formulation,
+                              compute_dtype=compute_dtype)
+    which = choice.executor.name
     if which == "xla" and formulation is not None and formulation not in FORMULATIONS:
         raise ConfigError(f"formulation: expected one of {FORMULATIONS}, got {formulation!r}")
     options = dict(activation=activation, apply_router_weight_on_input=bool(apply_router_weight_on_input),
@@ -426,7 +323,7 @@ def _resolve_options(hidden_states, topk_weights, topk_ids, weights, *, activati
                    block_m=None if block_m is None else int(block_m),
                    compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype).name,
                    executor=which)
-    return options, reason
+    return options, choice
 
 
 def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, *, activation,
@@ -436,18 +333,12 @@ def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, 
     act = check_activation(activation)
     gne = global_num_experts
     t, k = topk_ids.shape
-    if executor == "pallas" and _is_wgmma(weights):
-        from pallas_kernels.wgmma_w4a16 import fused_moe_wgmma
+    if executor != "xla":
+        from .executors import BY_NAME
 
-        return fused_moe_wgmma(hidden_states, topk_weights, topk_ids, weights, activation=activation,
-                               apply_router_weight_on_input=apply_router_weight_on_input,
-                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
-    if executor == "pallas":
-        from pallas_kernels.fused_moe_tiles import convert_tiles, fused_moe_tiles
-
-        return fused_moe_tiles(hidden_states, topk_weights, topk_ids, convert_tiles(weights),
-                               activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
-                               expert_map=expert_map, global_num_experts=gne, block_m=block_m)
+        return BY_NAME[executor].run(hidden_states, topk_weights, topk_ids, weights, expert_map, activation=activation,
+                                     apply_router_weight_on_input=apply_router_weight_on_input,
+                                     global_num_experts=gne, block_m=block_m)
     if formulation is None:
         formulation = choose_formulation(t, k, weights.num_experts)
     cdt = jnp.dtype(compute_dtype or jnp.float32)
@@ -502,10 +393,11 @@ def fused_moe(
     ``jax.jit`` they cannot be checked, and the affected tokens' outputs are NaN (never a
     silently plausible value).
 
-    ``executor``: ``"auto"`` runs the Pallas engine where :func:`select_executor` allows (an
-    NVIDIA GPU, a MARLIN-row layout, 16-bit activations) and the XLA executor otherwise — with an
-    :class:`EngineFallbackWarning` naming the reason when an engine layout on a GPU falls back;
-    ``"xla"`` / ``"pallas"`` force one (``"pallas"`` raises :class:`UnsupportedError` if it cannot).
+    ``executor``: ``"auto"`` runs the first executor of the registry that supports the call
+    (:func:`wna16_jax.executors.select`: the wgmma engine, the Triton-lowered engine, XLA) — with
+    an :class:`EngineFallbackWarning` naming the reasons when an engine layout on a GPU falls back;
+    ``"pallas"`` one of the engines (:class:`UnsupportedError` with every reason if none can), or
+    one executor by name (``"wgmma"``, ``"triton"``, ``"xla"``).
     ``formulation`` (``"gather"``, ``"dense"``, ``"blocked"``, XLA executor) overrides the static
     choice; ``compute_dtype`` (XLA executor) defaults to float32 (dequantization is exact in float32).
 
@@ -530,13 +422,13 @@ def fused_moe(
     ``TypeError`` before ``fused_moe`` runs). Under an enclosing trace the range checks of
     ``topk_ids`` cannot run (see above).
     """
-    options, reason = _resolve_options(
+    options, choice = _resolve_options(
         hidden_states, topk_weights, topk_ids, weights, activation=activation,
         apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
         global_num_experts=global_num_experts, formulation=formulation, block_m=block_m,
         compute_dtype=compute_dtype, executor=executor)
-    if reason:
-        _warn_fallback(weights, reason)
+    if choice.refused:
+        _warn_fallback(weights, choice)
     return _fused_moe_jit(hidden_states, topk_weights, topk_ids, weights, expert_map, **options)
 
 
@@ -577,10 +469,10 @@ def fused_moe_ragged_dot(hidden_states, topk_weights, topk_ids, weights, *, acti
 def _batched_experts_body(batched_hidden, expert_num_tokens, weights, *, activation, compute_dtype, executor):
     """The traced body of :func:`batched_experts_forward` (static options resolved)."""
     act = check_activation(activation)
-    if executor == "pallas":
-        from pallas_kernels.fused_moe_tiles import batched_experts_tiles, convert_tiles
+    if executor != "xla":
+        from .executors import BY_NAME
 
-        return batched_experts_tiles(batched_hidden, expert_num_tokens, convert_tiles(weights), activation=activation)
+        return BY_NAME[executor].batched(batched_hidden, expert_num_tokens, weights, activation=activation)
     e, m, _ = batched_hidden.shape
     cdt = jnp.dtype(compute_dtype or jnp.float32)
 
@@ -621,12 +513,16 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
                          f"got {tuple(batched_hidden.shape)}")
     if tuple(expert_num_tokens.shape) != (e,):
         raise ShapeError(f"expert_num_tokens: expected shape ({e},), got {tuple(expert_num_tokens.shape)}")
-    which, reason = select_executor(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype)
-    if reason:
-        _warn_fallback(weights, reason)
+    from . import executors
+
+    # the batched-experts format (BATCHED_MARLIN) has no wgmma form
+    choice = executors.select(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype,
+                              among=(executors.TRITON, executors.XLA))
+    if choice.refused:
+        _warn_fallback(weights, choice)
     return _batched_experts_jit(batched_hidden, expert_num_tokens, weights, activation=activation,
                                 compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype).name,
-                                executor=which)
+                                executor=choice.executor.name)
 
 
 def _shared_expert_body(hidden_states, weights, gate, expert_map, **options):
@@ -653,13 +549,13 @@ def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, *
     t = hidden_states.shape[0] if getattr(hidden_states, "ndim", 0) >= 1 else 0
     ids = np.zeros((t, 1), np.int32)               # host arrays: checked without a device program
     w = np.ones((t, 1), np.float32)
-    options, reason = _resolve_options(hidden_states, w, ids, weights, activation=activation, **kw)
-    if reason:
-        _warn_fallback(weights, reason)
+    options, choice = _resolve_options(hidden_states, w, ids, weights, activation=activation, **kw)
+    if choice.refused:
+        _warn_fallback(weights, choice)
     return _shared_expert_jit(hidden_states, weights, gate, kw.get("expert_map"), **options)
 
 
 __all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward",
            "validate_moe_inputs", "expert_biases", "dot_f32", "check_activation", "expert_gemm1",
            "expert_gemm2", "ACTIVATIONS", "FORMULATIONS",
-           "choose_formulation", "default_block_m", "STATIC_OPTIONS"]
+           "choose_formulation", "default_block_m", "STATIC_OPTIONS", "EngineFallbackWarning"]

@@ -1,0 +1,320 @@
+"""The executor registry: who runs a MoE layer, and who can run which layout on which device.
+
+Each executor is one object with ``supports(weights, device, ...) -> reason | None`` (can it run
+these weights, as they are, on that device) and a call. :data:`REGISTRY` lists them in order of
+preference — the wgmma engine (Hopper, Mosaic GPU), the Triton-lowered engine (NVIDIA GPUs),
+the XLA executor (everywhere; every layout has an XLA decode) — and :func:`select` walks it: the
+first that supports the layer runs it, and the reasons of those that refused travel with the
+choice (``fused_moe`` warns with them where an engine's own layout fell back).
+
+The dispatch table's :meth:`~wna16_jax.backends.BackendSpec.prepare` walks the same registry the
+other way round: for a MARLIN-row layer on an NVIDIA GPU, the first engine whose
+``prepares(weights, device)`` passes converts the loader layout into its own layout once, ahead
+of time; otherwise the row's own layout runs on the XLA executor.
+
+The engines adapt this library's weight pytrees to the kernels of the leaf package
+``pallas_kernels`` (arrays and a config in, arrays out) and turn the kernels' errors into
+``WNA16Error`` subclasses at that boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import jax
+import jax.numpy as jnp
+
+from .errors import ConfigError, UnsupportedError, kernel_errors
+
+_ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+#: ``WNA16_JAX_GPU_KERNELS``: which engine :meth:`BackendSpec.prepare` lays MARLIN layers out for.
+GPU_KERNELS = ("auto", "wgmma", "triton")
+
+
+def forced_gpu_kernels() -> str:
+    """``WNA16_JAX_GPU_KERNELS`` (default ``"auto"``), checked against :data:`GPU_KERNELS`."""
+    forced = os.environ.get("WNA16_JAX_GPU_KERNELS", "auto").lower()
+    if forced not in GPU_KERNELS:
+        raise ConfigError(f"WNA16_JAX_GPU_KERNELS: expected one of {GPU_KERNELS}, got {forced!r}")
+    return forced
+
+
+def _device(device=None):
+    from .backends import Device
+
+    return device or Device.current()
+
+
+def _nvidia_reason(device) -> str | None:
+    if not device.is_nvidia:
+        return f"the Pallas engine needs an NVIDIA GPU, not {device.describe()}"
+    return None
+
+
+def _call_reason(hidden_dtype, formulation, compute_dtype) -> str | None:
+    """What an engine refuses about the call itself (not the layout or the device)."""
+    if formulation is not None:
+        return f"formulation={formulation!r} names an XLA formulation"
+    if hidden_dtype is not None and jnp.dtype(hidden_dtype) not in _ENGINE_DTYPES:
+        return (f"activations are {jnp.dtype(hidden_dtype).name}; the engine's tensor-core GEMMs take "
+                f"bfloat16/float16 (the XLA executor computes float32 exactly)")
+    if compute_dtype is not None and hidden_dtype is not None and jnp.dtype(compute_dtype) != jnp.dtype(hidden_dtype):
+        return (f"compute_dtype={jnp.dtype(compute_dtype).name} differs from the activations "
+                f"({jnp.dtype(hidden_dtype).name}); the engine computes in the activation dtype")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Executor:
+    """One way to run a layer. ``layouts()``: the weight classes it reads (``None``: any)."""
+
+    name: str
+    description: str
+
+    def layouts(self) -> tuple[type, ...] | None:
+        return None
+
+    def reads(self, weights) -> bool:
+        layouts = self.layouts()
+        return layouts is None or isinstance(weights, layouts)
+
+    def supports(self, weights, device=None, *, hidden_dtype=None, formulation=None,
+                 compute_dtype=None) -> str | None:
+        raise NotImplementedError
+
+    def prepares(self, weights, device=None, input_dtype=None) -> str | None:
+        """Why this executor does not take ``weights`` (loader or MARLIN-row layout) to convert
+        into its own layout on ``device`` (``None``: it does)."""
+        return f"{self.name} converts nothing"
+
+    def prepare(self, weights, input_dtype=None):
+        raise UnsupportedError(f"{self.name}: converts nothing")
+
+    def run(self, x, topk_weights, topk_ids, weights, expert_map, *, activation, apply_router_weight_on_input,
+            global_num_experts, block_m):
+        raise NotImplementedError
+
+
+class XLAExecutor(Executor):
+    """Dequantizes on the fly in XLA; runs every layout on every platform."""
+
+    def supports(self, weights, device=None, **_):
+        return None
+
+    def run(self, *args, **kwargs):                  # the formulations live in wna16_jax.moe
+        raise NotImplementedError("the XLA executor runs inside wna16_jax.moe")
+
+
+class WgmmaEngine(Executor):
+    """The Hopper wgmma kernels (Mosaic GPU) on :class:`~wna16_jax.convert.wgmma.WgmmaWeights`."""
+
+    def layouts(self):
+        from .convert.wgmma import WgmmaWeights
+
+        return (WgmmaWeights,)
+
+    def supports(self, weights, device=None, *, hidden_dtype=None, formulation=None, compute_dtype=None):
+        from pallas_kernels.device import wgmma_device_reason
+
+        dev = _device(device)
+        if not self.reads(weights):
+            return f"{type(weights).__name__} is not the wgmma layout"
+        reason = _nvidia_reason(dev) or wgmma_device_reason(dev.compute_capability, dev.describe())
+        if reason:
+            return f"{reason} (these weights were prepared in the wgmma layout for a Hopper GPU)"
+        return _call_reason(hidden_dtype, formulation, compute_dtype)
+
+    def prepares(self, weights, device=None, input_dtype=None):
+        from pallas_kernels.device import wgmma_device_reason
+
+        from .convert.marlin import MarlinWeights
+        from .convert.wgmma import wgmma_unsupported_reason
+
+        dev = _device(device)
+        forced = forced_gpu_kernels()
+        if forced == "triton":
+            return "WNA16_JAX_GPU_KERNELS=triton"
+        if isinstance(weights, MarlinWeights) and getattr(weights, "is_a_8bit", False):
+            return "a Marlin layout prepared for 8-bit activations"
+        return (_nvidia_reason(dev) or wgmma_device_reason(dev.compute_capability, dev.describe())
+                or _input_reason(input_dtype) or wgmma_unsupported_reason(weights))
+
+    def prepare(self, weights, input_dtype=None):
+        from .convert.wgmma import convert_wgmma
+
+        dt = jnp.float16 if input_dtype is not None and jnp.dtype(input_dtype) == jnp.float16 else jnp.bfloat16
+        return jax.jit(convert_wgmma, static_argnums=1)(weights, dt)
+
+    @kernel_errors()
+    def run(self, x, topk_weights, topk_ids, weights, expert_map, *, activation, apply_router_weight_on_input,
+            global_num_experts, block_m):
+        from pallas_kernels.wgmma_layer import fused_moe_wgmma
+
+        w13, w2 = weights.gemms()
+        return fused_moe_wgmma(x, topk_weights, topk_ids, w13, w2, interleaved=weights.w13_interleaved,
+                               activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                               expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m)
+
+
+def _input_reason(input_dtype) -> str | None:
+    if input_dtype is None:
+        return None
+    from .backends import _dtype_name
+
+    name = _dtype_name(input_dtype)
+    return None if name in (None, "bfloat16", "float16") else f"the engine takes 16-bit activations, not {name}"
+
+
+class TritonEngine(Executor):
+    """The Triton-lowered Pallas kernels on the tile layout (:class:`~wna16_jax.convert.tiles.TileWeights`),
+    or on vLLM's Marlin layout re-laid as tiles on every call; every NVIDIA GPU from SM75."""
+
+    def layouts(self):
+        from .convert.marlin import MarlinWeights
+        from .convert.tiles import TileWeights
+
+        return (TileWeights, MarlinWeights)
+
+    def supports(self, weights, device=None, *, hidden_dtype=None, formulation=None, compute_dtype=None):
+        from .convert.tiles import TileWeights, tile_unsupported_reason
+
+        dev = _device(device)
+        reason = _nvidia_reason(dev)
+        if reason:
+            return reason
+        if not self.reads(weights):
+            return (f"{type(weights).__name__} is not a MARLIN-row layout (the engine reads its tile layout, "
+                    f"the wgmma layout or the Marlin layout)")
+        if getattr(weights, "is_a_8bit", False) or getattr(weights, "input_dtype", None) not in (
+                None, "bfloat16", "float16"):
+            return (f"Marlin layout prepared for {getattr(weights, 'input_dtype', None) or 'int8'} activations "
+                    f"(the engine takes 16-bit activations)")
+        reason = _call_reason(hidden_dtype, formulation, compute_dtype)
+        if reason:
+            return reason
+        return None if isinstance(weights, TileWeights) else tile_unsupported_reason(weights)
+
+    def prepares(self, weights, device=None, input_dtype=None):
+        from .convert.tiles import tile_unsupported_reason
+
+        dev = _device(device)
+        if forced_gpu_kernels() == "wgmma":
+            return "WNA16_JAX_GPU_KERNELS=wgmma"
+        return _nvidia_reason(dev) or _input_reason(input_dtype) or tile_unsupported_reason(weights)
+
+    def prepare(self, weights, input_dtype=None):
+        from .convert.tiles import convert_tiles
+
+        return jax.jit(convert_tiles)(weights)
+
+    @staticmethod
+    def tiles(weights):
+        from .convert.tiles import convert_tiles
+
+        return convert_tiles(weights)
+
+    @kernel_errors()
+    def run(self, x, topk_weights, topk_ids, weights, expert_map, *, activation, apply_router_weight_on_input,
+            global_num_experts, block_m):
+        from pallas_kernels.fused_moe_tiles import fused_moe_tiles
+
+        tw = self.tiles(weights)
+        w13, w2 = tw.gemms()
+        return fused_moe_tiles(x, topk_weights, topk_ids, w13, w2, bits=tw.bits, group_size=tw.group_size,
+                               activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                               expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m)
+
+    @kernel_errors()
+    def batched(self, batched_hidden, expert_num_tokens, weights, *, activation):
+        from pallas_kernels.fused_moe_tiles import batched_experts_tiles
+
+        tw = self.tiles(weights)
+        w13, w2 = tw.gemms()
+        return batched_experts_tiles(batched_hidden, expert_num_tokens, w13, w2, bits=tw.bits,
+                                     group_size=tw.group_size, activation=activation)
+
+    @kernel_errors()
+    def backward(self, g, x, topk_weights, topk_ids, weights, expert_map, *, activation,
+                 apply_router_weight_on_input, global_num_experts, block_m):
+        """``(dx, dtw)`` on the transposed-access kernels (a wgmma layout re-laid as tiles, bit-exactly)."""
+        from pallas_kernels.fused_moe_tiles import fused_moe_tiles_bwd
+
+        tw = self.tiles(weights)
+        w13, w2 = tw.gemms()
+        return fused_moe_tiles_bwd(g, x, topk_weights, topk_ids, w13, w2, bits=tw.bits, group_size=tw.group_size,
+                                   activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+                                   expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m)
+
+
+WGMMA = WgmmaEngine("wgmma", "Mosaic GPU wgmma kernels (Hopper)")
+TRITON = TritonEngine("triton", "Triton-lowered Pallas kernels (NVIDIA GPUs)")
+XLA = XLAExecutor("xla", "XLA dequantize-on-the-fly executor (every platform)")
+
+#: the executors in order of preference; the last (XLA) supports everything
+REGISTRY: tuple[Executor, ...] = (WGMMA, TRITON, XLA)
+ENGINES: tuple[Executor, ...] = (WGMMA, TRITON)
+BY_NAME: dict[str, Executor] = {ex.name: ex for ex in REGISTRY}
+
+#: ``fused_moe``'s ``executor=``: "auto" walks the registry, "pallas" the engines only (an error
+#: where none supports the call), or one executor by name
+EXECUTOR_CHOICES = ("auto", "pallas", *BY_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The executor that runs a call, and why each executor before it refused."""
+
+    executor: Executor
+    refused: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def reason(self) -> str | None:
+        """The refusals in one line (``None`` when the first executor ran it)."""
+        return "; ".join(f"{n}: {r}" for n, r in self.refused) or None
+
+
+def select(weights, hidden_dtype=None, *, executor: str = "auto", device=None, formulation=None,
+           compute_dtype=None, among: tuple[Executor, ...] = REGISTRY) -> Choice:
+    """The first executor of ``among`` (default :data:`REGISTRY`; ``executor="auto"``), of its
+    engines (``"pallas"``: an :class:`UnsupportedError` with every reason when none can), or the
+    one named, that supports this call."""
+    if executor not in EXECUTOR_CHOICES:
+        raise ConfigError(f"executor: expected one of {EXECUTOR_CHOICES}, got {executor!r}")
+    dev = _device(device)
+    candidates = (among if executor == "auto" else tuple(ex for ex in among if ex in ENGINES) if executor == "pallas"
+                  else (BY_NAME[executor],))
+    refused = []
+    for ex in candidates:
+        reason = ex.supports(weights, dev, hidden_dtype=hidden_dtype, formulation=formulation,
+                             compute_dtype=compute_dtype)
+        if reason is None:
+            return Choice(ex, tuple(refused))
+        refused.append((ex.name, reason))
+    lines = "; ".join(f"{n}: {r}" for n, r in refused)
+    raise UnsupportedError(f"executor={executor!r}: {lines}")
+
+
+def fallback_warning_applies(weights, choice: Choice, device=None) -> bool:
+    """Whether a fallback deserves a warning: an engine that reads this layout refused it on an
+    NVIDIA GPU (elsewhere, or for layouts no engine reads, XLA is simply the executor)."""
+    dev = _device(device)
+    refused = {n for n, _ in choice.refused}
+    return dev.is_nvidia and any(ex.name in refused and ex.reads(weights) for ex in ENGINES)
+
+
+def preparing_engine(weights, device=None, input_dtype=None, engines: tuple[Executor, ...] = ENGINES
+                     ) -> tuple[Executor | None, tuple[tuple[str, str], ...]]:
+    """The first engine that converts ``weights`` into its own layout on ``device``, and the
+    reasons of those that do not."""
+    dev = _device(device)
+    refused = []
+    for ex in engines:
+        reason = ex.prepares(weights, dev, input_dtype)
+        if reason is None:
+            return ex, tuple(refused)
+        refused.append((ex.name, reason))
+    return None, tuple(refused)
+
+
+__all__ = ["BY_NAME", "Choice", "ENGINES", "EXECUTOR_CHOICES", "Executor", "GPU_KERNELS", "REGISTRY", "TRITON",
+           "WGMMA", "XLA", "fallback_warning_applies", "forced_gpu_kernels", "preparing_engine", "select"]
