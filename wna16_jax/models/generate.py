@@ -159,9 +159,10 @@ class Generator:
 
     # ------------------------------------------------------------------ running
     def stream(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-               key=None, stop_tokens: Sequence[int] = ()) -> Iterator[np.ndarray]:
+               key=None, stop_tokens: Sequence[int] = (), with_logits: bool = False) -> Iterator[np.ndarray]:
         """Yield, per step, the new token of every prompt (``int64 [len(prompts)]``, ``-1`` for a
-        sequence already finished) as soon as it is on the host."""
+        sequence already finished) as soon as it is on the host; with ``with_logits``, the pair
+        ``(tokens, logits)`` with the float32 logits ``[len(prompts), V]`` the tokens were chosen from."""
         ids = self.check_request(prompts, max_new_tokens, temperature, top_p, key, stop_tokens)
         n, b = len(ids), self.batch_size
         lengths = np.ones((b,), np.int32)
@@ -176,8 +177,8 @@ class Generator:
         stop = np.asarray(list(stop_tokens), np.int64)
         graphdef, state = nnx.split(self.model)
         decode = _decode if jax.default_backend() == "cpu" else _decode_donating
-        tok, _, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp,
-                                 max_len=self.max_len, sample=sample)
+        tok, logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp,
+                                      max_len=self.max_len, sample=sample)
         positions = jnp.asarray(lengths)
         done = np.zeros((n,), bool)
         for step in range(1, max_new_tokens + 1):
@@ -189,10 +190,10 @@ class Generator:
             host = np.asarray(tok)[:n].astype(np.int64)
             out = np.where(done, -1, host)
             done = done | np.isin(host, stop)
-            yield out
+            yield (out, np.asarray(logits)[:n]) if with_logits else out
             if done.all() or nxt is None:
                 return
-            tok, _, cache = nxt
+            tok, logits, cache = nxt
 
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  key=None, stop_tokens: Sequence[int] = (),

@@ -1,0 +1,576 @@
+"""Whole quantized MoE decoders (``wna16_jax.models``) against the real tools' checkpoints.
+
+The fixtures (``tests/fixtures/quantizers/<case>/``, see ``tools/quantizer_fixtures/README.md``)
+are tiny Qwen3-MoE and Mixtral models written by llm-compressor, AutoAWQ and GPTQModel, with
+``reference.npz``: ``logits_float`` (the transformers model in float32, eager attention, on the
+dequantized weights) and ``generated_ids`` (its 32 greedy tokens). Every quantized tensor of the
+checkpoint (attention projections and experts) is read by the library; the decoder runs in
+float32, compiled. Qwen2-MoE features the fixtures lack (shared expert and its gate, dense
+``mlp_only_layers``, q/k/v biases, tied embeddings) and Mixtral's sliding window are checked
+against a float64 numpy decoder written here on a random checkpoint. No torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from wna16_jax.errors import (ConfigError, MissingTensorError, ShapeError, UnexpectedTensorError, UnsafePathError,
+                              UnsupportedError, ValueRangeError, WNA16Error)
+from wna16_jax.models import DenseLinear, QuantizedLinear, QuantizedWeight, load_model
+from wna16_jax.models.generate import Generator, choose_tokens, generate
+from wna16_jax.models.linear import QuantizedLinearWeights
+from wna16_jax.models.synthetic import write_random_model
+from wna16_jax.schemes import QuantScheme
+from wna16_jax.serving import count_compiles
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "quantizers")
+CASES = sorted(d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "reference.npz")))
+
+# Max |logits - logits_float| over the prompt, float32 compute, measured on every fixture
+# (2026-12): 4.3e-6 .. 5.2e-6 (awq-mixtral the largest), with |logits| up to ~8, i.e. a relative
+# error of ~7e-7: float32 rounding of the same float computation in a different order. The bound
+# is ten times the largest measurement. A real bug is orders of magnitude above it: the
+# sensitivity test below measures a wrong rope_theta, half-swapped rotary pairs and dropped q/k
+# norms at >= 1e-2 and requires each to exceed 100x the bound.
+LOGITS_TOL = 5e-5
+
+
+def _quiet_load(path, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model(path, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _model(case):
+    return _quiet_load(os.path.join(ROOT, case), dtype=jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _ref(case):
+    with np.load(os.path.join(ROOT, case, "reference.npz")) as z:
+        return {k: z[k] for k in z.files}
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def _logits(model, ids):
+    return np.asarray(_forward(model, jnp.asarray(np.asarray(ids, np.int32)[None])))[0]
+
+
+# --------------------------------------------------------------------------- the real checkpoints
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_quantized_tensor_is_read(case):
+    """Attention projections are QuantizedLinear (packed int32 as stored, in a QuantizedWeight,
+    not a Param); lm_head, embeddings and norms stay 16-bit Params; the model's quantized bytes
+    are the checkpoint's quantized tensors' bytes."""
+    m = _model(case)
+    attn = m.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+        assert isinstance(proj, QuantizedLinear)
+        assert isinstance(proj.weight, QuantizedWeight) and not isinstance(proj.weight, nnx.Param)
+        assert proj.weight.get_value().qweight.dtype == jnp.int32
+    assert isinstance(m.lm_head, DenseLinear)
+    assert np.dtype(m.lm_head.weight[...].dtype) in (np.float16, np.dtype(jnp.bfloat16))
+    from safetensors import safe_open
+
+    scheme = m.layers[0].self_attn.q_proj.scheme
+    dropped = set()
+    if scheme.method.value == "gptq":         # constant symmetric qzeros, trivial g_idx: not kept
+        dropped |= ({"qzeros"} if not scheme.zero_point else set()) | ({"g_idx"} if not scheme.act_order else set())
+    with safe_open(os.path.join(ROOT, case, "model.safetensors"), "np") as f:
+        stored = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." not in k
+                     and k.rsplit(".", 1)[1] in {"qweight", "qzeros", "scales", "g_idx", "weight_packed",
+                                                 "weight_scale", "weight_zero_point", "weight_g_idx"} - dropped)
+    held = sum(a.nbytes for a in jax.tree.leaves(nnx.state(m, QuantizedWeight)))
+    assert held == stored, (held, stored)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prompt_logits_match_float_reference(case):
+    ref = _ref(case)
+    got = _logits(_model(case), ref["prompt_ids"])
+    assert got.shape == ref["logits_float"].shape and np.isfinite(got).all()
+    err = float(np.abs(got - ref["logits_float"]).max())
+    assert err <= LOGITS_TOL, f"{case}: max |logits - logits_float| = {err:.3g} > {LOGITS_TOL}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_generation_matches_reference(case):
+    """32 greedy tokens through the KV cache (prefill + 31 decode steps), token for token; the
+    prefill program's last-token logits match the reference's as well."""
+    ref = _ref(case)
+    gen = Generator(_model(case), batch_size=1, max_len=64)
+    prompt = ref["prompt_ids"].tolist()
+    last = gen.prefill_logits([prompt])[0]
+    assert float(np.abs(last - ref["logits_float"][-1]).max()) <= LOGITS_TOL
+    out = gen.generate([prompt], 32)[0]
+    assert out == ref["generated_ids"].tolist(), case
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tokenizer_gives_the_stored_prompt_ids(case):
+    from wna16_jax.models.tokenizer import load_tokenizer
+
+    ref = _ref(case)
+    tok = load_tokenizer(os.path.join(ROOT, case))
+    assert tok.encode(str(ref["prompt_text"])) == ref["prompt_ids"].tolist()
+    assert tok.decode(ref["prompt_ids"]) == str(ref["prompt_text"])
+
+
+def test_logits_tolerance_catches_real_bugs():
+    """A wrong rope_theta, rotary pairs taken interleaved instead of as halves, and dropped q/k
+    norms each move the logits far beyond LOGITS_TOL."""
+    from wna16_jax.models import decoder
+
+    case = "awq-qwen3moe"
+    m, ref = _model(case), _ref(case)
+    ids = ref["prompt_ids"]
+
+    def err_with(mutate, restore):
+        mutate()
+        try:
+            graphdef, state = nnx.split(m)
+            got = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(ids[None], jnp.int32)))[0]
+        finally:
+            restore()
+        return float(np.abs(got - ref["logits_float"]).max())
+
+    attn = [layer.self_attn for layer in m.layers]
+    saved = [(a.inv_freq, a.q_norm, a.k_norm) for a in attn]
+
+    def restore():
+        for a, (f, qn, kn) in zip(attn, saved):
+            a.inv_freq, a.q_norm, a.k_norm = f, qn, kn
+
+    def theta():
+        for a in attn:
+            a.inv_freq = tuple(float(v) for v in decoder.rope_inverse_frequencies(a.head_dim, 20000.0))
+
+    def no_norms():
+        for a in attn:
+            a.q_norm = a.k_norm = None
+
+    errs = {"rope_theta x2": err_with(theta, restore), "no q/k norm": err_with(no_norms, restore)}
+    orig = decoder.apply_rope
+
+    def interleaved(x, positions, inv_freq):
+        freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+        cos, sin = jnp.cos(freqs)[:, :, None], jnp.sin(freqs)[:, :, None]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+
+    decoder.apply_rope = interleaved
+    try:
+        errs["interleaved rope"] = err_with(lambda: None, lambda: None)
+    finally:
+        decoder.apply_rope = orig
+    assert all(e > 100 * LOGITS_TOL for e in errs.values()), errs
+    assert err_with(lambda: None, lambda: None) <= LOGITS_TOL       # restored
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("case", ["gptq-descact-qwen3moe", "awq-mixtral"])
+def test_batched_prompts_of_different_lengths_equal_each_alone(case):
+    ref = _ref(case)
+    p = ref["prompt_ids"].tolist()
+    prompts = [p, p[:4], p[2:] + p[:7], [int(ref["generated_ids"][0])]]
+    m = _model(case)
+    batched = Generator(m, batch_size=6, max_len=64)          # 2 filler rows
+    together = batched.generate(prompts, 12)
+    logits_together = batched.prefill_logits(prompts)
+    alone = Generator(m, batch_size=1, max_len=64)
+    for i, q in enumerate(prompts):
+        assert together[i] == alone.generate([q], 12)[0], (case, i)
+        assert float(np.abs(logits_together[i] - alone.prefill_logits([q])[0]).max()) <= LOGITS_TOL
+    assert together[0] == ref["generated_ids"][:12].tolist()
+
+
+@pytest.mark.parametrize("case", ["ct-w4a16-qwen3moe", "gptq-mixtral"])
+def test_kv_cache_decode_equals_full_recompute(case):
+    """Every decode step's logits (cache) equal the full causal forward over prompt + tokens so
+    far (no cache), for two prompts of different lengths in one batch."""
+    ref = _ref(case)
+    m = _model(case)
+    prompts = [ref["prompt_ids"].tolist(), ref["prompt_ids"][:3].tolist()]
+    gen = Generator(m, batch_size=2, max_len=64)
+    steps = list(gen.stream(prompts, 10, with_logits=True))
+    assert len(steps) == 10
+    for i, prompt in enumerate(prompts):
+        seq = list(prompt)
+        for toks, logits in steps:
+            full = _logits(m, seq)[-1]
+            assert np.isfinite(logits[i]).all()
+            assert float(np.abs(logits[i] - full).max()) <= LOGITS_TOL, (case, i, len(seq))
+            assert int(toks[i]) == int(np.argmax(full))
+            seq.append(int(toks[i]))
+
+
+def test_sampling_is_reproducible_and_top_p_tiny_is_greedy():
+    case = "awq-qwen3moe"
+    m, ref = _model(case), _ref(case)
+    prompts = [ref["prompt_ids"].tolist(), ref["prompt_ids"][:5].tolist()]
+    gen = Generator(m, batch_size=2, max_len=64)
+    greedy = gen.generate(prompts, 16)
+    a = gen.generate(prompts, 16, temperature=1.0, top_p=0.9, key=jax.random.key(7))
+    b = gen.generate(prompts, 16, temperature=1.0, top_p=0.9, key=jax.random.key(7))
+    c = gen.generate(prompts, 16, temperature=1.0, top_p=0.9, key=jax.random.key(8))
+    assert a == b
+    assert a != c and a != greedy                       # fixed keys: deterministic, not a coin flip
+    assert gen.generate(prompts, 16, temperature=1.0, top_p=1e-6, key=jax.random.key(3)) == greedy
+    assert gen.generate(prompts, 16, temperature=1e-4, key=jax.random.key(3)) == greedy
+
+
+def test_nucleus_sampling_keeps_the_smallest_set_reaching_top_p():
+    """probabilities (0.5, 0.3, 0.15, 0.05): top_p = 0.7 keeps tokens 0 and 1 only, sampled
+    0.625 / 0.375 of the time; top_p = 1 samples all four in proportion."""
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000, jnp.float32))
+    pick = jax.jit(functools.partial(choose_tokens, sample=True))
+    got = np.asarray(pick(logits, jax.random.key(0), jnp.float32(1.0), jnp.float32(0.7)))
+    assert set(got.tolist()) == {0, 1}
+    assert abs((got == 0).mean() - 0.625) < 0.03
+    got = np.asarray(pick(logits, jax.random.key(1), jnp.float32(1.0), jnp.float32(1.0)))
+    assert np.allclose(np.bincount(got, minlength=4) / got.size, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_stop_tokens_end_each_sequence():
+    case = "gptq-asym-qwen3moe"
+    m, ref = _model(case), _ref(case)
+    greedy = ref["generated_ids"].tolist()
+    stop = greedy[5]
+    first = greedy.index(stop)
+    prompts = [ref["prompt_ids"].tolist(), ref["prompt_ids"][:4].tolist()]
+    gen = Generator(m, batch_size=2, max_len=64)
+    free = gen.generate(prompts, 20)
+    out = gen.generate(prompts, 20, stop_tokens=[stop])
+    assert out[0] == greedy[:first + 1]                  # ends with its stop token
+    other = free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1]
+    assert out[1] == other                               # the other row goes on alone
+    streamed = []
+    generate(m, [prompts[0]], 20, stop_tokens=[stop], callback=lambda step, toks: streamed.append(toks.copy()))
+    assert [int(t[0]) for t in streamed] == out[0]
+
+
+def test_compiles_are_bounded():
+    """One prefill program per length bucket and one decode program: prompts of other lengths in
+    buckets already compiled, and more tokens, compile nothing new."""
+    case = "ct-w8a16-qwen3moe"
+    m, ref = _model(case), _ref(case)
+    p = ref["prompt_ids"].tolist()
+    gen = Generator(m, batch_size=2, max_len=48, min_bucket=8)
+    assert gen.buckets == (8, 16, 32, 48)
+    gen.generate([p[:3], p], 4)                          # buckets 16 (len 10)
+    gen.generate([p[:5]], 4)                             # bucket 8
+    with count_compiles() as c:
+        for lengths in ((1, 7), (9, 12), (10,), (2, 16)):
+            gen.generate([(p * 2)[:n] for n in lengths], 6)
+    assert c.count == 0, c.count
+
+
+# --------------------------------------------------------------------------- families without a fixture
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _w(lin):
+    if isinstance(lin, QuantizedLinear):
+        w = lin.weight.get_value()
+        b = w.bias
+        return np.asarray(w.dequantize(jnp.float32), np.float64), None if b is None else np.asarray(b, np.float64)
+    b = None if lin.bias is None else np.asarray(lin.bias[...], np.float64)
+    return np.asarray(lin.weight[...], np.float64), b
+
+
+def _lin(lin, x):
+    w, b = _w(lin)
+    return x @ w.T + (0 if b is None else b)
+
+
+def _reference_logits(model, tokens):
+    """float64 numpy decoder from the model's own (dequantized) weights: HF semantics written out."""
+    c = model.config
+    x = np.asarray(model.embed_tokens[...], np.float64)[np.asarray(tokens)]
+    s = len(tokens)
+    pos = np.arange(s)
+    inv = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim))
+    ang = pos[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(v):                                      # [S, n, d]
+        half = c.head_dim // 2
+        rot = np.concatenate([-v[..., half:], v[..., :half]], -1)
+        return v * cos[:, None] + rot * sin[:, None]
+
+    for layer in model.layers:
+        a = layer.self_attn
+        hx = _rms(x, np.asarray(layer.input_layernorm.weight[...], np.float64), c.rms_norm_eps)
+        q = _lin(a.q_proj, hx).reshape(s, c.num_heads, c.head_dim)
+        k = _lin(a.k_proj, hx).reshape(s, c.num_kv_heads, c.head_dim)
+        v = _lin(a.v_proj, hx).reshape(s, c.num_kv_heads, c.head_dim)
+        if a.q_norm is not None:
+            q = _rms(q, np.asarray(a.q_norm.weight[...], np.float64), c.rms_norm_eps)
+            k = _rms(k, np.asarray(a.k_norm.weight[...], np.float64), c.rms_norm_eps)
+        q, k = rope(q), rope(k)
+        out = np.zeros((s, c.num_heads, c.head_dim))
+        group = c.num_heads // c.num_kv_heads
+        for hd in range(c.num_heads):
+            sc = q[:, hd] @ k[:, hd // group].T / np.sqrt(c.head_dim)
+            allowed = pos[None, :] <= pos[:, None]
+            if c.sliding_window is not None:
+                allowed &= pos[:, None] - pos[None, :] < c.sliding_window
+            sc = np.where(allowed, sc, -np.inf)
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            out[:, hd] = (p / p.sum(-1, keepdims=True)) @ v[:, hd // group]
+        x = x + _lin(a.o_proj, out.reshape(s, -1))
+        hx = _rms(x, np.asarray(layer.post_attention_layernorm.weight[...], np.float64), c.rms_norm_eps)
+        mlp = layer.mlp
+        if hasattr(mlp, "router"):
+            logits = hx @ np.asarray(mlp.router[...], np.float64).T
+            prob = np.exp(logits - logits.max(-1, keepdims=True))
+            prob /= prob.sum(-1, keepdims=True)
+            w13, w2 = (np.asarray(t, np.float64) for t in mlp.experts.get_value().dequantize(jnp.float32))
+            y = np.zeros_like(hx)
+            for t in range(s):
+                top = np.argsort(-prob[t], kind="stable")[:mlp.top_k]
+                wts = prob[t, top] / (prob[t, top].sum() if mlp.renormalize else 1.0)
+                for e, wt in zip(top, wts):
+                    hh = w13[e] @ hx[t]
+                    i = hh.shape[0] // 2
+                    y[t] += wt * (w2[e] @ (hh[:i] / (1 + np.exp(-hh[:i])) * hh[i:]))
+            if mlp.shared_experts is not None:
+                s13, s2 = (np.asarray(t, np.float64)[0] for t in mlp.shared_experts.get_value().dequantize(jnp.float32))
+                hh = hx @ s13.T
+                i = hh.shape[1] // 2
+                sh = (hh[:, :i] / (1 + np.exp(-hh[:, :i])) * hh[:, i:]) @ s2.T
+                g = 1 / (1 + np.exp(-(hx @ np.asarray(mlp.shared_expert_gate[...], np.float64).T)))
+                y = y + g * sh
+        else:
+            g, u = _lin(mlp.gate_proj, hx), _lin(mlp.up_proj, hx)
+            y = _lin(mlp.down_proj, g / (1 + np.exp(-g)) * u)
+        x = x + y
+    x = _rms(x, np.asarray(model.norm.weight[...], np.float64), c.rms_norm_eps)
+    head = np.asarray(model.embed_tokens[...], np.float64) if model.lm_head is None else _w(model.lm_head)[0]
+    return x @ head.T
+
+
+GPTQ_ACT = QuantScheme.from_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                                          "sym": True})
+CT8_ASYM = QuantScheme.from_quant_config({
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group",
+                                           "group_size": 32}}}})
+AWQ = QuantScheme.from_quant_config({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemm"})
+
+TINY = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2,
+            moe_intermediate_size=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _synthetic(tmp_root, name):
+    path = os.path.join(tmp_root, name)
+    if name == "qwen2":
+        write_random_model(path, model_type="qwen2_moe", scheme=GPTQ_ACT, num_layers=3, intermediate_size=96,
+                           shared_expert_intermediate_size=64, mlp_only_layers=[1], tie_word_embeddings=True,
+                           seed=1, **TINY)
+    elif name == "mixtral-window":
+        write_random_model(path, model_type="mixtral", scheme=CT8_ASYM, num_layers=2, sliding_window=5, seed=2,
+                           **TINY)
+    else:
+        write_random_model(path, model_type="qwen3_moe", scheme=AWQ, num_layers=4, decoder_sparse_step=2,
+                           intermediate_size=96, seed=3, **TINY)
+    return _quiet_load(path, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def synth_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("synthetic"))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mixtral-window", "qwen3-sparse-step"])
+def test_families_against_numpy_reference(synth_root, name):
+    """Qwen2-MoE (shared expert + sigmoid gate, a dense mlp_only layer, q/k/v biases, tied
+    embeddings; GPTQ act-order), Mixtral with a 5-token sliding window (compressed-tensors 8-bit
+    asym) and Qwen3-MoE with decoder_sparse_step=2 (AWQ): the compiled float32 decoder against a
+    float64 numpy one, and cached decode against full recompute past the window."""
+    m = _synthetic(synth_root, name)
+    c = m.config
+    if name == "qwen2":
+        assert m.lm_head is None and c.qkv_bias and m.layers[0].self_attn.q_proj.weight.get_value().bias is not None
+        assert not hasattr(m.layers[1].mlp, "router") and m.layers[0].mlp.shared_expert_gate is not None
+    elif name == "mixtral-window":
+        assert c.sliding_window == 5
+    else:
+        assert c.sparse_layers == (False, True, False, True)
+    tokens = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 50]
+    ref = _reference_logits(m, tokens)
+    got = _logits(m, tokens)
+    scale = float(np.abs(ref).max())
+    assert np.isfinite(got).all() and float(np.abs(got - ref).max()) <= 1e-5 * max(scale, 1.0), \
+        (name, float(np.abs(got - ref).max()), scale)
+    gen = Generator(m, batch_size=2, max_len=32)
+    steps = list(gen.stream([tokens, tokens[:2]], 8, with_logits=True))
+    seq = list(tokens)
+    for toks, logits in steps:
+        assert float(np.abs(logits[0] - _logits(m, seq)[-1]).max()) <= LOGITS_TOL
+        seq.append(int(toks[0]))
+
+
+def test_dequantized_variant_is_the_same_model(synth_root):
+    """load_model(dequantized=True): every linear and expert in bfloat16, plain XLA; its float32
+    logits are the quantized model's within bfloat16 rounding of the weights."""
+    _synthetic(synth_root, "qwen2")
+    m = _quiet_load(os.path.join(synth_root, "qwen2"), dtype=jnp.float32, dequantized=True)
+    assert not any(isinstance(x, QuantizedLinear) for _, x in nnx.iter_graph(m))
+    assert not jax.tree.leaves(nnx.state(m, QuantizedWeight))
+    tokens = [5, 17, 3, 88, 41, 9]
+    q = _logits(_synthetic(synth_root, "qwen2"), tokens)
+    d = _logits(m, tokens)
+    assert float(np.abs(q - d).max()) <= 2e-2 * float(np.abs(q).max())
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _copy_fixture(tmp_path, case="awq-qwen3moe", *, config=None, drop=(), change=None):
+    dst = tmp_path / case
+    shutil.copytree(os.path.join(ROOT, case), dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop or change:
+        from safetensors.numpy import load_file, save_file
+
+        t = load_file(str(dst / "model.safetensors"))
+        for k in drop:
+            del t[k]
+        if change:
+            change(t)
+        save_file(t, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", ""), ("deepseek_v3", "latent attention")])
+def test_unsupported_model_type_names_it_and_the_families(tmp_path, model_type, extra):
+    path = _copy_fixture(tmp_path, config=lambda c: c.update(model_type=model_type))
+    with pytest.raises(UnsupportedError) as e:
+        load_model(path)
+    msg = str(e.value)
+    assert repr(model_type) in msg and "Qwen3-MoE" in msg and "Qwen2-MoE" in msg and "Mixtral" in msg
+    assert extra in msg
+
+
+@pytest.mark.parametrize("config,words", [
+    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["'yarn'", "default", "linear"]),
+    (lambda c: c.update(use_sliding_window=True, sliding_window=128), ["use_sliding_window", "qwen3_moe"]),
+    (lambda c: c.update(hidden_act="relu"), ["hidden_act", "'relu'", "silu"]),
+])
+def test_unsupported_settings_are_refused(tmp_path, config, words):
+    with pytest.raises(UnsupportedError) as e:
+        load_model(_copy_fixture(tmp_path, config=config))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_misplaced_moe_layers_are_refused(tmp_path):
+    path = _copy_fixture(tmp_path, config=lambda c: c.update(mlp_only_layers=[1]))
+    with pytest.raises(ConfigError, match=r"MoE layers at \[0\].*layers \[0, 1\]"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_norm.weight", "model.layers.0.self_attn.q_proj.scales",
+                                  "model.layers.1.self_attn.o_proj.qweight", "model.norm.weight", "lm_head.weight",
+                                  "model.layers.0.post_attention_layernorm.weight"])
+def test_missing_non_expert_tensor_is_named(tmp_path, name):
+    path = _copy_fixture(tmp_path, drop=[name])
+    with pytest.raises(MissingTensorError) as e:
+        _quiet_load(path)
+    assert name.rsplit(".", 1)[0] in str(e.value)
+
+
+def test_bad_non_expert_tensors_are_named(tmp_path):
+    def bad_shape(t):
+        t["model.layers.0.self_attn.v_proj.scales"] = t["model.layers.0.self_attn.v_proj.scales"][:1]
+
+    with pytest.raises(ShapeError, match=r"v_proj\.scales: expected shape \(2, 128\).*got \(1, 128\)"):
+        _quiet_load(_copy_fixture(tmp_path / "a", change=bad_shape))
+
+    def nan_norm(t):
+        t["model.layers.1.input_layernorm.weight"] = np.full_like(t["model.layers.1.input_layernorm.weight"], np.nan)
+
+    with pytest.raises(ValueRangeError, match="model.layers.1.input_layernorm.weight: holds NaN"):
+        _quiet_load(_copy_fixture(tmp_path / "b", change=nan_norm))
+
+    def extra_bias(t):
+        t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(256, np.float16)
+
+    with pytest.raises(UnexpectedTensorError, match="q_proj.bias"):
+        _quiet_load(_copy_fixture(tmp_path / "c", change=extra_bias))
+
+
+def test_index_paths_never_leave_the_folder(tmp_path):
+    path = _copy_fixture(tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    os.rename(os.path.join(path, "model.safetensors"), outside)
+    from safetensors import safe_open
+
+    with safe_open(str(outside), "np") as f:
+        names = list(f.keys())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {n: "../outside.safetensors" for n in names}}, f)
+    with pytest.raises(UnsafePathError, match=r"\.\./outside\.safetensors"):
+        load_model(path)
+
+
+def test_bad_requests_raise_before_compiling():
+    m = _model("awq-qwen3moe")
+    gen = Generator(m, batch_size=2, max_len=32)
+    good = _ref("awq-qwen3moe")["prompt_ids"].tolist()
+    bad = [
+        (ValueRangeError, r"prompts\[0\]: prompt length 30 \+ max_new_tokens 8 = 38 exceeds .*max_len=32",
+         lambda: gen.generate([list(range(30))], 8)),
+        (ShapeError, r"at most 2 sequences, got 3", lambda: gen.generate([good, good, good], 4)),
+        (ValueRangeError, r"prompts\[1\]\[3\]: token id must be an integer in \[0, 320\).*got 320",
+         lambda: gen.generate([good, good[:3] + [320]], 4)),
+        (ValueRangeError, r"prompts\[0\]\[0\].*got -1", lambda: gen.generate([[-1, 3]], 4)),
+        (ValueRangeError, r"prompts\[0\]: expected at least one token", lambda: gen.generate([[]], 4)),
+        (ConfigError, r"key: sampling", lambda: gen.generate([good], 4, temperature=0.7)),
+        (ConfigError, r"top_p: expected a number in \(0, 1\], got 0", lambda: gen.generate([good], 4, top_p=0)),
+        (ValueRangeError, r"stop_tokens.*got 999", lambda: gen.generate([good], 4, stop_tokens=[999])),
+        (ValueRangeError, r"max_len: expected at most max_position_embeddings=256.*got 512",
+         lambda: Generator(m, batch_size=1, max_len=512)),
+    ]
+    with count_compiles() as c:
+        for err, pattern, call in bad:
+            with pytest.raises(err, match=pattern):
+                call()
+    assert c.count == 0
+    assert all(issubclass(e, WNA16Error) for e, _, _ in bad)
+
+
+def test_quantized_linear_weights_is_a_pytree_of_the_stored_arrays():
+    m = _model("gptq-descact-qwen3moe")
+    w = m.layers[0].self_attn.q_proj.weight.get_value()
+    assert isinstance(w, QuantizedLinearWeights) and w.g_idx is not None and w.qzeros is None
+    leaves = jax.tree.leaves(w)
+    assert [np.dtype(a.dtype) for a in leaves] == [np.int32, np.float16, np.int32]
+    assert w.dequantize().shape == (256, 256)
