@@ -43,11 +43,12 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def stream_decoder(self):
-        """A function ``push(token_id) -> str`` returning the text each new token adds (the whole
-        sequence is re-decoded, so multi-token characters come out whole)."""
-        ids: list[int] = []
-        shown = [""]
+    def stream_decoder(self, prefix=()):
+        """A function ``push(token_id) -> str`` returning the text each new token adds after
+        ``decode(prefix)`` (the whole sequence is re-decoded, so spacing and multi-token
+        characters come out as ``decode`` gives them)."""
+        ids: list[int] = [int(i) for i in prefix]
+        shown = [self.decode(ids)]
 
         def push(token_id: int) -> str:
             ids.append(int(token_id))
