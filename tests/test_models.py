@@ -27,7 +27,7 @@ from flax import nnx
 from wna16_jax.errors import (ConfigError, MissingTensorError, ShapeError, UnexpectedTensorError, UnsafePathError,
                               UnsupportedError, ValueRangeError, WNA16Error)
 from wna16_jax.models import DenseLinear, QuantizedLinear, QuantizedWeight, load_model
-from wna16_jax.models.generate import Generator, choose_tokens, generate
+from wna16_jax.models.generation import Generator, choose_tokens, generate
 from wna16_jax.models.linear import QuantizedLinearWeights
 from wna16_jax.models.synthetic import write_random_model
 from wna16_jax.schemes import QuantScheme

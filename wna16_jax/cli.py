@@ -331,7 +331,7 @@ def run_generate(path: str, *, prompt: str | None = None, prompt_ids: str | None
     import jax.numpy as jnp
 
     from .models.decoder import load_model
-    from .models.generate import Generator, default_max_len
+    from .models.generation import Generator, default_max_len
     from .models.tokenizer import load_tokenizer
     from .safetensors_io import load_json
 

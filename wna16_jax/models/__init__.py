@@ -13,7 +13,7 @@ See ``docs/models.md``.
 
 from .config import SUPPORTED_FAMILIES, SUPPORTED_ROPE_TYPES, DecoderConfig
 from .decoder import MoEDecoder, load_model
-from .generate import Generator, generate
+from .generation import Generator, generate
 from .linear import DenseLinear, QuantizedLinear, QuantizedLinearWeights, QuantizedWeight, quantized_matmul
 from .synthetic import write_random_model
 from .tokenizer import Tokenizer, load_tokenizer

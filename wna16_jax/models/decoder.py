@@ -22,6 +22,7 @@ RMS norms and softmaxes are computed in float32, every product accumulates in fl
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any, Sequence
@@ -161,7 +162,7 @@ class MoEDecoder(nnx.Module):
     """A decoder-only MoE language model (see the module doc). Build with :func:`load_model`.
 
     ``model(tokens [B, S])`` → float32 logits ``[B, S, V]`` (causal, positions ``0..S-1``,
-    no cache). Generation (KV cache, bucketed compiles, sampling): :mod:`wna16_jax.models.generate`.
+    no cache). Generation (KV cache, bucketed compiles, sampling): :mod:`wna16_jax.models.generation`.
     """
 
     def __init__(self, config: DecoderConfig, embed_tokens, layers: Sequence[DecoderLayer], norm: RMSNorm,
@@ -279,29 +280,15 @@ def _linear(tensors: _Tensors, module: str, n: int, k: int, *, bias: bool, dtype
     return DenseLinear(w, b, compute_dtype=dtype, param_dtype=param_dtype)
 
 
-def dequantized_moe(moe: QuantizedMoE, dtype=jnp.bfloat16) -> QuantizedMoE:
-    """The same MoE layer with its experts (and shared experts) dequantized to ``dtype``
-    (:class:`~wna16_jax.checkpoint.DenseWeights`, run by the XLA executor)."""
-
-    def dense(w):
-        if w is None:
-            return None
-        w13, w2 = w.dequantize(dtype)
-        b13, b2 = w.decode_bias() if hasattr(w, "decode_bias") else (None, None)
-        return DenseWeights(w13, w2, None if b13 is None else jnp.asarray(b13, dtype),
-                            None if b2 is None else jnp.asarray(b2, dtype),
-                            hidden_size=int(w13.shape[2]), intermediate_size=int(w13.shape[1]) // 2)
-
-    bias = moe.e_score_correction_bias
-    gate = moe.shared_expert_gate
-    return QuantizedMoE(
-        dense(moe.experts.get_value()), moe.router[...], top_k=moe.top_k, renormalize=moe.renormalize,
-        scoring_func=moe.scoring_func, num_expert_group=moe.num_expert_group, topk_group=moe.topk_group,
-        routed_scaling_factor=moe.routed_scaling_factor,
-        e_score_correction_bias=None if bias is None else bias[...],
-        shared_experts=dense(None if moe.shared_experts is None else moe.shared_experts.get_value()),
-        shared_expert_gate=None if gate is None else gate[...], activation=moe.activation,
-        param_dtype=moe.param_dtype, formulation=moe.formulation)
+def _dense_experts(w, dtype):
+    """Loader-layout (or float) experts as :class:`DenseWeights` in ``dtype``, on the device."""
+    if w is None:
+        return None
+    w = jax.tree.map(jnp.asarray, w)
+    w13, w2 = w.dequantize(dtype)
+    b13, b2 = w.decode_bias()
+    return DenseWeights(w13, w2, None if b13 is None else b13.astype(dtype), None if b2 is None else b2.astype(dtype),
+                        hidden_size=int(w13.shape[2]), intermediate_size=int(w13.shape[1]) // 2)
 
 
 def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
@@ -356,12 +343,16 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
             norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
             norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
         if c.sparse_layers[i]:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                mlp = QuantizedMoE.from_checkpoint(ckpt, i, backend)
-            fallback.extend(str(w.message) for w in caught)
             if dequantized:
-                mlp = dequantized_moe(mlp, jnp.bfloat16)
+                moe_layer = ckpt.load_layer(i)
+                moe_layer = dataclasses.replace(moe_layer, experts=_dense_experts(moe_layer.experts, jnp.bfloat16),
+                                                shared_experts=_dense_experts(moe_layer.shared_experts, jnp.bfloat16))
+                mlp = QuantizedMoE.from_layer(moe_layer, ckpt.model_config)
+            else:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    mlp = QuantizedMoE.from_checkpoint(ckpt, i, backend)
+                fallback.extend(str(w.message) for w in caught)
         else:
             inter = c.intermediate_size
             mlp = GatedMLP(lin(f"{p}.mlp.gate_proj", inter, h), lin(f"{p}.mlp.up_proj", inter, h),
@@ -380,4 +371,4 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
 
 
 __all__ = ["MoEDecoder", "DecoderLayer", "Attention", "GatedMLP", "RMSNorm", "load_model", "apply_rope",
-           "rope_inverse_frequencies", "dequantized_moe", "default_dtype"]
+           "rope_inverse_frequencies", "default_dtype"]
