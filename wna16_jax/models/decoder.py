@@ -211,15 +211,6 @@ class MoEDecoder(nnx.Module):
         dt = dtype or self.dtype
         return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_layers))
 
-    def weight_bytes(self) -> dict[str, int]:
-        """Bytes of the model's arrays by kind: ``quantized`` (packed linears and experts with
-        their scales), ``float`` (every ``nnx.Param``)."""
-        q = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                for a in jax.tree.leaves(nnx.state(self, nnx.Not(nnx.Param))) if hasattr(a, "dtype"))
-        f = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                for a in jax.tree.leaves(nnx.state(self, nnx.Param)) if hasattr(a, "dtype"))
-        return {"quantized": q, "float": f}
-
 
 # --------------------------------------------------------------------------- loading
 

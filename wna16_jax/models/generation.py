@@ -244,6 +244,8 @@ def generate(model: MoEDecoder, prompt_ids_list, max_new_tokens: int, *, batch_s
     """Generate up to ``max_new_tokens`` tokens after each prompt of ``prompt_ids_list`` (see
     :class:`Generator`; ``batch_size`` defaults to the number of prompts, ``max_len`` to
     :func:`default_max_len`). Returns one list of new token ids per prompt."""
+    if not isinstance(prompt_ids_list, (list, tuple, np.ndarray)):
+        raise ConfigError(f"prompt_ids_list: expected a list of token-id lists, got {type(prompt_ids_list).__name__}")
     prompts = [prompt_ids_list] if isinstance(prompt_ids_list, np.ndarray) and prompt_ids_list.ndim == 1 \
         else list(prompt_ids_list)
     if batch_size is None:

@@ -130,7 +130,7 @@ jax.tree_util.register_dataclass(QuantizedLinearWeights,
 def expected_linear_tensors(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Checkpoint suffix → (shape, allowed safetensors dtypes) of a quantized ``[N, K]`` linear.
     Optional entries (``bias``; GPTQ's stored ``g_idx`` and symmetric ``qzeros``) included."""
-    pf, g = scheme.pack_factor, scheme.group_size
+    pf = scheme.pack_factor
     groups = scheme.num_groups(k)
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
     m = scheme.method
@@ -150,7 +150,6 @@ def expected_linear_tensors(scheme: QuantScheme, n: int, k: int) -> dict[str, tu
     if m is QuantMethod.AWQ and not scheme.zero_point:
         d.pop("qzeros")
     d["bias"] = ((n,), _FLOAT_ST)
-    del g
     return d
 
 
