@@ -154,7 +154,7 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     max_len = prompt + new
     gen = G.Generator(model, batch_size=batch, max_len=max_len)
     gen.generate(prompts, 2)                                     # compile prefill + decode
-    graphdef, state = nnx.split(model)
+    progs, leaves = G.programs(model)
     tokens = np.zeros((batch, gen.bucket(prompt)), np.int32)
     tokens[:, :prompt] = np.asarray(prompts, np.int32)
     lengths = jnp.full((batch,), prompt, jnp.int32)
@@ -162,7 +162,7 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     tok_dev = jnp.asarray(tokens)
 
     def prefill():
-        return G._prefill(graphdef, state, tok_dev, lengths, key, zero, one, max_len=max_len, sample=False)
+        return progs.prefill(leaves, tok_dev, lengths, key, zero, one, max_len=max_len, sample=False)
 
     t_prefill = _median_s(prefill, reps)
     # the streamed decode loop
@@ -178,13 +178,11 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     nxt, _, cache = prefill()
     pos = jnp.full((batch,), prompt + new // 2, jnp.int32)
 
-    def step_of(gd, st):
-        return lambda: G._decode(gd, st, cache, nxt, pos, key, jnp.int32(1), zero, one, sample=False)
+    def step_of(p, lv):
+        return lambda: p.decode(lv, cache, nxt, pos, key, jnp.int32(1), zero, one, sample=False)
 
-    t_step = _median_s(step_of(graphdef, state), reps)
-    bare = without_moe(model)
-    gd2, st2 = nnx.split(bare)
-    t_bare = _median_s(step_of(gd2, st2), reps)
+    t_step = _median_s(step_of(progs, leaves), reps)
+    t_bare = _median_s(step_of(*G.programs(without_moe(model))), reps)
     floor = touched_bytes(model, batch) / bandwidth
     in_use, peak = _memory()
     return {"batch": batch, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps, "step_ms": t_step * 1e3,

@@ -410,7 +410,7 @@ def _synthetic(tmp_root, name):
                            seed=1, **TINY)
     elif name == "mixtral-window":
         write_random_model(path, model_type="mixtral", scheme=CT8_ASYM, num_layers=2, sliding_window=5, seed=2,
-                           **TINY)
+                           quantize_lm_head=True, **TINY)
     return _quiet_load(path, dtype=jnp.float32)
 
 
@@ -422,16 +422,16 @@ def synth_root(tmp_path_factory):
 @pytest.mark.parametrize("name", ["qwen2", "mixtral-window"])
 def test_families_against_numpy_reference(synth_root, name):
     """Qwen2-MoE (shared expert + sigmoid gate, a dense mlp_only layer, q/k/v biases, tied
-    embeddings; GPTQ act-order) and Mixtral with a 5-token sliding window (compressed-tensors
-    8-bit asym): the compiled float32 decoder against a float64 numpy one, and cached decode
-    against full recompute past the window."""
+    embeddings; GPTQ act-order) and Mixtral with a 5-token sliding window and a quantized
+    lm_head (compressed-tensors 8-bit asym): the compiled float32 decoder against a float64 numpy
+    one, and cached decode against full recompute past the window."""
     m = _synthetic(synth_root, name)
     c = m.config
     if name == "qwen2":
         assert m.lm_head is None and c.qkv_bias and m.layers[0].self_attn.q_proj.weight.get_value().bias is not None
         assert not hasattr(m.layers[1].mlp, "router") and m.layers[0].mlp.shared_expert_gate is not None
     else:
-        assert c.sliding_window == 5
+        assert c.sliding_window == 5 and isinstance(m.lm_head, QuantizedLinear)
     tokens = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 50]
     gen = Generator(m, batch_size=2, max_len=32)
     prompts = [tokens, tokens[:2]]
@@ -578,6 +578,7 @@ def test_bad_requests_raise_before_compiling():
         (ConfigError, r"key: sampling", lambda: gen.generate([good], 4, temperature=0.7)),
         (ConfigError, r"top_p: expected a number in \(0, 1\], got 0", lambda: gen.generate([good], 4, top_p=0)),
         (ValueRangeError, r"stop_tokens.*got 999", lambda: gen.generate([good], 4, stop_tokens=[999])),
+        (ConfigError, r"prompt_ids_list: expected a list", lambda: generate(m, 5, 4)),
         (ValueRangeError, r"max_len: expected at most max_position_embeddings=256.*got 512",
          lambda: Generator(m, batch_size=1, max_len=512)),
     ]

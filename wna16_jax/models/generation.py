@@ -68,30 +68,51 @@ def choose_tokens(logits, key, temperature, top_p, *, sample: bool):
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "sample"))
-def _prefill(graphdef, state, tokens, lengths, key, temperature, top_p, *, max_len: int,
-             sample: bool):
-    model = nnx.merge(graphdef, state)
-    b, p = tokens.shape
-    cache = model.init_cache(b, max_len)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-    h, cache = model.hidden_states(tokens, positions, cache, kv_len=p)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-    logits = model.logits(last)
-    nxt = choose_tokens(logits, jax.random.fold_in(key, 0), temperature, top_p, sample=sample)
-    return nxt, logits, cache
+class Programs:
+    """The compiled steps of one model structure: ``prefill(leaves, tokens [B, P], lengths [B],
+    key, temperature, top_p, max_len=, sample=) -> (next [B], logits [B, V], cache)`` and
+    ``decode(leaves, cache, tokens [B], positions [B], key, step, temperature, top_p, sample=)
+    -> (next, logits, cache)`` (``decode_donating`` reuses the cache's buffers). ``leaves``: the
+    model state's arrays as :func:`programs` returns them (flattened once, not per step)."""
+
+    def __init__(self, graphdef, treedef):
+        def model_of(leaves):
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+        def prefill(leaves, tokens, lengths, key, temperature, top_p, *, max_len: int, sample: bool):
+            model = model_of(leaves)
+            b, p = tokens.shape
+            cache = model.init_cache(b, max_len)
+            positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
+            h, cache = model.hidden_states(tokens, positions, cache, kv_len=p)
+            last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+            logits = model.logits(last)
+            nxt = choose_tokens(logits, jax.random.fold_in(key, 0), temperature, top_p, sample=sample)
+            return nxt, logits, cache
+
+        def decode(leaves, cache, tokens, positions, key, step, temperature, top_p, *, sample: bool):
+            model = model_of(leaves)
+            h, cache = model.hidden_states(tokens[:, None], positions[:, None], cache)
+            logits = model.logits(h[:, 0])
+            nxt = choose_tokens(logits, jax.random.fold_in(key, step), temperature, top_p, sample=sample)
+            return nxt, logits, cache
+
+        self.prefill = jax.jit(prefill, static_argnames=("max_len", "sample"))
+        self.decode = jax.jit(decode, static_argnames=("sample",))
+        self.decode_donating = jax.jit(decode, static_argnames=("sample",), donate_argnames=("cache",))
 
 
-def _decode_body(graphdef, state, cache, tokens, positions, key, step, temperature, top_p, *, sample: bool):
-    model = nnx.merge(graphdef, state)
-    h, cache = model.hidden_states(tokens[:, None], positions[:, None], cache)
-    logits = model.logits(h[:, 0])
-    nxt = choose_tokens(logits, jax.random.fold_in(key, step), temperature, top_p, sample=sample)
-    return nxt, logits, cache
+@functools.lru_cache(maxsize=16)
+def _programs_for(graphdef, treedef) -> Programs:
+    return Programs(graphdef, treedef)
 
 
-_decode = jax.jit(_decode_body, static_argnames=("graphdef", "sample"))
-_decode_donating = jax.jit(_decode_body, static_argnames=("graphdef", "sample"), donate_argnames=("cache",))
+def programs(model: MoEDecoder) -> tuple[Programs, list]:
+    """``(Programs, leaves)`` for ``model``'s current state: models of one structure share their
+    compiled programs (one prefill per bucket and batch size, one decode)."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    return _programs_for(graphdef, treedef), leaves
 
 
 class Generator:
@@ -175,17 +196,16 @@ class Generator:
         key = jax.random.key(0) if key is None else key
         temp, tp = jnp.float32(temperature), jnp.float32(top_p)
         stop = np.asarray(list(stop_tokens), np.int64)
-        graphdef, state = nnx.split(self.model)
-        decode = _decode if jax.default_backend() == "cpu" else _decode_donating
-        tok, logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp,
-                                      max_len=self.max_len, sample=sample)
+        progs, leaves = programs(self.model)
+        decode = progs.decode if jax.default_backend() == "cpu" else progs.decode_donating
+        tok, logits, cache = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp,
+                                           max_len=self.max_len, sample=sample)
         positions = jnp.asarray(lengths)
         done = np.zeros((n,), bool)
         for step in range(1, max_new_tokens + 1):
             nxt = None
             if step < max_new_tokens:        # dispatch the next step before reading this one back
-                nxt = decode(graphdef, state, cache, tok, positions, key, jnp.int32(step), temp, tp,
-                             sample=sample)
+                nxt = decode(leaves, cache, tok, positions, key, jnp.int32(step), temp, tp, sample=sample)
                 positions = positions + 1
             host = np.asarray(tok)[:n].astype(np.int64)
             out = np.where(done, -1, host)
@@ -221,9 +241,9 @@ class Generator:
         tokens = np.zeros((b, self.bucket(int(lengths.max()))), np.int32)
         for i, row in enumerate(ids):
             tokens[i, :len(row)] = row
-        graphdef, state = nnx.split(self.model)
-        _, logits, _ = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                                jnp.float32(0), jnp.float32(1), max_len=self.max_len, sample=False)
+        progs, leaves = programs(self.model)
+        _, logits, _ = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                                     jnp.float32(0), jnp.float32(1), max_len=self.max_len, sample=False)
         return np.asarray(logits)[:n]
 
 
@@ -262,4 +282,4 @@ def generate(model: MoEDecoder, prompt_ids_list, max_new_tokens: int, *, batch_s
                         stop_tokens=stop_tokens, callback=callback)
 
 
-__all__ = ["Generator", "generate", "choose_tokens", "prompt_buckets", "default_max_len"]
+__all__ = ["Generator", "generate", "choose_tokens", "prompt_buckets", "default_max_len", "programs", "Programs"]

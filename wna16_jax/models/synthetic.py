@@ -66,13 +66,14 @@ def write_random_model(
     shared_expert_intermediate_size: int | None = None, decoder_sparse_step: int = 1,
     mlp_only_layers: Sequence[int] = (), tie_word_embeddings: bool = False, norm_topk_prob: bool | None = None,
     sliding_window: int | None = None, rope_theta: float = 10000.0, max_position_embeddings: int = 4096,
-    seed: int = 0, extra_config: Mapping[str, Any] | None = None, progress: bool = False,
+    quantize_lm_head: bool = False, seed: int = 0, extra_config: Mapping[str, Any] | None = None,
+    progress: bool = False,
 ) -> str:
     """Write a random checkpoint of the given shape (see the module doc) and return its path.
     Qwen2-MoE gets q/k/v biases; Qwen3-MoE gets per-head q/k norms; a
     ``shared_expert_intermediate_size`` gives each MoE layer a shared expert with its sigmoid gate
     (Qwen2-MoE); ``mlp_only_layers`` / ``decoder_sparse_step`` place dense MLPs
-    (``intermediate_size``) as Qwen's configs do."""
+    (``intermediate_size``) as Qwen's configs do; ``quantize_lm_head`` quantizes ``lm_head`` too."""
     from safetensors.numpy import save_file
 
     if model_type not in SUPPORTED_FAMILIES:
@@ -141,7 +142,9 @@ def write_random_model(
             print(f"  wrote layer {i + 1}/{num_layers}", flush=True)
         del t
     t = {"model.embed_tokens.weight": dense(vocab_size, h, std=1.0), "model.norm.weight": norm(h)}
-    if not tie_word_embeddings:
+    if quantize_lm_head and not tie_word_embeddings:
+        lin(t, "lm_head", vocab_size, h)
+    elif not tie_word_embeddings:
         t["lm_head.weight"] = dense(vocab_size, h)
     fname = f"model-{total:05d}-of-{total:05d}.safetensors"
     save_file(t, os.path.join(path, fname), metadata={"format": "pt"})
@@ -151,7 +154,7 @@ def write_random_model(
 
     qc = scheme.to_quant_config()
     if scheme.method is QuantMethod.COMPRESSED_TENSORS:
-        qc["ignore"] = ["lm_head", "re:.*\\.gate$", "re:.*shared_expert_gate$"]
+        qc["ignore"] = ([] if quantize_lm_head else ["lm_head"]) + ["re:.*\\.gate$", "re:.*shared_expert_gate$"]
     config: dict[str, Any] = {
         "architectures": [_ARCH[model_type]], "model_type": model_type, "vocab_size": vocab_size,
         "hidden_size": h, "num_hidden_layers": num_layers, "num_attention_heads": nh,
