@@ -66,3 +66,41 @@ def test_inspect_converted_folder(tmp_path):
     out = buf.getvalue()
     assert "backend:    MARLIN" in out and scheme.describe() in out and "4 experts" in out
     assert "experts.w13_qweight" in out and "MarlinWeights" in out
+
+
+# --------------------------------------------------------------------------- generate
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "quantizers")
+
+
+def test_generate_streams_the_reference_tokens(capsys):
+    """`generate DIR --prompt TEXT` (the checkpoint's tokenizer.json) and `--prompt-ids`: the
+    greedy continuation is the float reference's, printed as text / ids, timing on stderr."""
+    from wna16_jax.models.tokenizer import load_tokenizer
+
+    case = os.path.join(FIXTURES, "awq-qwen3moe")             # no eos in its config: no early stop
+    ref = np.load(os.path.join(case, "reference.npz"))
+    tok = load_tokenizer(case)
+    assert main(["generate", case, "--prompt", str(ref["prompt_text"]), "--max-new-tokens", "12",
+                 "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    want = tok.decode(np.concatenate([ref["prompt_ids"], ref["generated_ids"][:12]]))
+    assert out.strip() == want.strip()
+    assert "12 new tokens" in err and "tokens/s" in err
+    ids = ",".join(str(i) for i in ref["prompt_ids"][:6])
+    assert main(["generate", case, "--prompt-ids", ids, "--max-new-tokens", "3", "--temperature", "0.9",
+                 "--top-p", "0.8", "--seed", "1", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out.strip().split(",")
+    assert out[:6] == ids.split(",") and len(out) == 9 and all(0 <= int(t) < 320 for t in out)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt-ids", "1,2,999"], ["ValueRangeError", "prompts[0][2]", "[0, 320)", "999"]),
+    (["--prompt-ids", "1,x"], ["ConfigError", "--prompt-ids"]),
+    (["--prompt-ids", "1", "--max-new-tokens", "300"], ["ValueRangeError", "max_len"]),
+    ([], ["ConfigError", "--prompt"]),
+])
+def test_generate_bad_input_is_one_line_exit_2(capsys, args, words):
+    assert main(["generate", os.path.join(FIXTURES, "gptq-mixtral"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err

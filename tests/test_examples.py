@@ -26,3 +26,15 @@ def test_example_trains_and_keeps_experts_frozen(name, tmp_path):
     assert result["logits_shape"] == (4, 17, 64)
     assert result["num_frozen_arrays"] >= 10
     assert result["frozen_bit_identical"]
+
+
+def test_finetune_model_example():
+    """examples/finetune_model.py: a whole quantized model (a GPTQModel fixture) fine-tuned on
+    norms, routers and LoRA adapters: the loss falls, the quantized arrays stay bit-identical,
+    the embeddings and lm_head (not trainable there) do not move."""
+    result = _load("finetune_model").main(steps=6)
+    losses = result["losses"]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert result["frozen_bit_identical"] and result["num_frozen_arrays"] >= 30
+    assert result["untouched"] and result["num_trainable"] == 7040

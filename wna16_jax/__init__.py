@@ -42,6 +42,11 @@ _EXPORTS = {
     "unpad_tokens": "serving", "DEFAULT_BUCKETS": "serving",
     # Flax
     "QuantizedMoE": "nn", "QuantizedExperts": "nn",
+    # whole models
+    "MoEDecoder": "models", "load_model": "models", "DecoderConfig": "models", "QuantizedLinear": "models",
+    "QuantizedLinearWeights": "models", "QuantizedWeight": "models", "DenseLinear": "models",
+    "quantized_matmul": "models", "Generator": "models", "generate": "models", "load_tokenizer": "models",
+    "write_random_model": "models",
     # errors
     "WNA16Error": "errors", "ConfigError": "errors", "ShapeError": "errors", "DTypeError": "errors",
     "MissingTensorError": "errors", "UnexpectedTensorError": "errors", "ValueRangeError": "errors",
@@ -74,6 +79,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .errors import (BackendSelectionError, ConfigError, CorruptFileError, DTypeError,
                          MissingTensorError, OutputPathError, ShapeError, UnexpectedTensorError,
                          UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
+    from .models import (DecoderConfig, DenseLinear, Generator, MoEDecoder, QuantizedLinear, QuantizedLinearWeights,
+                         QuantizedWeight, generate, load_model, load_tokenizer, quantized_matmul, write_random_model)
     from .moe import EngineFallbackWarning, batched_experts_forward, fused_moe, shared_expert_moe
     from .nn import QuantizedExperts, QuantizedMoE
     from .routing import fused_topk, grouped_topk, moe_align_block_size

@@ -1,4 +1,5 @@
-"""The ``wna16-jax`` command: ``demo``, ``inspect DIR``, ``convert DIR --backend NAME --out OUT``."""
+"""The ``wna16-jax`` command: ``demo``, ``inspect DIR``, ``convert DIR --backend NAME --out OUT``,
+``generate DIR --prompt TEXT``."""
 
 from __future__ import annotations
 
@@ -310,6 +311,89 @@ def _inspect_converted(path: str, out) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- generate
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids: expected comma-separated integers like 1,2,3, got {text!r}") from None
+    return ids
+
+
+def run_generate(path: str, *, prompt: str | None = None, prompt_ids: str | None = None, max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_len: int | None = None,
+                 dtype: str | None = None, use_stop: bool = True, out=None, err=None) -> int:
+    """Load the whole model at ``path``, generate after the prompt and stream the new tokens to
+    ``out`` as they come (text with ``--prompt``, token ids with ``--prompt-ids``); timing to ``err``."""
+    import jax
+    import jax.numpy as jnp
+
+    from .models.decoder import load_model
+    from .models.generation import Generator, default_max_len
+    from .models.tokenizer import load_tokenizer
+    from .safetensors_io import load_json
+
+    out, err = out or sys.stdout, err or sys.stderr
+    if (prompt is None) == (prompt_ids is None):
+        raise ConfigError("generate: give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    tok = None
+    if prompt is not None:
+        tok = load_tokenizer(path)
+        ids = tok.encode(prompt)
+        if not ids:
+            raise ConfigError(f"--prompt: the tokenizer gives no tokens for {prompt!r}")
+    else:
+        ids = _parse_ids(prompt_ids)
+    dt = None
+    if dtype is not None:
+        dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(dtype)
+        if dt is None:
+            raise ConfigError(f"--dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+    t_load = time.perf_counter()
+    model = load_model(path, dtype=dt)
+    stops = list(model.config.eos_token_ids) if use_stop else []
+    gen_cfg = os.path.join(path, "generation_config.json")
+    if use_stop and os.path.isfile(gen_cfg):
+        eos = load_json(gen_cfg, what="generation_config.json").get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < model.config.vocab_size and e not in stops:
+                stops.append(e)
+    if max_len is None:
+        max_len = default_max_len([ids], max_new_tokens)
+        if model.config.max_position_embeddings:
+            max_len = min(max_len, model.config.max_position_embeddings)
+    gen = Generator(model, batch_size=1, max_len=max_len)
+    gen.check_request([ids], max_new_tokens, temperature, top_p, jax.random.key(seed), stops)
+    print(f"loaded {path} ({model.config.family}, {model.config.num_layers} layers, {model.dtype}) in "
+          f"{time.perf_counter() - t_load:.1f} s; prompt {len(ids)} tokens", file=err, flush=True)
+    push = tok.stream_decoder(ids) if tok is not None else None
+    print(",".join(str(i) for i in ids) if tok is None else tok.decode(ids), end="", file=out, flush=True)
+    n, t0, t_first = 0, time.perf_counter(), None
+    for toks in gen.stream([ids], max_new_tokens, temperature=temperature, top_p=top_p,
+                           key=jax.random.key(seed), stop_tokens=stops):
+        t = int(toks[0])
+        if t < 0:
+            break
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+        if t in stops:
+            break
+        if push is not None:
+            print(push(t), end="", file=out, flush=True)
+        else:
+            print(f",{t}", end="", file=out, flush=True)
+    t_end = time.perf_counter()
+    print(file=out, flush=True)
+    first = f"first after {t_first - t0:.2f} s (prefill, compiling included)" if t_first else "none"
+    rate = (f"{(n - 1) / (t_end - t_first):.1f} tokens/s after it" if n > 1 and t_end > t_first
+            else "no decode step")
+    print(f"{n} new tokens; {first}; {rate}", file=err, flush=True)
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -333,12 +417,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_conv.add_argument("--expert-chunk", type=int, default=1, help="experts converted at a time (memory bound)")
     p_conv.add_argument("--tp-size", type=int, default=1)
     p_conv.add_argument("--tp-rank", type=int, default=0)
+    p_gen = sub.add_parser("generate", help="generate text with the whole quantized model (Qwen3-MoE, Qwen2-MoE, "
+                                            "Mixtral), streaming the new tokens")
+    p_gen.add_argument("path")
+    p_gen.add_argument("--prompt", default=None, help="prompt text (needs the checkpoint's tokenizer.json and the "
+                                                      "'tokenizers' package)")
+    p_gen.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
+    p_gen.add_argument("--max-new-tokens", type=int, default=32)
+    p_gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p_gen.add_argument("--top-p", type=float, default=1.0)
+    p_gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    p_gen.add_argument("--max-len", type=int, default=None, help="KV cache length (default: prompt + new, "
+                                                                  "rounded up to a power of two)")
+    p_gen.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 activations (default: float32 "
+                                                     "on CPU, bfloat16 elsewhere)")
+    p_gen.add_argument("--no-stop", action="store_true", help="do not stop at the config's eos tokens")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return run_demo(tokens=args.tokens, seed=args.seed, keep=args.out)
         if args.command == "inspect":
             return run_inspect(args.path)
+        if args.command == "generate":
+            return run_generate(args.path, prompt=args.prompt, prompt_ids=args.prompt_ids,
+                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, max_len=args.max_len, dtype=args.dtype, use_stop=not args.no_stop)
         if args.command == "convert":
             from .serialize import convert_checkpoint
 

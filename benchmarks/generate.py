@@ -1,0 +1,275 @@
+"""Whole-model generation benchmark: Qwen3-30B-A3B- and Mixtral-8x7B-shaped GPTQ int4 models.
+
+For each model shape the script writes a random GPTQ 4-bit g128 checkpoint to disk
+(:func:`wna16_jax.models.write_random_model`: every attention projection and expert quantized,
+embeddings / lm_head / norms / routers in float16, as the GPTQ tools write them), loads it onto the
+device and, for each batch size, with prompts of ``--prompt`` random tokens and ``--new`` new
+tokens, measures:
+
+* prefill: one prefill program (all prompts, KV cache written, last-token logits), median of reps;
+* decode tok/s: ``batch × (new - 1)`` tokens over the streamed decode loop (host sync per step,
+  as a streaming server does);
+* step: one decode program alone (median), against its floor: every weight byte the step touches
+  (attention / dense weights, lm_head, and the experts a uniformly random routing of ``batch``
+  tokens touches in expectation) read once at ``--bandwidth`` B/s (or the bandwidth of a device
+  copy measured in the same run with ``--measure-bandwidth``);
+* MoE share: ``1 - step(MoE layers replaced by identity) / step`` (differential timing);
+* device memory: ``memory_stats()`` bytes in use after loading, and the peak, where the device
+  reports them.
+
+Then the same model with every quantized weight dequantized to bfloat16 at load and run by XLA
+(``load_model(dequantized=True)``), same measurements. ``--append PATH`` appends the table with
+the date and the command to a RESULTS.md.
+
+GPU: ``PYTHONPATH=$PWD python3 benchmarks/generate.py --append benchmarks/RESULTS.md``.
+CPU smoke run: ``--models tiny --layers 1 --batch 1 --prompt 16 --new 4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from wna16_jax.models import load_model, write_random_model  # noqa: E402
+from wna16_jax.models import generation as G  # noqa: E402
+from wna16_jax.models.decoder import DecoderLayer, MoEDecoder  # noqa: E402
+from wna16_jax.nn import QuantizedExperts, QuantizedMoE  # noqa: E402
+from wna16_jax.schemes import QuantScheme  # noqa: E402
+
+GPTQ_4BIT_G128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
+#: name → write_random_model arguments (num_layers is --layers or the default here)
+SHAPES = {
+    "qwen3": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                  num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768,
+                  intermediate_size=6144, rope_theta=1e6, max_position_embeddings=40960),
+    "mixtral": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                    num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336,
+                    rope_theta=1e6, max_position_embeddings=32768),
+    # for CPU smoke tests of this script
+    "tiny": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=128,
+                 intermediate_size=256, max_position_embeddings=4096),
+}
+LABELS = {"qwen3": "Qwen3-30B-A3B shape", "mixtral": "Mixtral-8x7B shape", "tiny": "tiny Qwen3-MoE"}
+
+
+class _NoMLP(nnx.Module):
+    """Stands in for a MoE layer: contributes nothing (the block becomes attention only)."""
+
+    def __call__(self, x):
+        return jnp.zeros_like(x)
+
+
+def without_moe(model: MoEDecoder) -> MoEDecoder:
+    """The same model (sharing every array) with each MoE layer's MLP replaced by identity."""
+    layers = [DecoderLayer(l.input_layernorm, l.self_attn, l.post_attention_layernorm,
+                           _NoMLP() if isinstance(l.mlp, QuantizedMoE) else l.mlp) for l in model.layers]
+    return MoEDecoder(model.config, model.embed_tokens[...], layers, model.norm, model.lm_head, dtype=model.dtype)
+
+
+def _nbytes(tree) -> int:
+    return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
+                   if hasattr(a, "dtype")))
+
+
+def touched_bytes(model: MoEDecoder, batch: int) -> int:
+    """Weight bytes one decode step of ``batch`` tokens reads: everything except the embedding
+    table (one row per token) and the experts, plus the expected experts a uniformly random
+    top-k routing of ``batch`` tokens touches, per MoE layer."""
+    total = 0
+    h = model.config.hidden_size
+    total += batch * h * np.dtype(model.embed_tokens[...].dtype).itemsize
+    if model.lm_head is None:
+        total += _nbytes(model.embed_tokens[...])
+    for layer in model.layers:
+        if isinstance(layer.mlp, QuantizedMoE):
+            moe = layer.mlp
+            e, k = moe.num_experts, moe.top_k
+            experts = _nbytes(moe.experts.get_value())
+            expected = e * (1.0 - (1.0 - k / e) ** batch)
+            total += int(experts / e * expected)
+            rest = nnx.state(layer, nnx.Not(QuantizedExperts))
+            total += _nbytes(rest)
+        else:
+            total += _nbytes(nnx.state(layer))
+    total += _nbytes(nnx.state(model.norm))
+    if model.lm_head is not None:
+        total += _nbytes(nnx.state(model.lm_head))
+    return total
+
+
+def measure_bandwidth() -> float:
+    """B/s of a device copy (read + write) of a large array, median of 5."""
+    n = (1 << 30) if jax.default_backend() != "cpu" else (1 << 26)
+    x = jnp.ones((n // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(ts)
+
+
+def _median_s(fn, reps: int) -> float:
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _memory() -> tuple[int | None, int | None]:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - platforms without stats
+        stats = None
+    if not stats:
+        return None, None
+    return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+
+
+def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: int, bandwidth: float,
+                seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
+    max_len = prompt + new
+    gen = G.Generator(model, batch_size=batch, max_len=max_len)
+    gen.generate(prompts, 2)                                     # compile prefill + decode
+    progs, leaves = G.programs(model)
+    tokens = np.zeros((batch, gen.bucket(prompt)), np.int32)
+    tokens[:, :prompt] = np.asarray(prompts, np.int32)
+    lengths = jnp.full((batch,), prompt, jnp.int32)
+    key, zero, one = jax.random.key(0), jnp.float32(0), jnp.float32(1)
+    tok_dev = jnp.asarray(tokens)
+
+    def prefill():
+        return progs.prefill(leaves, tok_dev, lengths, key, zero, one, max_len=max_len, sample=False)
+
+    t_prefill = _median_s(prefill, reps)
+    # the streamed decode loop
+    t_first = None
+    n = 0
+    for _ in gen.stream(prompts, new):
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    decode_tps = batch * (n - 1) / (t_end - t_first) if n > 1 else float("nan")
+    # one decode step alone, at the middle of the generation
+    nxt, _, cache = prefill()
+    pos = jnp.full((batch,), prompt + new // 2, jnp.int32)
+
+    def step_of(p, lv):
+        return lambda: p.decode(lv, cache, nxt, pos, key, jnp.int32(1), zero, one, sample=False)
+
+    t_step = _median_s(step_of(progs, leaves), reps)
+    t_bare = _median_s(step_of(*G.programs(without_moe(model))), reps)
+    floor = touched_bytes(model, batch) / bandwidth
+    in_use, peak = _memory()
+    return {"batch": batch, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps, "step_ms": t_step * 1e3,
+            "floor_ms": floor * 1e3, "moe_share": 1.0 - t_bare / t_step, "in_use": in_use, "peak": peak}
+
+
+def _mb(v):
+    return "—" if v is None else f"{v / 2**20:,.0f}"
+
+
+HEADER = ("| model | weights | batch | prefill ms | decode tok/s | step µs | floor µs | step / floor | MoE share "
+          "| device MiB in use | peak MiB |")
+
+
+def row_md(label: str, variant: str, r: dict) -> str:
+    return (f"| {label} | {variant} | {r['batch']} | {r['prefill_ms']:.2f} | {r['decode_tps']:.1f} | "
+            f"{r['step_ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['step_ms'] / r['floor_ms']:.2f} | "
+            f"{100 * r['moe_share']:.0f}% | {_mb(r['in_use'])} | {_mb(r['peak'])} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="qwen3,mixtral", help=f"comma-separated of {sorted(SHAPES)}")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="B/s for the floor (default H200's 4.3e12)")
+    ap.add_argument("--measure-bandwidth", action="store_true", help="use a device copy's bandwidth instead")
+    ap.add_argument("--no-dequantized", action="store_true", help="skip the bf16-dequantized XLA variant")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--workdir", default=None, help="where the random checkpoints go (default: a temp folder)")
+    ap.add_argument("--append", default=None, metavar="RESULTS.md")
+    args = ap.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    bad = [n for n in names if n not in SHAPES]
+    if bad:
+        ap.error(f"--models: unknown {bad}; known: {sorted(SHAPES)}")
+    if args.new < 2 or args.prompt < 1 or any(b < 1 for b in args.batch):
+        ap.error("--new must be >= 2, --prompt and --batch >= 1")
+    bandwidth = measure_bandwidth() if args.measure_bandwidth else args.bandwidth
+    dtype = jnp.dtype(args.dtype)
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; floor at "
+          f"{bandwidth:.3g} B/s{' (measured)' if args.measure_bandwidth else ''}", flush=True)
+    table = [HEADER, "|" + "|".join("---" for _ in HEADER.split("|")[1:-1]) + "|"]
+    print("\n".join(table), flush=True)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for name in names:
+            shape = dict(SHAPES[name])
+            if args.layers:
+                shape["num_layers"] = args.layers
+            label = f"{LABELS[name]}, {shape['num_layers']} layers"
+            path = os.path.join(tmp, name)
+            t0 = time.perf_counter()
+            write_random_model(path, scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), seed=0, **shape)
+            print(f"# {label}: wrote the GPTQ int4 g128 checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+            for variant in (["GPTQ int4"] + ([] if args.no_dequantized else ["bf16 (dequantized, XLA)"])):
+                t0 = time.perf_counter()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model = load_model(path, dtype=dtype, dequantized=variant != "GPTQ int4")
+                print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+                for b in args.batch:
+                    r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
+                                    bandwidth=bandwidth)
+                    line = row_md(label, variant, r)
+                    print(line, flush=True)
+                    table.append(line)
+                del model
+                gc.collect()
+            if os.path.isdir(path):
+                import shutil
+
+                shutil.rmtree(path)
+    if args.append:
+        from benchmarks.results_io import append_markdown
+
+        argv_s = list(argv if argv is not None else sys.argv[1:])
+        append_markdown(args.append, "Whole-model generation (benchmarks/generate.py)", "generate.py", argv_s,
+                        f"Random GPTQ 4-bit g128 checkpoints, {args.prompt}-token prompts, {args.new} new tokens, "
+                        f"{args.dtype} activations. Floor: the weight bytes a decode step touches (experts: the "
+                        f"expected number a uniform top-k routing of the batch touches) at {bandwidth:.3g} B/s; "
+                        "KV-cache reads are not in the floor. MoE share: 1 - step time with the MoE layers "
+                        "replaced by identity / step time.", table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""``benchmarks/generate.py`` (the whole-model GPU benchmark) runs end to end on the CPU at its
+tiny settings, so it does not rot between GPU sessions. Timings here mean nothing and are not
+checked; the table's shape, the floor's byte count and the appended section are."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks import generate as bench
+from wna16_jax.models import load_model, write_random_model
+from wna16_jax.schemes import QuantScheme
+
+
+def test_generate_benchmark_smoke(tmp_path, capsys):
+    out_md = tmp_path / "RESULTS.md"
+    assert bench.main(["--models", "tiny", "--layers", "1", "--batch", "1", "--prompt", "16", "--new", "4",
+                       "--reps", "1", "--append", str(out_md)]) == 0
+    rows = [line for line in out_md.read_text().splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 2 and "GPTQ int4" in rows[0] and "dequantized" in rows[1]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == len(bench.HEADER.strip("|").split("|"))
+        prefill, tps, step, floor, ratio = (float(c) for c in cells[3:8])
+        assert all(math.isfinite(v) and v > 0 for v in (prefill, tps, step, floor, ratio)), row
+        assert cells[8].endswith("%")
+    assert "--models tiny" in out_md.read_text()
+    assert "decode tok/s" in capsys.readouterr().out
+
+
+def test_floor_counts_every_touched_weight_once(tmp_path):
+    """With a batch so large that every expert is touched, the floor's bytes are all the model's
+    weights except the embedding table, plus one embedding row per token."""
+    path = write_random_model(tmp_path / "m", scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128),
+                              **dict(bench.SHAPES["tiny"], num_layers=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(path, dtype=jnp.float32)
+    everything = bench._nbytes(nnx.state(model))
+    embed = bench._nbytes(model.embed_tokens[...])
+    batch = 10**6
+    row = model.config.hidden_size * 2
+    assert bench.touched_bytes(model, batch) == everything - embed + batch * row
+    one = bench.touched_bytes(model, 1)
+    assert one < everything - embed                               # top-2 of 8 experts
+    assert bench.without_moe(model).layers[0].self_attn is model.layers[0].self_attn
+    assert jax.tree.leaves(nnx.state(bench.without_moe(model), bench.QuantizedExperts)) == []

@@ -1,0 +1,365 @@
+"""Whole quantized MoE decoders in Flax NNX: :class:`MoEDecoder` and :func:`load_model`.
+
+One decoder class covers the Qwen3-MoE, Qwen2-MoE and Mixtral families; :class:`DecoderConfig`
+(from ``config.json``) switches the family's details on and off:
+
+* attention: grouped-query attention with rotary embeddings (``rope_theta``, linear scaling),
+  queries / keys normed per head (Qwen3), q/k/v biases (Qwen2), Mixtral's sliding window;
+* MLPs: :class:`wna16_jax.nn.QuantizedMoE` on the MoE layers (router, top-k, shared expert and
+  its sigmoid gate as the checkpoint has them), a gated SiLU MLP on the dense ones
+  (``decoder_sparse_step`` / ``mlp_only_layers``);
+* every linear layer the checkpoint quantizes is a :class:`~wna16_jax.models.linear.QuantizedLinear`
+  (packed as stored); the rest (embeddings, ``lm_head``, norms, routers) stays 16-bit;
+  ``lm_head`` is the embedding matrix when ``tie_word_embeddings``.
+
+State: ``nnx.Param`` for the 16-bit weights (embeddings, norms, 16-bit linears, routers),
+:class:`~wna16_jax.models.linear.QuantizedWeight` and :class:`~wna16_jax.nn.QuantizedExperts`
+for the frozen quantized ones.
+
+Computation runs in ``dtype`` (the activations' dtype; float32 reproduces the float reference).
+RMS norms and softmaxes are computed in float32, every product accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..checkpoint import Checkpoint, DenseWeights
+from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
+from ..nn import QuantizedMoE
+from ..safetensors_io import load_json
+from .config import DecoderConfig
+from .linear import QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, quantized_matmul, read_quantized_linear
+
+_MASKED = -1e30
+
+
+def default_dtype():
+    """float32 on the CPU, bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nnx.Module):
+    """``w · x / sqrt(mean(x²) + eps)``, the statistics in float32."""
+
+    def __init__(self, weight, eps: float, *, param_dtype=None):
+        self.eps = float(eps)
+        self.weight = nnx.Param(jnp.asarray(weight, param_dtype) if param_dtype else jnp.asarray(weight))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, factor: float = 1.0) -> np.ndarray:
+    """``1 / (theta ** (2j / head_dim)) / factor`` for ``j < head_dim / 2`` (float32)."""
+    exps = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** exps) / np.float32(factor)).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate ``x [B, S, n, d]`` by ``positions [B, S]`` (the two halves of each head are the
+    pairs, as Hugging Face's ``rotate_half``)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rot * sin
+
+
+def _write_rows(cache, new, start):
+    """``cache [B, T, n, d]`` with ``new [B, S, n, d]`` written at slot ``start[b]`` of row ``b``."""
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(
+        cache, new, start.astype(jnp.int32))
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with rotary embeddings; optional per-head q/k RMS norms and a
+    sliding window. With a cache, the new keys / values are written at their positions (cache
+    slot = position) and the queries attend to the first ``kv_len`` slots."""
+
+    def __init__(self, config: DecoderConfig, q_proj, k_proj, v_proj, o_proj, q_norm=None, k_norm=None):
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.sliding_window = config.sliding_window
+        self.inv_freq = tuple(float(f) for f in rope_inverse_frequencies(
+            config.head_dim, config.rope_theta, config.rope_factor if config.rope_type == "linear" else 1.0))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def __call__(self, x, positions, cache=None, kv_len: int | None = None):
+        b, s, _ = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, s, nh, hd)
+        k = self.k_proj(x).reshape(b, s, nkv, hd)
+        v = self.v_proj(x).reshape(b, s, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv = np.asarray(self.inv_freq, np.float32)
+        q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+        if cache is None:
+            keys, vals, kpos = k, v, positions
+        else:
+            ck, cv = cache
+            ck, cv = _write_rows(ck, k, positions[:, 0]), _write_rows(cv, v, positions[:, 0])
+            cache = (ck, cv)
+            t = kv_len or ck.shape[1]
+            keys, vals = ck[:, :t].astype(x.dtype), cv[:, :t].astype(x.dtype)
+            kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        g = nh // nkv
+        prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        scores = jnp.einsum("bsngd,btnd->bngst", q.reshape(b, s, nkv, g, hd), keys, precision=prec,
+                            preferred_element_type=jnp.float32) * np.float32(hd ** -0.5)
+        qp, kp = positions[:, :, None], kpos[:, None, :]
+        mask = kp <= qp
+        if self.sliding_window is not None:
+            mask = mask & (qp - kp < self.sliding_window)
+        scores = jnp.where(mask[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bngst,btnd->bsngd", probs, vals, precision=prec,
+                         preferred_element_type=jnp.float32).astype(x.dtype)
+        return self.o_proj(out.reshape(b, s, nh * hd)), cache
+
+
+class GatedMLP(nnx.Module):
+    """``down(silu(gate(x)) · up(x))`` (the dense MLP of Qwen's ``mlp_only_layers``)."""
+
+    def __init__(self, gate_proj, up_proj, down_proj):
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def __call__(self, x):
+        g = self.gate_proj(x).astype(jnp.float32)
+        u = self.up_proj(x).astype(jnp.float32)
+        return self.down_proj((jax.nn.silu(g) * u).astype(x.dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp):
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    def __call__(self, x, positions, cache=None, kv_len=None):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, kv_len)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), cache
+
+
+class MoEDecoder(nnx.Module):
+    """A decoder-only MoE language model (see the module doc). Build with :func:`load_model`.
+
+    ``model(tokens [B, S])`` → float32 logits ``[B, S, V]`` (causal, positions ``0..S-1``,
+    no cache). Generation (KV cache, bucketed compiles, sampling): :mod:`wna16_jax.models.generation`.
+    """
+
+    def __init__(self, config: DecoderConfig, embed_tokens, layers: Sequence[DecoderLayer], norm: RMSNorm,
+                 lm_head: DenseLinear | None, *, dtype=jnp.float32):
+        self.config = config
+        self.dtype = jnp.dtype(dtype).name
+        self.embed_tokens = nnx.Param(embed_tokens)
+        self.layers = nnx.List(list(layers))
+        self.norm = norm
+        self.lm_head = lm_head
+
+    # ------------------------------------------------------------------ pieces
+    def embed(self, tokens):
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
+
+    def hidden_states(self, tokens, positions, cache=None, kv_len: int | None = None):
+        """Final-normed hidden states ``[B, S, H]`` and the updated cache (a tuple of per-layer
+        ``(k, v)`` arrays ``[B, T, n_kv, d]``, or None)."""
+        x = self.embed(tokens)
+        new = []
+        for i, layer in enumerate(self.layers):
+            x, c = layer(x, positions, None if cache is None else cache[i], kv_len)
+            new.append(c)
+        return self.norm(x), (None if cache is None else tuple(new))
+
+    def logits(self, h):
+        """float32 logits of hidden states ``h [..., H]`` (products accumulated in float32)."""
+        if isinstance(self.lm_head, QuantizedLinear):
+            return quantized_matmul(h, self.lm_head.weight.get_value(), out_dtype=jnp.float32)
+        w = (self.embed_tokens if self.lm_head is None else self.lm_head.weight)[...].astype(h.dtype)
+        prec = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
+        return jnp.einsum("...h,vh->...v", h, w, precision=prec, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions=None):
+        tokens = jnp.asarray(tokens)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
+        h, _ = self.hidden_states(tokens, positions)
+        return self.logits(h)
+
+    # ------------------------------------------------------------------ facts
+    def init_cache(self, batch_size: int, max_len: int, dtype=None):
+        """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, max_len, n_kv, d]``."""
+        c = self.config
+        shape = (int(batch_size), int(max_len), c.num_kv_heads, c.head_dim)
+        dt = dtype or self.dtype
+        return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_layers))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Tensors:
+    """The checkpoint's tensor names by module (``a.b.c.suffix`` → ``a.b.c`` → suffix → name)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.modules: dict[str, dict[str, str]] = {}
+        for name in ckpt.tensor_names():
+            module, _, suffix = name.rpartition(".")
+            self.modules.setdefault(module, {})[suffix] = name
+
+    def float_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        t = self.ckpt.tensor_info(name)            # MissingTensorError naming it
+        if t.dtype.kind != "f" and t.dtype_name != "BF16":
+            raise DTypeError(f"{name}: expected a 16/32-bit float tensor, got {t.dtype_name}")
+        if tuple(t.shape) != tuple(shape):
+            raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        a = self.ckpt.read_tensor(name)
+        if not np.isfinite(a.astype(np.float32)).all():
+            raise ValueRangeError(f"{name}: holds NaN or Inf")
+        return a
+
+
+def _linear(tensors: _Tensors, module: str, n: int, k: int, *, bias: bool, dtype, param_dtype,
+            dequantized: bool):
+    """The linear ``module`` (``W [n, k]``): quantized if its tensors are, else 16-bit."""
+    found = tensors.modules.get(module, {})
+    ckpt = tensors.ckpt
+    if any(m in found for m in QUANTIZED_MARKERS):
+        scheme = ckpt.quant_config.scheme_for(module)
+        if scheme is None:
+            raise ConfigError(f"{module}: the checkpoint stores it quantized "
+                              f"({sorted(found)}), but quantization_config leaves it unquantized "
+                              f"({ckpt.quant_config.group_for(module) or 'no matching group'})")
+        if bias and "bias" not in found:
+            raise MissingTensorError(f"{module}.bias: required by config.json (attention biases), not found")
+        if not bias and "bias" in found:
+            raise UnexpectedTensorError(f"{module}.bias: present, but config.json says the layer has no bias")
+        w = read_quantized_linear(ckpt, module, found, scheme, out_features=n, in_features=k)
+        layer = QuantizedLinear(w, compute_dtype=dtype)
+        return layer.dequantized(jnp.bfloat16) if dequantized else layer
+    if "weight" not in found:
+        raise MissingTensorError(f"{module}.weight: not found in {ckpt.path!r} (nor a quantized "
+                                 f"{module}.qweight / {module}.weight_packed)")
+    extra = sorted(set(found) - {"weight", "bias"})
+    if extra:
+        raise UnexpectedTensorError(f"{module}: a 16-bit linear with unexpected tensors "
+                                    f"{[f'{module}.{s}' for s in extra]}")
+    if bias and "bias" not in found:
+        raise MissingTensorError(f"{module}.bias: required by config.json (attention biases), not found")
+    if not bias and "bias" in found:
+        raise UnexpectedTensorError(f"{module}.bias: present, but config.json says the layer has no bias")
+    w = tensors.float_tensor(found["weight"], (n, k))
+    b = tensors.float_tensor(found["bias"], (n,)) if bias else None
+    return DenseLinear(w, b, compute_dtype=dtype, param_dtype=param_dtype)
+
+
+def _dense_experts(w, dtype):
+    """Loader-layout (or float) experts as :class:`DenseWeights` in ``dtype``, on the device."""
+    if w is None:
+        return None
+    w = jax.tree.map(jnp.asarray, w)
+    w13, w2 = w.dequantize(dtype)
+    b13, b2 = w.decode_bias()
+    return DenseWeights(w13, w2, None if b13 is None else b13.astype(dtype), None if b2 is None else b2.astype(dtype),
+                        hidden_size=int(w13.shape[2]), intermediate_size=int(w13.shape[1]) // 2)
+
+
+def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
+               dequantized: bool = False) -> MoEDecoder:
+    """Build the :class:`MoEDecoder` of checkpoint folder ``path`` (``config.json`` + safetensors).
+
+    ``dtype``: the activations' dtype (default :func:`default_dtype`). ``param_dtype``: the dtype
+    of the 16-bit parameters (default: as stored; float32 for fine-tuning). ``backend``: the MoE
+    experts' layout (``None``: the dispatch table's choice; see :func:`wna16_jax.select_backend`).
+    ``dequantized=True`` dequantizes every quantized linear and expert to bfloat16 while loading
+    (a reference point for benchmarks: the same model as plain XLA on 16-bit weights).
+
+    Refuses, before reading any weight data: an unsupported ``model_type`` (naming the supported
+    families), rope types / sliding-window settings it would get wrong, MoE layers where the
+    config does not put them; then, per tensor, missing, unexpected, misshapen or non-finite
+    tensors, naming them. Only files inside ``path`` are read.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path!r}: not a folder (expected a checkpoint folder with config.json)")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(f"config.json: not found in {path!r}")
+    raw = load_json(cfg_file, what="config.json")
+    config = DecoderConfig.from_hf_config(raw)
+    ckpt = Checkpoint(path)
+    dtype = jnp.dtype(dtype or default_dtype())
+    if ckpt.model_config.hidden_size != config.hidden_size:      # pragma: no cover - same field
+        raise ConfigError("config.json: hidden_size read differently")
+    if list(ckpt.moe_layer_indices) != config.moe_layer_indices:
+        raise ConfigError(f"config.json: puts MoE layers at {config.moe_layer_indices} "
+                          f"(decoder_sparse_step / mlp_only_layers), but the checkpoint has expert "
+                          f"tensors for layers {ckpt.moe_layer_indices}")
+    tensors = _Tensors(ckpt)
+    c = config
+    h, nh, nkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+    def lin(module, n, k, bias=False):
+        return _linear(tensors, module, n, k, bias=bias, dtype=dtype, param_dtype=param_dtype,
+                       dequantized=dequantized)
+
+    def norm(name, size):
+        return RMSNorm(tensors.float_tensor(name, (size,)), c.rms_norm_eps, param_dtype=param_dtype)
+
+    layers = []
+    fallback: list[str] = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        attn = Attention(
+            c, lin(f"{p}.self_attn.q_proj", nh * hd, h, c.qkv_bias), lin(f"{p}.self_attn.k_proj", nkv * hd, h, c.qkv_bias),
+            lin(f"{p}.self_attn.v_proj", nkv * hd, h, c.qkv_bias), lin(f"{p}.self_attn.o_proj", h, nh * hd, c.o_bias),
+            norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
+            norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
+        if c.sparse_layers[i]:
+            if dequantized:
+                moe_layer = ckpt.load_layer(i)
+                moe_layer = dataclasses.replace(moe_layer, experts=_dense_experts(moe_layer.experts, jnp.bfloat16),
+                                                shared_experts=_dense_experts(moe_layer.shared_experts, jnp.bfloat16))
+                mlp = QuantizedMoE.from_layer(moe_layer, ckpt.model_config)
+            else:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    mlp = QuantizedMoE.from_checkpoint(ckpt, i, backend)
+                fallback.extend(str(w.message) for w in caught)
+        else:
+            inter = c.intermediate_size
+            mlp = GatedMLP(lin(f"{p}.mlp.gate_proj", inter, h), lin(f"{p}.mlp.up_proj", inter, h),
+                           lin(f"{p}.mlp.down_proj", h, inter))
+        layers.append(DecoderLayer(norm(f"{p}.input_layernorm.weight", h), attn,
+                                   norm(f"{p}.post_attention_layernorm.weight", h), mlp))
+    embed = tensors.float_tensor("model.embed_tokens.weight", (c.vocab_size, h))
+    if param_dtype is not None:
+        embed = embed.astype(param_dtype)
+    lm_head = None
+    if not c.tie_word_embeddings:
+        lm_head = lin("lm_head", c.vocab_size, h)
+    if fallback:
+        warnings.warn(f"{len(fallback)} MoE layer(s): {fallback[0]}", stacklevel=2)
+    return MoEDecoder(c, jnp.asarray(embed), layers, norm("model.norm.weight", h), lm_head, dtype=dtype)
+
+
+__all__ = ["MoEDecoder", "DecoderLayer", "Attention", "GatedMLP", "RMSNorm", "load_model", "apply_rope",
+           "rope_inverse_frequencies", "default_dtype"]

@@ -1,0 +1,353 @@
+"""Dense linear layers of a quantized checkpoint: :class:`QuantizedLinear` and :class:`DenseLinear`.
+
+AWQ, GPTQ and compressed-tensors checkpoints quantize the attention projections and dense MLPs
+with the same per-tensor packing as one MoE expert (``docs/formats.md`` §1.3–§1.5), and leave
+the embeddings, ``lm_head``, norms and routers in 16 bits. A quantized linear ``y = x Wᵀ + b``
+with ``W [N, K]`` (output × input) is stored as, per method:
+
+====================  ==================================  ====================================
+method                tensors (suffix: shape)             decode
+====================  ==================================  ====================================
+AWQ (GEMM)            ``qweight [K, N/pf]``,               codes unpacked along N in AutoAWQ
+                      ``scales [G, N]``,                   order, zero points likewise
+                      ``qzeros [G, N/pf]``
+GPTQ (v1 / v2)        ``qweight [K/pf, N]``,               codes unpacked along K; v1 stores
+                      ``scales [G, N]``,                   ``z - 1``; ``g_idx`` names the group
+                      ``qzeros [G, N/pf]``, ``g_idx [K]``  of each input row (desc_act)
+compressed-tensors    ``weight_packed [N, ⌈K/pf⌉]``,       codes unpacked along K, zero points
+                      ``weight_scale [N, G]``,             along N; ``weight_shape = [N, K]``
+                      ``weight_zero_point [⌈N/pf⌉, G]``,
+                      ``weight_g_idx [K]``,
+                      ``weight_shape [2]``
+====================  ==================================  ====================================
+
+``pf = 32 // bits`` (4- and 8-bit), ``G = K / group_size`` (1 when channelwise). Every method
+may carry a 16-bit ``bias [N]``. :class:`QuantizedLinearWeights` holds those arrays as stored
+(int32 words, 16-bit scales); the unpacking uses the shared helpers of
+:mod:`wna16_jax.packing` and the arithmetic ``(code - zero) · scale`` of
+:class:`wna16_jax.weights.LogicalQuant`, so a dense linear decodes exactly like one expert.
+
+Execution goes through one function, :func:`quantized_matmul`: it picks an executor from
+:data:`LINEAR_EXECUTORS` (today only ``"xla"``: dequantize inside the compiled program, then one
+``dot`` with float32 accumulation). A GPU kernel registers itself there and is picked by
+:func:`select_linear_executor`; nothing else in the models changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import packing
+from ..errors import (ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError,
+                      ValueRangeError)
+from ..schemes import QuantMethod, QuantScheme
+from ..weights import LogicalQuant
+
+_FLOAT_ST = ("F16", "BF16", "F32")
+_INT_ST = ("I32",)
+_INDEX_ST = ("I32", "I64")
+
+#: checkpoint suffix of each role, per method
+SUFFIXES = {
+    QuantMethod.AWQ: {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros"},
+    QuantMethod.GPTQ: {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros", "g_idx": "g_idx"},
+    QuantMethod.COMPRESSED_TENSORS: {"qweight": "weight_packed", "scales": "weight_scale",
+                                     "qzeros": "weight_zero_point", "g_idx": "weight_g_idx",
+                                     "shape": "weight_shape"},
+}
+#: suffixes that mark a module's tensors as quantized
+QUANTIZED_MARKERS = ("qweight", "weight_packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLinearWeights:
+    """One quantized linear layer ``W [N, K]`` in its checkpoint's own layout (see module doc).
+
+    ``qweight``, ``scales``, ``qzeros`` (None when the scheme has no zero points), ``g_idx``
+    (None unless act-order), ``bias [N]`` (or None) are arrays; ``scheme``, ``out_features`` (N)
+    and ``in_features`` (K) are static. A registered JAX pytree: arrays are its leaves.
+    """
+
+    qweight: Any
+    scales: Any
+    qzeros: Any = None
+    g_idx: Any = None
+    bias: Any = None
+    scheme: QuantScheme = None  # type: ignore[assignment]
+    out_features: int = 0
+    in_features: int = 0
+
+    def decode(self) -> LogicalQuant:
+        """The logical codes ``[N, K]``, scales / zeros ``[N, G]`` and ``g_idx [K]`` (or None)."""
+        s, n, k = self.scheme, self.out_features, self.in_features
+        b = s.bits
+        zeros = None
+        if s.method is QuantMethod.AWQ:
+            order = packing.awq_order(b)
+            codes = packing.unpack(self.qweight, b, axis=1, order=order).T
+            scales = self.scales.T
+            if self.qzeros is not None:
+                zeros = packing.unpack(self.qzeros, b, axis=1, order=order).T
+        elif s.method is QuantMethod.GPTQ:
+            codes = packing.unpack(self.qweight, b, axis=0).T
+            scales = self.scales.T
+            if self.qzeros is not None:
+                zeros = packing.unpack(self.qzeros, b, axis=1).T
+                if s.gptq_zeros_minus_one:
+                    zeros = (zeros + 1) & ((1 << b) - 1)
+        else:
+            codes = packing.unpack(self.qweight, b, axis=1, size=k)
+            scales = self.scales
+            if self.qzeros is not None:
+                zeros = packing.unpack(self.qzeros, b, axis=0, size=n)
+        return LogicalQuant(codes, scales, zeros, self.g_idx, bits=b, group_size=s.group_size)
+
+    def dequantize(self, dtype: Any = jnp.float32):
+        """Dense ``W [N, K]`` in ``dtype`` (``(code - zero) · scale`` exact in float32 first)."""
+        return self.decode().dequantize(dtype)
+
+    def arrays(self) -> dict[str, Any]:
+        """The stored arrays by field name (absent ones omitted)."""
+        return {f: getattr(self, f) for f in ("qweight", "scales", "qzeros", "g_idx", "bias")
+                if getattr(self, f) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in self.arrays().values()))
+
+
+jax.tree_util.register_dataclass(QuantizedLinearWeights,
+                                 data_fields=["qweight", "scales", "qzeros", "g_idx", "bias"],
+                                 meta_fields=["scheme", "out_features", "in_features"])
+
+
+def expected_linear_tensors(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Checkpoint suffix → (shape, allowed safetensors dtypes) of a quantized ``[N, K]`` linear.
+    Optional entries (``bias``; GPTQ's stored ``g_idx`` and symmetric ``qzeros``) included."""
+    pf = scheme.pack_factor
+    groups = scheme.num_groups(k)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    m = scheme.method
+    if m is QuantMethod.AWQ:
+        d = {"qweight": ((k, n // pf), _INT_ST), "scales": ((groups, n), _FLOAT_ST),
+             "qzeros": ((groups, n // pf), _INT_ST)}
+    elif m is QuantMethod.GPTQ:
+        d = {"qweight": ((k // pf, n), _INT_ST), "scales": ((groups, n), _FLOAT_ST),
+             "qzeros": ((groups, n // pf), _INT_ST), "g_idx": ((k,), _INDEX_ST)}
+    else:
+        d = {"weight_packed": ((n, cdiv(k, pf)), _INT_ST), "weight_scale": ((n, groups), _FLOAT_ST),
+             "weight_shape": ((2,), _INDEX_ST)}
+        if scheme.zero_point:
+            d["weight_zero_point"] = ((cdiv(n, pf), groups), _INT_ST)
+        if scheme.act_order:
+            d["weight_g_idx"] = ((k,), _INDEX_ST)
+    if m is QuantMethod.AWQ and not scheme.zero_point:
+        d.pop("qzeros")
+    d["bias"] = ((n,), _FLOAT_ST)
+    return d
+
+
+def read_quantized_linear(ckpt, module: str, tensors: Mapping[str, str], scheme: QuantScheme, *,
+                          out_features: int, in_features: int) -> QuantizedLinearWeights:
+    """Read the quantized linear ``module`` (``tensors``: suffix → tensor name) of checkpoint
+    ``ckpt`` (a :class:`wna16_jax.checkpoint.Checkpoint`) into :class:`QuantizedLinearWeights`.
+
+    Checks, naming the tensor and its expected and actual value: every suffix is known for the
+    scheme, dtypes and shapes from the file header (before any data is read) against
+    ``out_features × in_features``, the required tensors present, scales finite, ``g_idx`` in
+    range (and trivial without act-order), symmetric GPTQ zero points equal to the implicit
+    offset, compressed-tensors ``weight_shape == [N, K]``.
+    """
+    s, n, k = scheme, int(out_features), int(in_features)
+    suff = SUFFIXES[s.method]
+    if s.group_size != -1 and k % s.group_size:
+        raise ShapeError(f"{module}: input size {k} is not a multiple of group_size {s.group_size} "
+                         f"({s.describe()})")
+    if s.method is QuantMethod.AWQ or s.method is QuantMethod.GPTQ:
+        unit = s.pack_factor
+        if (s.method is QuantMethod.AWQ and n % unit) or (s.method is QuantMethod.GPTQ and (k % unit or n % unit)):
+            raise ShapeError(f"{module}: sizes N={n}, K={k} do not fit {s.describe()} packing "
+                             f"({unit} values per int32 word)")
+    expected = expected_linear_tensors(s, n, k)
+    for suffix, name in tensors.items():
+        if suffix not in expected:
+            raise UnexpectedTensorError(f"{name}: unexpected tensor for a {s.describe()} linear "
+                                        f"(known suffixes: {sorted(expected)})")
+        shape, dtypes = expected[suffix]
+        t = ckpt.tensor_info(name)
+        if t.dtype_name not in dtypes:
+            raise DTypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {t.dtype_name}")
+        if tuple(t.shape) != shape:
+            raise ShapeError(f"{name}: expected shape {shape} (N={n}, K={k}, {s.describe()}), "
+                             f"got {tuple(t.shape)}")
+    required = [suff["qweight"], suff["scales"]]
+    if s.zero_point:
+        required.append(suff["qzeros"])
+    if s.act_order:
+        required.append(suff["g_idx"])
+    for suffix in required:
+        if suffix not in tensors:
+            raise MissingTensorError(f"{module}.{suffix}: required by {s.describe()}, not found")
+    got = {suffix: ckpt.read_tensor(name) for suffix, name in tensors.items()}
+    sc = got[suff["scales"]]
+    sc32 = sc.astype(np.float32)
+    if not np.isfinite(sc32).all():
+        bad = np.argwhere(~np.isfinite(sc32))[0].tolist()
+        raise ValueRangeError(f"{tensors[suff['scales']]}: scales must be finite, found {sc32[tuple(bad)]} at {bad}")
+    if "bias" in got and not np.isfinite(got["bias"].astype(np.float32)).all():
+        raise ValueRangeError(f"{tensors['bias']}: bias holds NaN or Inf")
+    if s.method is QuantMethod.COMPRESSED_TENSORS and "weight_shape" in got:
+        ws = got["weight_shape"]
+        if [int(v) for v in ws] != [n, k]:
+            raise ShapeError(f"{tensors['weight_shape']}: expected [{n}, {k}], got {ws.tolist()}")
+    g_idx = None
+    gi_suffix = suff.get("g_idx")
+    if gi_suffix in got:
+        gi = got[gi_suffix]
+        ng = s.num_groups(k)
+        if gi.size and (gi.min() < 0 or gi.max() >= ng):
+            raise ValueRangeError(f"{tensors[gi_suffix]}: group indices must lie in [0, {ng}), got "
+                                  f"[{gi.min()}, {gi.max()}]")
+        if s.act_order:
+            g_idx = gi.astype(np.int32)
+        else:
+            trivial = np.zeros(k, np.int64) if s.group_size == -1 else np.arange(k) // s.group_size
+            if not np.array_equal(gi, trivial):
+                raise ConfigError(f"{tensors[gi_suffix]}: rows are not in natural group order, but the "
+                                  "config has no act-order (desc_act=false)")
+    qzeros = got.get(suff["qzeros"])
+    if s.method is QuantMethod.GPTQ and not s.zero_point:
+        if qzeros is not None and qzeros.size:
+            want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
+            word = np.uint32(sum(want << (s.bits * j) for j in range(s.pack_factor))).view(np.int32)
+            if not (qzeros == word).all():
+                raise ValueRangeError(
+                    f"{tensors[suff['qzeros']]}: the config says sym=true, so every zero point must be "
+                    f"the implicit {s.implicit_zero} (word {np.uint32(word.view(np.uint32)):#010x}), "
+                    "found other values")
+        qzeros = None
+    return QuantizedLinearWeights(qweight=got[suff["qweight"]], scales=sc, qzeros=qzeros, g_idx=g_idx,
+                                  bias=got.get("bias"), scheme=s, out_features=n, in_features=k)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def _xla_matmul(x, w: QuantizedLinearWeights, compute_dtype):
+    """Dequantize ``W`` inside the program (exact in float32, then ``compute_dtype``) and run one
+    ``dot`` accumulating in float32."""
+    cdt = jnp.dtype(compute_dtype)
+    wd = w.dequantize(cdt)                                            # [N, K]
+    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    y = jnp.einsum("...k,nk->...n", x.astype(cdt), wd, precision=prec,
+                   preferred_element_type=jnp.float32)
+    if w.bias is not None:
+        y = y + jnp.asarray(w.bias).astype(jnp.float32)
+    return y
+
+
+#: name → ``fn(x, weights, compute_dtype) -> float32 [..., N]``. A GPU kernel adds an entry and
+#: teaches :func:`select_linear_executor` when to pick it.
+LINEAR_EXECUTORS: dict[str, Callable] = {"xla": _xla_matmul}
+
+
+def select_linear_executor(x, w: QuantizedLinearWeights, compute_dtype) -> str:
+    """The executor :func:`quantized_matmul` runs with ``executor="auto"``: ``"xla"`` everywhere
+    today (the one place where a platform / scheme / shape rule for a kernel goes)."""
+    del x, w, compute_dtype
+    return "xla"
+
+
+def quantized_matmul(x, w: QuantizedLinearWeights, *, compute_dtype=None, out_dtype=None,
+                     executor: str = "auto"):
+    """``y = x Wᵀ + b`` for ``x [..., K]`` and a quantized ``W [N, K]``: the one function every
+    quantized dense layer of :mod:`wna16_jax.models` runs through. ``compute_dtype`` (default
+    ``x.dtype``) is the dtype ``W`` is dequantized to and ``x`` is cast to; the products
+    accumulate in float32; the result is ``out_dtype`` (default ``x.dtype``). Traceable (meant
+    to run inside ``jax.jit``)."""
+    if getattr(x, "ndim", 0) < 1 or x.shape[-1] != w.in_features:
+        raise ShapeError(f"x: expected shape (..., {w.in_features}), got {tuple(getattr(x, 'shape', ()))}")
+    cdt = jnp.dtype(compute_dtype or x.dtype)
+    name = select_linear_executor(x, w, cdt) if executor == "auto" else executor
+    if name not in LINEAR_EXECUTORS:
+        raise ConfigError(f"executor: expected 'auto' or one of {sorted(LINEAR_EXECUTORS)}, got {executor!r}")
+    y = LINEAR_EXECUTORS[name](x, w, cdt)
+    return y.astype(out_dtype or x.dtype)
+
+
+# --------------------------------------------------------------------------- NNX modules
+
+
+class QuantizedWeight(nnx.Variable):
+    """Frozen quantized linear weights: one :class:`QuantizedLinearWeights` pytree (packed int32
+    words and 16-bit scales as stored). Not an ``nnx.Param``: optimizers built with
+    ``wrt=nnx.Param`` never touch it."""
+
+
+class QuantizedLinear(nnx.Module):
+    """``y = x Wᵀ + b`` on a frozen quantized ``W`` held packed (device memory = the checkpoint's
+    bytes); dequantized on the fly by :func:`quantized_matmul` inside the caller's program.
+
+    ``compute_dtype`` (None → the input's dtype) is what ``W`` is dequantized to.
+    """
+
+    def __init__(self, weights: QuantizedLinearWeights, *, compute_dtype=None):
+        if not isinstance(weights, QuantizedLinearWeights):
+            raise ConfigError(f"weights: expected QuantizedLinearWeights, got {type(weights).__name__}")
+        self.in_features, self.out_features = weights.in_features, weights.out_features
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
+        self.weight = QuantizedWeight(jax.tree.map(jnp.asarray, weights))
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return self.weight.get_value().scheme
+
+    def dequantized(self, dtype=jnp.bfloat16) -> "DenseLinear":
+        """The same layer with ``W`` (and the bias) dequantized into a 16-bit :class:`DenseLinear`."""
+        w = self.weight.get_value()
+        b = None if w.bias is None else jnp.asarray(w.bias, dtype)
+        return DenseLinear(w.dequantize(dtype), b, compute_dtype=self.compute_dtype)
+
+    def __call__(self, x):
+        return quantized_matmul(x, self.weight.get_value(), compute_dtype=self.compute_dtype)
+
+
+class DenseLinear(nnx.Module):
+    """A 16-bit (or float32) linear layer ``y = x Wᵀ + b`` with ``W [N, K]`` as an ``nnx.Param``
+    in its stored dtype; computed in ``compute_dtype`` (None → the input's dtype), accumulated
+    in float32."""
+
+    def __init__(self, weight, bias=None, *, compute_dtype=None, param_dtype=None):
+        w = jnp.asarray(weight, param_dtype) if param_dtype is not None else jnp.asarray(weight)
+        if w.ndim != 2:
+            raise ShapeError(f"weight: expected a rank-2 [out, in] array, got shape {tuple(w.shape)}")
+        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
+        self.weight = nnx.Param(w)
+        if bias is not None:
+            b = jnp.asarray(bias, param_dtype) if param_dtype is not None else jnp.asarray(bias)
+            if tuple(b.shape) != (self.out_features,):
+                raise ShapeError(f"bias: expected shape ({self.out_features},), got {tuple(b.shape)}")
+            self.bias = nnx.Param(b)
+        else:
+            self.bias = None
+
+    def __call__(self, x):
+        cdt = jnp.dtype(self.compute_dtype or x.dtype)
+        prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+        y = jnp.einsum("...k,nk->...n", x.astype(cdt), self.weight[...].astype(cdt), precision=prec,
+                       preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+__all__ = ["QuantizedLinearWeights", "QuantizedWeight", "QuantizedLinear", "DenseLinear",
+           "quantized_matmul", "select_linear_executor", "LINEAR_EXECUTORS", "read_quantized_linear",
+           "expected_linear_tensors"]
