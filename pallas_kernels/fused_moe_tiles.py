@@ -22,7 +22,6 @@ for 8-bit).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp

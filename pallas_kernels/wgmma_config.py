@@ -22,6 +22,7 @@ from .activations import FUSED_ACTIVATIONS
 from .align import ALIGN_METHODS
 from .errors import KernelConfigError
 from .wgmma_layout import BLOCK_K, BLOCK_N
+from .wna16_grouped_gemm import choose_split
 
 # ``tout``'s store of the wgmma accumulator into a transposed shared-memory view lowers from jax
 # 0.11 on (0.10's Mosaic GPU rejects it: "Tiled strides must be a multiple of the vector length")
@@ -295,13 +296,6 @@ def wgmma_block_m(num_pairs: int, num_experts: int, tune: Tuning | None = None) 
                        <= 1.03 * expected_blocks(num_pairs, num_experts, 32)):
         return tune.fold_rows
     return best
-
-
-def choose_split(programs: int, n_kb: int, *, sms: int, waves: int) -> int:
-    """Split-K factor that gives about ``waves`` programs per SM (at most one K-block each)."""
-    from .wna16_grouped_gemm import choose_split as _choose
-
-    return _choose(programs, n_kb, sms=sms, waves=waves)
 
 
 def plan_gemm(layer: LayerConfig, *, n_blocks: int, block_m: int, n: int, k: int, has_zp: bool, group_size: int,

@@ -23,6 +23,10 @@ from .errors import KernelConfigError, KernelDTypeError, KernelShapeError
 from .wgmma_common import GemmBuild, named
 from .wgmma_config import IDS_PAD, SMEM_LIMIT, GemmConfig, wgmma_smem_bytes
 from .wgmma_layout import BLOCK_K, BLOCK_N, from_wgmma_layout, magic_value
+from .wgmma_plain import plain_kernel
+from .wgmma_ws import ws_kernel
+from .wgmma_ws_stream import ws_stream_kernel
+from .wna16_grouped_gemm import dequantize_tiles
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -92,10 +96,6 @@ def wgmma_grouped_gemm(a, expert_ids, words, scales, zeros=None, row_scale=None,
     with ``gated``) in float32, or in ``a``'s dtype with ``out16``."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .wgmma_plain import plain_kernel
-    from .wgmma_ws import ws_kernel
-    from .wgmma_ws_stream import ws_stream_kernel
-
     cfg = config
     check_gemm(a, expert_ids, words, scales, zeros, row_scale, cfg)
     k = a.shape[1]
@@ -141,8 +141,6 @@ def wgmma_grouped_gemm_reference(a, expert_ids, words, scales, zeros=None, row_s
     device: the weights decoded through the tile layout, each split's K range multiplied in
     float32 at the highest precision, zero rows for id -1, the gated epilogue's column halves, the
     row scales, then the output dtype."""
-    from .wna16_grouped_gemm import dequantize_tiles
-
     cfg = config
     check_gemm(a, expert_ids, words, scales, zeros, row_scale, cfg)
     split_k = cfg.split_k

@@ -28,7 +28,7 @@ _EXPORTS = {
     # weights
     "CheckpointWeights": "weights", "LogicalQuant": "weights",
     # the dispatch table
-    "Backend": "backends", "TABLE": "backends", "Device": "backends", "select_backend": "backends",
+    "Backend": "backends", "TABLE": "backends", "Device": "device", "select_backend": "backends",
     "backend_reasons": "backends", "priority_backends": "backends",
     "BackendFallbackWarning": "backends",
     # running a layer
@@ -72,8 +72,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .autodiff import fused_moe_trainable
-    from .backends import (TABLE, Backend, BackendFallbackWarning, Device, backend_reasons,
-                           priority_backends, select_backend)
+    from .backends import TABLE, Backend, BackendFallbackWarning, backend_reasons, priority_backends, select_backend
+    from .device import Device
     from .checkpoint import (Checkpoint, DenseWeights, FloatMoELayer, MoELayer, MoEModelConfig,
                              random_checkpoint_weights, random_moe_layer, write_checkpoint)
     from .errors import (BackendSelectionError, ConfigError, CorruptFileError, DTypeError,

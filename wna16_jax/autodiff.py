@@ -31,6 +31,7 @@ import numpy as np
 
 from . import executors
 from . import moe as _moe
+from .routing import moe_align_block_size
 from .moe import check_activation, default_block_m, dot_f32, expert_gemm1, expert_gemm2, validate_moe_inputs
 
 
@@ -46,8 +47,6 @@ def _zero_cotangent(a):
 def _backward_blocked(g, x, tw, topk_ids, weights, expert_map, *, activation, on_input, gne,
                       block_m, cdt):
     """``(dx [T, H] float32, dtw [T, k] float32)`` for output cotangent ``g [T, H]``."""
-    from .routing import moe_align_block_size
-
     act = check_activation(activation)
     t, k = topk_ids.shape
     ids = topk_ids.astype(jnp.int32)

@@ -21,14 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import os
-import sys
 from enum import Enum
 from typing import Any, Callable
 
+from . import executors
+from .convert.cpu import convert_cpu
+from .convert.humming import convert_humming
+from .convert.marlin import convert_marlin, marlin_moe_padded_intermediate
+from .convert.trtllm_mxint4 import convert_trtllm_mxint4
+from .convert.xpu import convert_xpu
+from .device import Device, _dtype_name
 from .errors import BackendSelectionError, ConfigError, UnsupportedError
 from .schemes import QuantMethod, QuantScheme
+from .weights import CheckpointWeights
 
 
 class Backend(str, Enum):
@@ -57,61 +63,9 @@ class Backend(str, Enum):
         raise ConfigError(f"backend: expected one of {[b.value for b in cls]}, got {name!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Device:
-    """What the dispatch table needs to know about the device a layer will run on."""
-
-    platform: str                       # "cpu", "gpu" (NVIDIA CUDA), "rocm", "xpu", "tpu", ...
-    name: str = ""
-    compute_capability: tuple[int, int] | None = None   # NVIDIA only
-    byteorder: str = sys.byteorder
-
-    @property
-    def is_nvidia(self) -> bool:
-        return self.platform == "gpu" and self.compute_capability is not None
-
-    def describe(self) -> str:
-        cc = f" (SM{self.compute_capability[0]}{self.compute_capability[1]})" if self.compute_capability else ""
-        return f"{self.platform}: {self.name or 'unknown'}{cc}"
-
-    @classmethod
-    def current(cls, jax_device: Any = None) -> "Device":
-        """Describe ``jax_device`` (default: the first JAX device)."""
-        import jax
-
-        d = jax_device if jax_device is not None else jax.devices()[0]
-        platform = str(d.platform).lower()
-        cc = None
-        raw = getattr(d, "compute_capability", None)
-        if platform in ("gpu", "cuda"):
-            platform = "gpu"
-            version = str(getattr(d.client, "platform_version", "")).lower()
-            if "rocm" in version or "hip" in version:
-                platform = "rocm"
-            elif raw:
-                major, _, minor = str(raw).partition(".")
-                cc = (int(major), int(minor or 0))
-        return cls(platform=platform, name=str(getattr(d, "device_kind", "")), compute_capability=cc)
-
-
 #: fp8 activations on Marlin need SM89 or SM12x (Hopper emulates the PTX; docs/moe-semantics.md §2.7, docs/formats.md §3.7).
 _FP8_ACT_CC = ((8, 9), (12, 0), (12, 1))
-_ACT_DTYPES = (None, "float16", "bfloat16", "int8", "float8_e4m3fn")
 ACTIVATION_FORMATS = ("standard", "batched")
-
-
-def _dtype_name(input_dtype: Any) -> str | None:
-    if input_dtype is None:
-        return None
-    import numpy as np
-
-    try:
-        name = np.dtype(input_dtype).name
-    except TypeError:
-        name = str(input_dtype)
-    if name not in _ACT_DTYPES:
-        raise ConfigError(f"input_dtype: expected one of float16, bfloat16, int8, float8_e4m3fn, got {name!r}")
-    return None if name in ("float16", "bfloat16") else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,14 +119,12 @@ def _marlin_layout(req: Request) -> str | None:
     if req.hidden_size is not None and req.hidden_size % 128:
         return f"hidden size must be a multiple of 128, got {req.hidden_size}"
     if req.intermediate_size is not None:
-        from .convert.marlin import marlin_moe_padded_intermediate as marlin_padded_intermediate
-
         i = req.intermediate_size
         if s.group_size > 0 and i % s.group_size:
             return f"intermediate size {i} is not a multiple of group size {s.group_size}"
-        if s.act_order and marlin_padded_intermediate(i, s.group_size) != i:
+        if s.act_order and marlin_moe_padded_intermediate(i, s.group_size) != i:
             return (f"intermediate size {i} needs padding to the Marlin tile "
-                    f"({marlin_padded_intermediate(i, s.group_size)}), which act-order does not allow")
+                    f"({marlin_moe_padded_intermediate(i, s.group_size)}), which act-order does not allow")
     return None
 
 
@@ -280,7 +232,7 @@ class BackendSpec:
     layout: str                           # docs/formats.md section of the kernel layout
     executes_on: str                      # what runs the layout in this project
     supports_fn: Check
-    convert_path: str | None              # "module:function" of the converter (lazy import)
+    convert_fn: Callable                  # the converter: (scheme, weights, input_dtype=) -> layout
     engines: tuple[str, ...] = ()         # the GPU engines (wna16_jax.executors) that prepare this row
 
     def supports(self, scheme: QuantScheme, device: Device | None = None, **request: Any) -> str | None:
@@ -289,10 +241,7 @@ class BackendSpec:
         if req.activation_format not in ACTIVATION_FORMATS:
             raise ConfigError(f"activation_format: expected one of {ACTIVATION_FORMATS}, "
                               f"got {req.activation_format!r}")
-        reason = self.supports_fn(req, device or Device.current())
-        if reason is None and self.converter() is None:
-            return "layout converter not implemented yet"
-        return reason
+        return self.supports_fn(req, device or Device.current())
 
     def layout_supports(self, scheme: QuantScheme, **request: Any) -> str | None:
         """Like :meth:`supports` but ignoring the device: can this layout represent the layer?
@@ -305,7 +254,7 @@ class BackendSpec:
                 Device("gpu", "B200", (10, 0)))
             if reason and reason.startswith("opt-in only"):
                 reason = None
-            return reason or (None if self.converter() else "layout converter not implemented yet")
+            return reason
         fake = {Backend.CPU: Device("cpu"), Backend.XPU: Device("xpu")}.get(
             self.backend, Device("gpu", "H200", (9, 0)))
         if self.backend in (Backend.MARLIN, Backend.BATCHED_MARLIN):
@@ -315,22 +264,13 @@ class BackendSpec:
                 fake = Device("gpu", "L40S", (8, 9))
         return self.supports(scheme, fake, **request)
 
-    def converter(self) -> Callable | None:
-        if self.convert_path is None:
-            return None
-        module, _, fn = self.convert_path.partition(":")
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError:
-            return None
-        return getattr(mod, fn, None)
+    def converter(self) -> Callable:
+        return self.convert_fn
 
     def convert(self, scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
         """Convert a loader-layout pytree (jit-compiled once per scheme, shapes and input dtype).
 
         The weights are checked against ``scheme`` first (every field's shape and dtype)."""
-        from .weights import CheckpointWeights
-
         if not isinstance(weights, CheckpointWeights):
             raise ConfigError(f"weights: expected the loader layout (CheckpointWeights) to convert, "
                               f"got {type(weights).__name__}")
@@ -340,22 +280,15 @@ class BackendSpec:
         weights.validate()
         if self.backend is Backend.LOADER:
             return weights
-        fn = self.converter()
-        if fn is None:
-            raise UnsupportedError(f"{self.backend}: layout converter not implemented yet")
-        return _jitted(fn)(scheme, weights, None if input_dtype is None else _hashable_dtype(input_dtype))
+        return _jitted(self.convert_fn)(scheme, weights, None if input_dtype is None else _hashable_dtype(input_dtype))
 
     def _engines(self):
-        from . import executors
-
         return tuple(executors.BY_NAME[n] for n in self.engines)
 
     def executor_reason(self, weights: Any, device: Device | None = None, input_dtype: Any = None) -> str | None:
         """``None`` if one of this row's GPU engines takes ``weights`` on ``device`` (then
         :meth:`prepare` converts them into its layout), else why none does (then the row's layout
         runs on the XLA executor)."""
-        from . import executors
-
         if not self.engines:
             return f"{self.backend} has no GPU engine in this project; its executor is {self.executes_on}"
         ex, refused = executors.preparing_engine(weights, device or Device.current(), input_dtype, self._engines())
@@ -366,8 +299,6 @@ class BackendSpec:
         (MARLIN on a Hopper GPU, 4-bit, group 128 or channelwise), else why the engine's tile
         layout (Triton-lowered kernels) is used instead. ``WNA16_JAX_GPU_KERNELS=triton`` (or
         ``wgmma``) forces the choice; ``wgmma`` still needs a layer the wgmma kernels take."""
-        from . import executors
-
         if "wgmma" not in self.engines:
             return (f"{self.backend}: the batched-experts format runs on the Triton-lowered kernels" if self.engines
                     else f"{self.backend} has no GPU engine in this project")
@@ -385,8 +316,6 @@ class BackendSpec:
         ``docs/journal/results-history.md``), else the engine's tile layout. Everywhere else, and
         for configurations outside the engines: :meth:`convert` (the backend's own layout), which
         the XLA executor runs. ``WNA16_JAX_GPU_KERNELS`` narrows the engines asked."""
-        from . import executors
-
         dev = device or Device.current()
         if self.backend is Backend.LOADER or not self.engines:
             return self.convert(scheme, weights, input_dtype)
@@ -415,49 +344,42 @@ def _hashable_dtype(input_dtype: Any) -> Any:
         raise ConfigError(f"input_dtype: not a dtype: {input_dtype!r}") from None
 
 
-def forced_gpu_kernels() -> str:
-    """``WNA16_JAX_GPU_KERNELS`` (see :func:`wna16_jax.executors.forced_gpu_kernels`)."""
-    from .executors import forced_gpu_kernels as forced
-
-    return forced()
+def _no_conversion(scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
+    del scheme, input_dtype
+    return weights
 
 
 TABLE: dict[Backend, BackendSpec] = {
     Backend.CPU: BackendSpec(
         Backend.CPU, ("cpu",), "vLLM CPU blocked int4 layout (docs/formats.md §5)", "XLA decode",
-        _supports_cpu, "wna16_jax.convert.cpu:convert_cpu"),
+        _supports_cpu, convert_cpu),
     Backend.XPU: BackendSpec(
         Backend.XPU, ("xpu",), "[E, N, K/2] uint8, low nibble = even k (docs/formats.md §6)", "XLA decode",
-        _supports_xpu, "wna16_jax.convert.xpu:convert_xpu"),
+        _supports_xpu, convert_xpu),
     Backend.MARLIN: BackendSpec(
         Backend.MARLIN, ("gpu",), "Marlin tile layout (docs/formats.md §3)",
         "Pallas engine on NVIDIA GPUs (Hopper, 4-bit g128/channelwise: wgmma layout, Mosaic GPU kernels; "
         "otherwise kernel-native tile layout, Triton-lowered kernels), XLA decode elsewhere",
-        _supports_marlin, "wna16_jax.convert.marlin:convert_marlin", ("wgmma", "triton")),
+        _supports_marlin, convert_marlin, ("wgmma", "triton")),
     Backend.BATCHED_MARLIN: BackendSpec(
         Backend.BATCHED_MARLIN, ("gpu",), "Marlin tile layout, batched-experts activations (docs/formats.md §3, docs/moe-semantics.md §2.8)",
         "Pallas engine on NVIDIA GPUs (kernel-native tile layout), XLA decode elsewhere",
-        _supports_batched_marlin, "wna16_jax.convert.marlin:convert_marlin", ("triton",)),
+        _supports_batched_marlin, convert_marlin, ("triton",)),
     Backend.FLASHINFER_TRTLLM: BackendSpec(
         Backend.FLASHINFER_TRTLLM, ("gpu",), "MXINT4: signed int4, bf16 g32 scales, shuffled blocks (docs/formats.md §4)",
         "XLA decode (the real kernel is SM100-only)", _supports_trtllm,
-        "wna16_jax.convert.trtllm_mxint4:convert_trtllm_mxint4"),
+        convert_trtllm_mxint4),
     Backend.HUMMING: BackendSpec(
         Backend.HUMMING, ("gpu",), "Humming canonical weight schema (docs/formats.md §7)", "XLA decode",
-        _supports_humming, "wna16_jax.convert.humming:convert_humming"),
+        _supports_humming, convert_humming),
     Backend.LOADER: BackendSpec(
         Backend.LOADER, ("cpu", "gpu", "rocm", "tpu", "xpu"),
         "the checkpoint's own layout (no conversion)", "XLA executor (dequantizes on the fly)",
-        _supports_loader, "wna16_jax.backends:_no_conversion"),
+        _supports_loader, _no_conversion),
 }
 
 #: the rows vLLM's oracle has (every row but :attr:`Backend.LOADER`).
 CONVERTING_BACKENDS: tuple[Backend, ...] = tuple(b for b in Backend if b is not Backend.LOADER)
-
-
-def _no_conversion(scheme: QuantScheme, weights: Any, input_dtype: Any = None) -> Any:
-    del scheme, input_dtype
-    return weights
 
 
 class BackendFallbackWarning(UserWarning):
@@ -539,3 +461,14 @@ def env_forced_backend() -> Backend | None:
         return Backend.parse(v)
     except ConfigError as e:
         raise ConfigError(f"WNA16_JAX_BACKEND: {e}") from None
+
+
+def convert_to_wna16_moe_kernel_format(backend: "Backend | str", scheme: QuantScheme, weights: Any,
+                                       input_dtype: Any = None) -> Any:
+    """Convert one layer's experts (loader layout) into ``backend``'s kernel layout (the entry
+    point of vLLM's WNA16 oracle).
+
+    The device gates of the dispatch table are not applied here (conversion is possible on any
+    host); the layout's own refusals raise typed errors naming the rule and the value.
+    """
+    return TABLE[Backend.parse(backend)].convert(scheme, weights, input_dtype=input_dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from pallas_kernels import errors as _k
+
 
 class WNA16Error(Exception):
     """Base class of every error raised by wna16_jax on bad input or unsupported requests."""
@@ -100,11 +102,9 @@ def check_divisible(name: str, value: int, divisor: int, rule: str = "") -> None
 
 def from_kernel_error(e: Exception) -> WNA16Error:
     """The library's error for a ``pallas_kernels`` error (same message, the matching kind)."""
-    from pallas_kernels import errors as k
-
-    kind = (ConfigError if isinstance(e, k.KernelConfigError) else ShapeError if isinstance(e, k.KernelShapeError)
-            else DTypeError if isinstance(e, k.KernelDTypeError)
-            else UnsupportedError if isinstance(e, k.KernelUnsupportedError) else ConfigError)
+    kind = (ConfigError if isinstance(e, _k.KernelConfigError) else ShapeError if isinstance(e, _k.KernelShapeError)
+            else DTypeError if isinstance(e, _k.KernelDTypeError)
+            else UnsupportedError if isinstance(e, _k.KernelUnsupportedError) else ConfigError)
     return kind(str(e))
 
 
@@ -116,9 +116,7 @@ class kernel_errors:
         return self
 
     def __exit__(self, typ, value, tb):
-        from pallas_kernels.errors import KernelError
-
-        if value is not None and isinstance(value, KernelError):
+        if value is not None and isinstance(value, _k.KernelError):
             raise from_kernel_error(value) from None
         return False
 

@@ -24,6 +24,14 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.device import wgmma_device_reason
+from pallas_kernels.fused_moe_tiles import batched_experts_tiles, fused_moe_tiles, fused_moe_tiles_bwd
+from pallas_kernels.wgmma_layer import fused_moe_wgmma
+
+from .convert.marlin import MarlinWeights
+from .convert.tiles import TileWeights, convert_tiles, tile_unsupported_reason
+from .convert.wgmma import WgmmaWeights, convert_wgmma, wgmma_unsupported_reason
+from .device import Device, _dtype_name
 from .errors import ConfigError, UnsupportedError, kernel_errors
 
 _ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -40,8 +48,6 @@ def forced_gpu_kernels() -> str:
 
 
 def _device(device=None):
-    from .backends import Device
-
     return device or Device.current()
 
 
@@ -109,13 +115,9 @@ class WgmmaEngine(Executor):
     """The Hopper wgmma kernels (Mosaic GPU) on :class:`~wna16_jax.convert.wgmma.WgmmaWeights`."""
 
     def layouts(self):
-        from .convert.wgmma import WgmmaWeights
-
         return (WgmmaWeights,)
 
     def supports(self, weights, device=None, *, hidden_dtype=None, formulation=None, compute_dtype=None):
-        from pallas_kernels.device import wgmma_device_reason
-
         dev = _device(device)
         if not self.reads(weights):
             return f"{type(weights).__name__} is not the wgmma layout"
@@ -125,11 +127,6 @@ class WgmmaEngine(Executor):
         return _call_reason(hidden_dtype, formulation, compute_dtype)
 
     def prepares(self, weights, device=None, input_dtype=None):
-        from pallas_kernels.device import wgmma_device_reason
-
-        from .convert.marlin import MarlinWeights
-        from .convert.wgmma import wgmma_unsupported_reason
-
         dev = _device(device)
         forced = forced_gpu_kernels()
         if forced == "triton":
@@ -140,16 +137,12 @@ class WgmmaEngine(Executor):
                 or _input_reason(input_dtype) or wgmma_unsupported_reason(weights))
 
     def prepare(self, weights, input_dtype=None):
-        from .convert.wgmma import convert_wgmma
-
         dt = jnp.float16 if input_dtype is not None and jnp.dtype(input_dtype) == jnp.float16 else jnp.bfloat16
         return jax.jit(convert_wgmma, static_argnums=1)(weights, dt)
 
     @kernel_errors()
     def run(self, x, topk_weights, topk_ids, weights, expert_map, *, activation, apply_router_weight_on_input,
             global_num_experts, block_m):
-        from pallas_kernels.wgmma_layer import fused_moe_wgmma
-
         w13, w2 = weights.gemms()
         return fused_moe_wgmma(x, topk_weights, topk_ids, w13, w2, interleaved=weights.w13_interleaved,
                                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
@@ -159,8 +152,6 @@ class WgmmaEngine(Executor):
 def _input_reason(input_dtype) -> str | None:
     if input_dtype is None:
         return None
-    from .backends import _dtype_name
-
     name = _dtype_name(input_dtype)
     return None if name in (None, "bfloat16", "float16") else f"the engine takes 16-bit activations, not {name}"
 
@@ -170,14 +161,9 @@ class TritonEngine(Executor):
     or on vLLM's Marlin layout re-laid as tiles on every call; every NVIDIA GPU from SM75."""
 
     def layouts(self):
-        from .convert.marlin import MarlinWeights
-        from .convert.tiles import TileWeights
-
         return (TileWeights, MarlinWeights)
 
     def supports(self, weights, device=None, *, hidden_dtype=None, formulation=None, compute_dtype=None):
-        from .convert.tiles import TileWeights, tile_unsupported_reason
-
         dev = _device(device)
         reason = _nvidia_reason(dev)
         if reason:
@@ -195,29 +181,21 @@ class TritonEngine(Executor):
         return None if isinstance(weights, TileWeights) else tile_unsupported_reason(weights)
 
     def prepares(self, weights, device=None, input_dtype=None):
-        from .convert.tiles import tile_unsupported_reason
-
         dev = _device(device)
         if forced_gpu_kernels() == "wgmma":
             return "WNA16_JAX_GPU_KERNELS=wgmma"
         return _nvidia_reason(dev) or _input_reason(input_dtype) or tile_unsupported_reason(weights)
 
     def prepare(self, weights, input_dtype=None):
-        from .convert.tiles import convert_tiles
-
         return jax.jit(convert_tiles)(weights)
 
     @staticmethod
     def tiles(weights):
-        from .convert.tiles import convert_tiles
-
         return convert_tiles(weights)
 
     @kernel_errors()
     def run(self, x, topk_weights, topk_ids, weights, expert_map, *, activation, apply_router_weight_on_input,
             global_num_experts, block_m):
-        from pallas_kernels.fused_moe_tiles import fused_moe_tiles
-
         tw = self.tiles(weights)
         w13, w2 = tw.gemms()
         return fused_moe_tiles(x, topk_weights, topk_ids, w13, w2, bits=tw.bits, group_size=tw.group_size,
@@ -226,8 +204,6 @@ class TritonEngine(Executor):
 
     @kernel_errors()
     def batched(self, batched_hidden, expert_num_tokens, weights, *, activation):
-        from pallas_kernels.fused_moe_tiles import batched_experts_tiles
-
         tw = self.tiles(weights)
         w13, w2 = tw.gemms()
         return batched_experts_tiles(batched_hidden, expert_num_tokens, w13, w2, bits=tw.bits,
@@ -237,7 +213,6 @@ class TritonEngine(Executor):
     def backward(self, g, x, topk_weights, topk_ids, weights, expert_map, *, activation,
                  apply_router_weight_on_input, global_num_experts, block_m):
         """``(dx, dtw)`` on the transposed-access kernels (a wgmma layout re-laid as tiles, bit-exactly)."""
-        from pallas_kernels.fused_moe_tiles import fused_moe_tiles_bwd
 
         tw = self.tiles(weights)
         w13, w2 = tw.gemms()

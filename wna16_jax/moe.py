@@ -47,13 +47,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError, DTypeError, ShapeError, UnsupportedError, ValueRangeError, check_dtype
+from pallas_kernels.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,  # noqa: F401 (re-exported)
+                                        gelu_and_mul, gelu_tanh_and_mul, silu_and_mul, swigluoai_and_mul)
+from pallas_kernels.align import vllm_block_m as default_block_m
+
+from . import executors
+from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError, check_dtype
+from .routing import moe_align_block_size
 
 # --------------------------------------------------------------------------- activations
-
-from pallas_kernels.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,  # noqa: E402,F401
-                                        gelu_and_mul, gelu_tanh_and_mul, silu_and_mul, swigluoai_and_mul)
-from pallas_kernels.align import vllm_block_m as default_block_m  # noqa: E402
 
 
 def check_activation(activation: str) -> Callable:
@@ -242,8 +244,6 @@ def _dense(x, tw, local, valid, weights, act, on_input, cdt):
 
 
 def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_num_experts, block_m):
-    from .routing import moe_align_block_size
-
     t, k = topk_ids.shape
     aligned = moe_align_block_size(topk_ids.astype(jnp.int32), block_m, global_num_experts,
                                    expert_map, ignore_invalid_experts=True)
@@ -280,8 +280,6 @@ _WARNED: set[str] = set()
 
 
 def _warn_fallback(weights, choice) -> None:
-    from . import executors
-
     if not executors.fallback_warning_applies(weights, choice):
         return            # not an engine layout on an engine platform: XLA is its executor
     reason = choice.reason
@@ -309,8 +307,6 @@ def _resolve_options(hidden_states, topk_weights, topk_ids, weights, *, activati
     dtype name), ``choice`` the registry's :class:`~wna16_jax.executors.Choice` (with the reasons
     of the executors that refused).
     """
-    from . import executors
-
     check_activation(activation)
     gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
     choice = executors.select(weights, hidden_states.dtype, executor=executor, formulation=formulation,
@@ -334,9 +330,7 @@ def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, 
     gne = global_num_experts
     t, k = topk_ids.shape
     if executor != "xla":
-        from .executors import BY_NAME
-
-        return BY_NAME[executor].run(hidden_states, topk_weights, topk_ids, weights, expert_map, activation=activation,
+        return executors.BY_NAME[executor].run(hidden_states, topk_weights, topk_ids, weights, expert_map, activation=activation,
                                      apply_router_weight_on_input=apply_router_weight_on_input,
                                      global_num_experts=gne, block_m=block_m)
     if formulation is None:
@@ -470,9 +464,7 @@ def _batched_experts_body(batched_hidden, expert_num_tokens, weights, *, activat
     """The traced body of :func:`batched_experts_forward` (static options resolved)."""
     act = check_activation(activation)
     if executor != "xla":
-        from .executors import BY_NAME
-
-        return BY_NAME[executor].batched(batched_hidden, expert_num_tokens, weights, activation=activation)
+        return executors.BY_NAME[executor].batched(batched_hidden, expert_num_tokens, weights, activation=activation)
     e, m, _ = batched_hidden.shape
     cdt = jnp.dtype(compute_dtype or jnp.float32)
 
@@ -513,8 +505,6 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
                          f"got {tuple(batched_hidden.shape)}")
     if tuple(expert_num_tokens.shape) != (e,):
         raise ShapeError(f"expert_num_tokens: expected shape ({e},), got {tuple(expert_num_tokens.shape)}")
-    from . import executors
-
     # the batched-experts format (BATCHED_MARLIN) has no wgmma form
     choice = executors.select(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype,
                               among=(executors.TRITON, executors.XLA))

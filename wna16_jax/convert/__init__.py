@@ -3,17 +3,14 @@
 Names and signatures follow vLLM's helpers (``gptq_marlin_moe_repack``,
 ``marlin_moe_permute_scales``, ``prepare_int4_moe_layer_for_cpu``, ...) so the two can be read
 side by side; unlike vLLM's, every function is pure (new arrays, inputs untouched) and jit-able.
-:func:`convert_to_wna16_moe_kernel_format` is the entry point of
-vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``): it returns the
-backend's weights pytree (a frozen dataclass with named fields, never a positional tuple).
+Each returns the backend's weights pytree (a frozen dataclass with named fields, never a
+positional tuple); :func:`wna16_jax.backends.convert_to_wna16_moe_kernel_format` is the entry
+point of vLLM's WNA16 oracle (``vllm/model_executor/layers/fused_moe/oracle/int_wna16.py``) that
+picks the converter by backend.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..backends import TABLE, Backend
-from ..schemes import QuantScheme
 from .cpu import CPUQuantAlgo, CPUWeights, convert_cpu, prepare_int4_moe_layer_for_cpu
 from .humming import (
     HummingWeights,
@@ -48,18 +45,7 @@ from .trtllm_mxint4 import (
 from .xpu import XPUWeights, convert_xpu, process_weights_xpu
 
 
-def convert_to_wna16_moe_kernel_format(backend: Backend | str, scheme: QuantScheme, weights: Any,
-                                       input_dtype: Any = None) -> Any:
-    """Convert one layer's experts (loader layout) into ``backend``'s kernel layout.
-
-    The device gates of the dispatch table are not applied here (conversion is possible on any
-    host); the layout's own refusals raise typed errors naming the rule and the value.
-    """
-    return TABLE[Backend.parse(backend)].convert(scheme, weights, input_dtype=input_dtype)
-
-
 __all__ = [
-    "convert_to_wna16_moe_kernel_format",
     "CPUQuantAlgo", "CPUWeights", "convert_cpu", "prepare_int4_moe_layer_for_cpu",
     "HummingWeights", "convert_humming", "convert_to_humming_moe_kernel_format", "humming_weight_schema",
     "humming_ct_weight_schema",

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run named suites on a GPU machine, from the repository root, with the preinstalled jax:
+#
+#     bash benchmarks/device.sh SUITE [SUITE ...]      (OUT=DIR for the logs; default ./device-out)
+#
+# Suites:
+#   tests         every GPU test (pytest -m gpu), 8 workers
+#   fingerprints  the engine's default programs hashed (benchmarks/program_fingerprints.py)
+#   table         the performance table: Mixtral, Qwen3-30B-A3B and DeepSeek-V2-Lite shapes × their
+#                 token counts, the wgmma engine (AWQ and GPTQ) against XLA's alternatives
+#   engine        the same rows, the wgmma engine's two columns only (for before / after comparisons)
+#   generate      whole-model generation, Qwen3-30B-A3B and Mixtral-8x7B shapes, batch 1 / 8 / 64
+# Each suite writes OUT/<suite>.log; the table and generate suites also append their tables to
+# OUT/RESULTS.md and OUT/results.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+status=0
+for suite in "$@"; do
+    echo "=== $suite"
+    case "$suite" in
+        tests) cmd=(python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests) ;;
+        fingerprints) cmd=(python3 benchmarks/program_fingerprints.py --out "$OUT/fingerprints.json") ;;
+        table) cmd=(python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40
+                    --skip "engine AWQ,engine GPTQ,engine←Marlin" --append "$OUT/RESULTS.md" --json "$OUT/results.json") ;;
+        engine) cmd=(python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40
+                     --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot,dense bf16") ;;
+        generate) cmd=(python3 benchmarks/generate.py --append "$OUT/RESULTS.md") ;;
+        *) echo "unknown suite: $suite (tests, fingerprints, table, engine, generate)"; status=2; continue ;;
+    esac
+    "${cmd[@]}" 2>&1 | tee "$OUT/$suite.log"
+    rc=${PIPESTATUS[0]}
+    echo "=== $suite: rc $rc"
+    [ "$rc" = 0 ] || status=1
+done
+exit $status
