@@ -28,9 +28,10 @@ may carry a 16-bit ``bias [N]``. :class:`QuantizedLinearWeights` holds those arr
 :class:`wna16_jax.weights.LogicalQuant`, so a dense linear decodes exactly like one expert.
 
 Execution goes through one function, :func:`quantized_matmul`: it picks an executor from
-:data:`LINEAR_EXECUTORS` (today only ``"xla"``: dequantize inside the compiled program, then one
-``dot`` with float32 accumulation). A GPU kernel registers itself there and is picked by
-:func:`select_linear_executor`; nothing else in the models changes.
+:data:`LINEAR_EXECUTORS` — ``"wgmma"`` on a Hopper GPU, where :class:`QuantizedLinear` lays the
+weights out once, at load, for the same wgmma kernels the experts run on (a dense linear is one
+expert that every row is routed to: :class:`WgmmaLinearWeights`), else ``"xla"`` (dequantize
+inside the compiled program, then one ``dot`` with float32 accumulation).
 """
 
 from __future__ import annotations
@@ -43,9 +44,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import device as kernel_device
+from pallas_kernels.device import wgmma_device_reason
+from pallas_kernels.wgmma_config import LayerConfig, plan_gemm
+from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm
+from pallas_kernels.wgmma_layout import from_wgmma_layout, magic_value, to_wgmma_layout
+from pallas_kernels.wna16_grouped_gemm import pack_tiles, unpack_tiles
+
 from .. import packing
+from ..device import Device
 from ..errors import (ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError,
-                      ValueRangeError)
+                      ValueRangeError, kernel_errors)
 from ..schemes import QuantMethod, QuantScheme
 from ..weights import LogicalQuant
 
@@ -252,19 +261,110 @@ def _xla_matmul(x, w: QuantizedLinearWeights, compute_dtype):
     return y
 
 
-#: name → ``fn(x, weights, compute_dtype) -> float32 [..., N]``. A GPU kernel adds an entry and
-#: teaches :func:`select_linear_executor` when to pick it.
-LINEAR_EXECUTORS: dict[str, Callable] = {"xla": _xla_matmul}
+@dataclasses.dataclass(frozen=True)
+class WgmmaLinearWeights:
+    """One quantized linear in the wgmma kernels' layout (one expert of
+    :mod:`pallas_kernels.wgmma_layout`): ``words [1, N, K/4]`` int16, ``scales [1, G, N]`` and
+    biased ``zeros`` (or None) in the activations' 16-bit dtype, ``bias [N]`` or None. The same
+    bytes as the checkpoint's int4 codes and 16-bit scales; made once, at load, on a Hopper GPU
+    (:func:`to_engine_linear`)."""
+
+    words: Any
+    scales: Any
+    zeros: Any = None
+    bias: Any = None
+    out_features: int = 0
+    in_features: int = 0
+    group_size: int = 128
+
+    def decode(self) -> LogicalQuant:
+        codes = unpack_tiles(from_wgmma_layout(self.words), 4)[0]                   # [N, K]
+        zeros = None if self.zeros is None else jnp.swapaxes(
+            (self.zeros[0].astype(jnp.float32) - magic_value(self.scales.dtype)).astype(jnp.int32), 0, 1)
+        return LogicalQuant(codes, jnp.swapaxes(self.scales[0], 0, 1), zeros, None, bits=4,
+                            group_size=self.group_size)
+
+    def dequantize(self, dtype: Any = jnp.float32):
+        return self.decode().dequantize(dtype)
 
 
-def select_linear_executor(x, w: QuantizedLinearWeights, compute_dtype) -> str:
-    """The executor :func:`quantized_matmul` runs with ``executor="auto"``: ``"xla"`` everywhere
-    today (the one place where a platform / scheme / shape rule for a kernel goes)."""
-    del x, w, compute_dtype
+jax.tree_util.register_dataclass(WgmmaLinearWeights, data_fields=["words", "scales", "zeros", "bias"],
+                                 meta_fields=["out_features", "in_features", "group_size"])
+
+
+def engine_linear_reason(w: QuantizedLinearWeights, device=None) -> str | None:
+    """Why :func:`to_engine_linear` does not take ``w`` on ``device`` (None: it does): the wgmma
+    kernels need a Hopper GPU, 4-bit codes without act-order, group 128 or channelwise scales,
+    N a multiple of 64 and K of 128."""
+
+
+    dev = device or Device.current()
+    s = w.scheme
+    return (wgmma_device_reason(dev.compute_capability, dev.describe())
+            or (f"{s.bits}-bit codes (the wgmma kernels take 4-bit)" if s.bits != 4 else None)
+            or ("act-order (g_idx)" if w.g_idx is not None else None)
+            or (f"group size {s.group_size}" if s.group_size not in (-1, 128) else None)
+            or (f"N={w.out_features} is not a multiple of 64" if w.out_features % 64 else None)
+            or (f"K={w.in_features} is not a multiple of 128" if w.in_features % 128 else None))
+
+
+@kernel_errors()
+def to_engine_linear(w: QuantizedLinearWeights, dtype=jnp.bfloat16) -> WgmmaLinearWeights:
+    """``w`` in the wgmma layout for ``dtype`` activations (through the engine's tile layout)."""
+
+    lq = w.decode()
+    codes = jnp.asarray(lq.codes)[None]                                             # [1, N, K]
+    scales = jnp.swapaxes(jnp.asarray(lq.scales), 0, 1)[None]                       # [1, G, N]
+    zeros = None if lq.zeros is None else jnp.swapaxes(jnp.asarray(lq.zeros), 0, 1)[None].astype(jnp.uint8)
+    words, sc, z = to_wgmma_layout(pack_tiles(codes, 4), scales, zeros, dtype)
+    return WgmmaLinearWeights(words, sc, z, None if w.bias is None else jnp.asarray(w.bias),
+                              out_features=w.out_features, in_features=w.in_features,
+                              group_size=w.scheme.group_size)
+
+
+def _linear_block_m(m: int) -> int:
+    """Rows per block of a dense GEMM of ``m`` rows: all of them (to 8) up to 128, else 128."""
+    return min(128, -(-m // 8) * 8)
+
+
+def _wgmma_matmul(x, w: WgmmaLinearWeights, compute_dtype, *, gemm=None):
+    """``x Wᵀ + b`` on the wgmma grouped GEMM as one expert that every row is routed to: the rows
+    padded to whole blocks, each GEMM's configuration from the layer's heuristics
+    (:func:`pallas_kernels.wgmma_config.plan_gemm`), float32 out. ``gemm``: the kernel (default)
+    or its jnp reference."""
+
+    del compute_dtype                                     # the kernel computes in the activations' dtype
+    gemm = gemm or wgmma_grouped_gemm
+    lead, k, n = x.shape[:-1], w.in_features, w.out_features
+    m = int(np.prod(lead)) if lead else 1
+    bm = _linear_block_m(m)
+    nb = -(-m // bm)
+    cdt = w.scales.dtype
+    a = jnp.pad(x.reshape(m, k).astype(cdt), ((0, nb * bm - m), (0, 0)))
+    cfg, _ = plan_gemm(LayerConfig(), n_blocks=nb, block_m=bm, n=n, k=k, has_zp=w.zeros is not None,
+                       group_size=-1 if w.scales.shape[1] == 1 else 128, sms=kernel_device.num_sms())
+    with kernel_errors():
+        out = gemm(a, jnp.zeros((nb,), jnp.int32), w.words, w.scales, w.zeros, config=cfg)
+    y = out.astype(jnp.float32).sum(0)[:m]
+    if w.bias is not None:
+        y = y + jnp.asarray(w.bias).astype(jnp.float32)
+    return y.reshape(*lead, n)
+
+
+#: name → ``fn(x, weights, compute_dtype) -> float32 [..., N]``
+LINEAR_EXECUTORS: dict[str, Callable] = {"xla": _xla_matmul, "wgmma": _wgmma_matmul}
+
+
+def select_linear_executor(x, w, compute_dtype) -> str:
+    """The executor :func:`quantized_matmul` runs with ``executor="auto"``: the wgmma kernels for
+    weights prepared in their layout (:class:`WgmmaLinearWeights`, made at load on a Hopper GPU)
+    called with 16-bit activations, the XLA dequantize-then-dot path otherwise."""
+    if isinstance(w, WgmmaLinearWeights) and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "wgmma"
     return "xla"
 
 
-def quantized_matmul(x, w: QuantizedLinearWeights, *, compute_dtype=None, out_dtype=None,
+def quantized_matmul(x, w, *, compute_dtype=None, out_dtype=None,
                      executor: str = "auto"):
     """``y = x Wᵀ + b`` for ``x [..., K]`` and a quantized ``W [N, K]``: the one function every
     quantized dense layer of :mod:`wna16_jax.models` runs through. ``compute_dtype`` (default
@@ -277,6 +377,9 @@ def quantized_matmul(x, w: QuantizedLinearWeights, *, compute_dtype=None, out_dt
     name = select_linear_executor(x, w, cdt) if executor == "auto" else executor
     if name not in LINEAR_EXECUTORS:
         raise ConfigError(f"executor: expected 'auto' or one of {sorted(LINEAR_EXECUTORS)}, got {executor!r}")
+    if name == "wgmma" and not isinstance(w, WgmmaLinearWeights):
+        raise ConfigError(f"executor='wgmma': the weights are {type(w).__name__}, not the wgmma layout "
+                          "(QuantizedLinear prepares it on a Hopper GPU)")
     y = LINEAR_EXECUTORS[name](x, w, cdt)
     return y.astype(out_dtype or x.dtype)
 
@@ -297,16 +400,26 @@ class QuantizedLinear(nnx.Module):
     ``compute_dtype`` (None → the input's dtype) is what ``W`` is dequantized to.
     """
 
-    def __init__(self, weights: QuantizedLinearWeights, *, compute_dtype=None):
+    def __init__(self, weights: QuantizedLinearWeights, *, compute_dtype=None, engine: bool | None = None,
+                 device=None):
         if not isinstance(weights, QuantizedLinearWeights):
             raise ConfigError(f"weights: expected QuantizedLinearWeights, got {type(weights).__name__}")
         self.in_features, self.out_features = weights.in_features, weights.out_features
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
-        self.weight = QuantizedWeight(jax.tree.map(jnp.asarray, weights))
+        self._scheme = weights.scheme
+        w = jax.tree.map(jnp.asarray, weights)
+        cdt = jnp.dtype(compute_dtype or jnp.bfloat16)
+        if engine is None:        # on a Hopper GPU with 16-bit compute, the wgmma layout where it applies
+            engine = cdt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and engine_linear_reason(w, device) is None
+        elif engine:
+            reason = engine_linear_reason(w, device)
+            if reason:
+                raise ConfigError(f"engine=True: the wgmma kernels do not take this linear: {reason}")
+        self.weight = QuantizedWeight(jax.jit(to_engine_linear, static_argnums=1)(w, cdt) if engine else w)
 
     @property
     def scheme(self) -> QuantScheme:
-        return self.weight.get_value().scheme
+        return self._scheme
 
     def dequantized(self, dtype=jnp.bfloat16) -> "DenseLinear":
         """The same layer with ``W`` (and the bias) dequantized into a 16-bit :class:`DenseLinear`."""
@@ -348,6 +461,6 @@ class DenseLinear(nnx.Module):
         return y.astype(x.dtype)
 
 
-__all__ = ["QuantizedLinearWeights", "QuantizedWeight", "QuantizedLinear", "DenseLinear",
+__all__ = ["QuantizedLinearWeights", "QuantizedWeight", "QuantizedLinear", "DenseLinear", "WgmmaLinearWeights",
            "quantized_matmul", "select_linear_executor", "LINEAR_EXECUTORS", "read_quantized_linear",
-           "expected_linear_tensors"]
+           "expected_linear_tensors", "engine_linear_reason", "to_engine_linear"]

@@ -1,0 +1,122 @@
+"""A quantized dense linear on the wgmma kernels (``WgmmaLinearWeights``): the layout conversion
+is exact (it decodes to the checkpoint's own codes, scales and zero points), and the GEMM glue
+(rows padded to blocks, the configuration the heuristics pick, the K splits' sum, the bias) gives
+``x Wᵀ + b`` — on the CPU with the kernel's jnp reference, on a Hopper GPU with the kernel."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wna16_jax.checkpoint import default_scale_dtype, pack_linear
+from wna16_jax.errors import ConfigError
+from wna16_jax.models.linear import (SUFFIXES, QuantizedLinear, QuantizedLinearWeights, WgmmaLinearWeights,
+                                     _wgmma_matmul, engine_linear_reason, quantized_matmul, to_engine_linear)
+from wna16_jax.quantize import quantize_rtn
+from wna16_jax.schemes import QuantScheme
+
+ON_HOPPER = jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+SCHEMES = {"gptq g128": QuantScheme("gptq", 4, 128, False), "awq g128": QuantScheme("awq", 4, 128, True),
+           "ct channel": QuantScheme("compressed-tensors", 4, -1, False)}
+
+
+def _linear(scheme, n, k, seed=0, bias=True):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+    q = quantize_rtn(w, scheme, scale_dtype=default_scale_dtype(scheme))
+    t = pack_linear(q.codes, q.scales, q.zeros, q.g_idx, scheme)
+    suff = {v: key for key, v in SUFFIXES[scheme.method].items()}
+    fields = {suff[key]: v for key, v in t.items() if suff[key] in ("qweight", "scales", "qzeros")}
+    if scheme.method.value == "gptq" and not scheme.zero_point:
+        fields.pop("qzeros")
+    b = (0.1 * rng.standard_normal(n)).astype(np.float16) if bias else None
+    lw = QuantizedLinearWeights(**fields, bias=b, scheme=scheme, out_features=n, in_features=k)
+    return jax.tree.map(jnp.asarray, lw), q
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_engine_layout_decodes_to_the_checkpoint(name):
+    lw, q = _linear(SCHEMES[name], 192, 256)
+    ew = to_engine_linear(lw, jnp.bfloat16)
+    assert isinstance(ew, WgmmaLinearWeights) and ew.words.dtype == jnp.int16
+    got, want = ew.decode(), lw.decode()
+    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+    np.testing.assert_array_equal(np.asarray(got.scales, np.float32),
+                                  np.asarray(jnp.asarray(want.scales).astype(jnp.bfloat16), np.float32))
+    if want.zeros is None:
+        assert got.zeros is None
+    else:
+        np.testing.assert_array_equal(np.asarray(got.zeros), np.asarray(want.zeros))
+    # the same bytes as the checkpoint's codes and 16-bit scales (zero points: 16-bit, biased)
+    assert ew.words.size * 2 == lw.qweight.size * 4
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("lead", [(1,), (3, 5), (130,)])
+def test_engine_glue_with_the_reference_gemm(name, lead):
+    """Rows padded to whole blocks and sliced back, the K splits summed, the bias added: against
+    float64 ``x Wᵀ + b`` on the bf16-rounded dequantized weight, at bf16 input rounding."""
+    from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
+
+    s = SCHEMES[name]
+    lw, q = _linear(s, 192, 512, seed=len(lead))
+    ew = to_engine_linear(lw, jnp.bfloat16)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal(lead + (512,)), jnp.bfloat16)
+    f = jax.jit(functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16, gemm=wgmma_grouped_gemm_reference))
+    y = np.asarray(f(x, ew), np.float64)
+    # the kernel's weight values: scales in the activations' dtype, (c − z)·s rounded to it once
+    sc = np.asarray(jnp.asarray(q.scales, jnp.float32).astype(jnp.bfloat16), np.float64)
+    g = np.arange(512) // s.group_size if s.group_size > 0 else np.zeros(512, int)
+    z = 8.0 if q.zeros is None else q.zeros[:, g]
+    w64 = np.asarray(jnp.asarray((q.codes - z) * sc[:, g], jnp.float32).astype(jnp.bfloat16), np.float64)
+    ref = np.asarray(x, np.float64) @ w64.T + np.asarray(lw.bias, np.float64)
+    assert y.shape == lead + (192,) and np.isfinite(y).all()
+    err = np.abs(y - ref).max() / np.abs(ref).max()
+    # float32 accumulation of exact bf16 products; an unsplit GEMM writes its output rounded to
+    # bf16 once (unit roundoff 2^-9), which bounds the error, bias included, by 2^-8
+    assert err < 2 ** -8, err
+
+
+def test_quantized_linear_keeps_the_checkpoint_layout_off_hopper():
+    lw, _ = _linear(SCHEMES["gptq g128"], 192, 256)
+    layer = QuantizedLinear(lw, compute_dtype=jnp.bfloat16)
+    if not ON_HOPPER:
+        assert isinstance(layer.weight.get_value(), QuantizedLinearWeights)
+        assert "SM90" in engine_linear_reason(lw)
+        with pytest.raises(ConfigError, match="engine=True.*SM90"):
+            QuantizedLinear(lw, compute_dtype=jnp.bfloat16, engine=True)
+    with pytest.raises(ConfigError, match="executor='wgmma'.*QuantizedLinearWeights"):
+        quantized_matmul(jnp.ones((2, 256), jnp.bfloat16), lw, executor="wgmma")
+
+
+def test_engine_reasons():
+    from wna16_jax.backends import Device
+
+    h200 = Device("gpu", "H200", (9, 0))
+    ok, _ = _linear(SCHEMES["gptq g128"], 192, 256)
+    assert engine_linear_reason(ok, h200) is None
+    assert "8-bit" in engine_linear_reason(_linear(QuantScheme("gptq", 8, 128, False), 192, 256)[0], h200)
+    assert "group size 32" in engine_linear_reason(_linear(QuantScheme("gptq", 4, 32, False), 192, 256)[0], h200)
+    assert "N=96" in engine_linear_reason(_linear(SCHEMES["gptq g128"], 96, 256)[0], h200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("m", [1, 8, 64, 1000])
+def test_engine_linear_on_hopper(name, m):
+    from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
+
+    lw, _ = _linear(SCHEMES[name], 2048, 1024, seed=m)
+    layer = QuantizedLinear(lw, compute_dtype=jnp.bfloat16)
+    ew = layer.weight.get_value()
+    assert isinstance(ew, WgmmaLinearWeights)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 1024)), jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x: layer(x))(x), np.float64)
+    ref = np.asarray(jax.jit(functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16,
+                                               gemm=wgmma_grouped_gemm_reference))(x, ew), np.float64)
+    assert np.isfinite(y).all()
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 8e-3        # the output's bf16 rounding, 2^-8
