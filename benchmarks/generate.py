@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="B/s for the floor (default H200's 4.3e12)")
     ap.add_argument("--measure-bandwidth", action="store_true", help="use a device copy's bandwidth instead")
     ap.add_argument("--no-dequantized", action="store_true", help="skip the bf16-dequantized XLA variant")
+    ap.add_argument("--only-dequantized", action="store_true", help="run only the bf16-dequantized XLA variant")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default=None, help="where the random checkpoints go (default: a temp folder)")
     ap.add_argument("--append", default=None, metavar="RESULTS.md")
@@ -240,7 +241,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             write_random_model(path, scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), seed=0, **shape)
             print(f"# {label}: wrote the GPTQ int4 g128 checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
-            for variant in (["GPTQ int4"] + ([] if args.no_dequantized else ["bf16 (dequantized, XLA)"])):
+            variants = (([] if args.only_dequantized else ["GPTQ int4"])
+                        + ([] if args.no_dequantized else ["bf16 (dequantized, XLA)"]))
+            for variant in variants:
                 t0 = time.perf_counter()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")

@@ -32,6 +32,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -276,12 +277,17 @@ def main(argv=None) -> int:
     value_timers = [Timer(ckmod._ValueChecks, "check")]
     copies = Timer(ckmod._ExpertLoader, "_place")        # gate / up halves into the w13 stacks
     layer_bytes = 0
-    per_layer = []
+    per_layer, rest, checks = [], [], []        # per layer: wall time, its remainder, its value checks
     t0 = time.perf_counter()
     for li in ckpt.moe_layer_indices:
+        before = (reads.total, copies.total, value_timers[0].total)
         t1 = time.perf_counter()
         layer = ckpt.load_layer(li)
         per_layer.append(time.perf_counter() - t1)
+        d_reads, d_copies, d_checks = (now - was for now, was in zip((reads.total, copies.total, value_timers[0].total),
+                                                                     before))
+        rest.append(per_layer[-1] - d_reads - d_copies - d_checks)
+        checks.append(d_checks)
         layer_bytes = max(layer_bytes, sum(getattr(layer.experts, f).nbytes for f in layer.experts.array_fields()
                                             if getattr(layer.experts, f) is not None) + layer.router.nbytes)
         del layer
@@ -293,6 +299,10 @@ def main(argv=None) -> int:
     moe_bytes = sum(ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin for n in ckpt.tensor_names()
                     if ".mlp." in n)
     name_ms = (t_load - reads.total - t_values - copies.total) / len(per_layer) * 1e3
+    # medians over the layers: on a 2-core machine the kernel's read-ahead work preempts the loader
+    # now and then, and charges a layer's Python work with it
+    name_med = statistics.median(rest) * 1e3
+    checks_med = statistics.median(checks)
     print(f"load {len(per_layer)} MoE layers: {t_load:.1f} s ({moe_bytes / t_load / 1e9:.2f} GB/s of "
           f"MoE tensors); reads {reads.total:.1f} s, header/name phase {headers.total * 1e3:.0f} ms, "
           f"value checks {t_values:.2f} s; peak RSS {load_peak:.2f} GiB", flush=True)
@@ -329,10 +339,11 @@ def main(argv=None) -> int:
         ("  of which reading tensors", f"{reads.total:.1f} s"),
         ("  copying gate / up halves into the w13 stacks", f"{copies.total:.1f} s"),
         ("  name handling per layer: the rest (name lookups, header checks, read plans, allocation)",
-         f"{name_ms:.1f} ms (header checks {headers.total / len(per_layer) * 1e3:.1f} ms; the name index "
-         f"at open {t_index / len(per_layer) * 1e3:.1f} ms per layer)"),
-        ("  value checks (finite scales, g_idx, zero points)", f"{t_values:.2f} s = "
-                                                               f"{t_values / t_load:.1%} of the load"),
+         f"median {name_med:.1f} ms, mean {name_ms:.1f} ms (header checks {headers.total / len(per_layer) * 1e3:.1f} ms; "
+         f"the name index at open {t_index / len(per_layer) * 1e3:.1f} ms per layer)"),
+        ("  value checks (finite scales, g_idx, zero points)",
+         f"{t_values:.2f} s = {t_values / t_load:.1%} of the load (median per layer {checks_med * 1e3:.1f} ms, "
+         f"{checks_med * len(per_layer) / t_load:.1%})"),
         ("convert every layer to MARLIN (CPU, jitted; load excluded)",
          f"{t_conv:.0f} s ({t_conv / max(convert_layers, 1):.2f} s/layer)" if convert_layers else "not run"),
         ("peak RSS while loading / converting", f"{load_peak:.2f} / {conv_peak:.2f} GiB (max RSS {maxrss:.2f}; "
