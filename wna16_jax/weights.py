@@ -298,27 +298,35 @@ class CheckpointWeights(ExpertsMixin):
                                  n=self.hidden_size, k=self.intermediate_size)) if s else None
 
     def _decode_one(self, qw, sc, qz, gi, *, n: int, k: int) -> LogicalQuant:
-        s = self.scheme
-        xp = packing.xp_of(qw)
-        b = s.bits
-        if s.method is QuantMethod.AWQ:
-            codes = xp.swapaxes(packing.unpack(qw, b, axis=2, order=packing.awq_order(b)), 1, 2)
-            scales = xp.swapaxes(sc, 1, 2)
-            zeros = None if qz is None else xp.swapaxes(
-                packing.unpack(qz, b, axis=2, order=packing.awq_order(b)), 1, 2)
-        elif s.method is QuantMethod.GPTQ:
-            codes = xp.swapaxes(packing.unpack(qw, b, axis=1), 1, 2)
-            scales = xp.swapaxes(sc, 1, 2)
-            zeros = None
-            if qz is not None:
-                zeros = xp.swapaxes(packing.unpack(qz, b, axis=2), 1, 2)
-                if s.gptq_zeros_minus_one:
-                    zeros = (zeros + 1) & ((1 << b) - 1)
-        else:
-            codes = packing.unpack(qw, b, axis=2, size=k)
-            scales = sc
-            zeros = None if qz is None else packing.unpack(qz, b, axis=1, size=n)
-        return LogicalQuant(codes, scales, zeros, gi, bits=b, group_size=s.group_size)
+        return decode_packed(self.scheme, qw, sc, qz, gi, n=n, k=k)
 
     def has_bias(self) -> bool:
         return self.w13_bias is not None
+
+
+def decode_packed(scheme: QuantScheme, qw, sc, qz, gi, *, n: int, k: int) -> LogicalQuant:
+    """One GEMM's experts as a checkpoint stores them (``qweight``, ``scales``, ``qzeros`` or None,
+    ``g_idx`` or None; the expert axis first, see the module docstring's table) → their
+    :class:`LogicalQuant` (``codes [E, N, K]``): the loader layout's decode, and a dense linear's
+    (one expert)."""
+    s = scheme
+    xp = packing.xp_of(qw)
+    b = s.bits
+    if s.method is QuantMethod.AWQ:
+        codes = xp.swapaxes(packing.unpack(qw, b, axis=2, order=packing.awq_order(b)), 1, 2)
+        scales = xp.swapaxes(sc, 1, 2)
+        zeros = None if qz is None else xp.swapaxes(
+            packing.unpack(qz, b, axis=2, order=packing.awq_order(b)), 1, 2)
+    elif s.method is QuantMethod.GPTQ:
+        codes = xp.swapaxes(packing.unpack(qw, b, axis=1), 1, 2)
+        scales = xp.swapaxes(sc, 1, 2)
+        zeros = None
+        if qz is not None:
+            zeros = xp.swapaxes(packing.unpack(qz, b, axis=2), 1, 2)
+            if s.gptq_zeros_minus_one:
+                zeros = (zeros + 1) & ((1 << b) - 1)
+    else:
+        codes = packing.unpack(qw, b, axis=2, size=k)
+        scales = sc
+        zeros = None if qz is None else packing.unpack(qz, b, axis=1, size=n)
+    return LogicalQuant(codes, scales, zeros, gi, bits=b, group_size=s.group_size)

@@ -23,9 +23,9 @@ compressed-tensors    ``weight_packed [N, ⌈K/pf⌉]``,       codes unpacked al
 
 ``pf = 32 // bits`` (4- and 8-bit), ``G = K / group_size`` (1 when channelwise). Every method
 may carry a 16-bit ``bias [N]``. :class:`QuantizedLinearWeights` holds those arrays as stored
-(int32 words, 16-bit scales); the unpacking uses the shared helpers of
-:mod:`wna16_jax.packing` and the arithmetic ``(code - zero) · scale`` of
-:class:`wna16_jax.weights.LogicalQuant`, so a dense linear decodes exactly like one expert.
+(int32 words, 16-bit scales) and decodes them with the loader layout's own decode
+(:func:`wna16_jax.weights.decode_packed`, one expert) and the arithmetic ``(code - zero) · scale``
+of :class:`wna16_jax.weights.LogicalQuant`: a dense linear decodes exactly like one expert.
 
 Execution goes through one function, :func:`quantized_matmul`: it picks an executor from
 :data:`LINEAR_EXECUTORS` — ``"wgmma"`` on a Hopper GPU, where :class:`QuantizedLinear` lays the
@@ -51,12 +51,11 @@ from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm
 from pallas_kernels.wgmma_layout import from_wgmma_layout, magic_value, to_wgmma_layout
 from pallas_kernels.wna16_grouped_gemm import pack_tiles, unpack_tiles
 
-from .. import packing
 from ..device import Device
 from ..errors import (ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError,
                       ValueRangeError, kernel_errors)
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import LogicalQuant
+from ..weights import LogicalQuant, decode_packed
 
 _FLOAT_ST = ("F16", "BF16", "F32")
 _INT_ST = ("I32",)
@@ -93,29 +92,15 @@ class QuantizedLinearWeights:
     in_features: int = 0
 
     def decode(self) -> LogicalQuant:
-        """The logical codes ``[N, K]``, scales / zeros ``[N, G]`` and ``g_idx [K]`` (or None)."""
-        s, n, k = self.scheme, self.out_features, self.in_features
-        b = s.bits
-        zeros = None
-        if s.method is QuantMethod.AWQ:
-            order = packing.awq_order(b)
-            codes = packing.unpack(self.qweight, b, axis=1, order=order).T
-            scales = self.scales.T
-            if self.qzeros is not None:
-                zeros = packing.unpack(self.qzeros, b, axis=1, order=order).T
-        elif s.method is QuantMethod.GPTQ:
-            codes = packing.unpack(self.qweight, b, axis=0).T
-            scales = self.scales.T
-            if self.qzeros is not None:
-                zeros = packing.unpack(self.qzeros, b, axis=1).T
-                if s.gptq_zeros_minus_one:
-                    zeros = (zeros + 1) & ((1 << b) - 1)
-        else:
-            codes = packing.unpack(self.qweight, b, axis=1, size=k)
-            scales = self.scales
-            if self.qzeros is not None:
-                zeros = packing.unpack(self.qzeros, b, axis=0, size=n)
-        return LogicalQuant(codes, scales, zeros, self.g_idx, bits=b, group_size=s.group_size)
+        """The logical codes ``[N, K]``, scales / zeros ``[N, G]`` and ``g_idx [K]`` (or None): the
+        loader layout's decode (:func:`wna16_jax.weights.decode_packed`) of one expert."""
+        def one(a):
+            return None if a is None else a[None]
+
+        lq = decode_packed(self.scheme, one(self.qweight), one(self.scales), one(self.qzeros), None,
+                           n=self.out_features, k=self.in_features)
+        return LogicalQuant(lq.codes[0], lq.scales[0], None if lq.zeros is None else lq.zeros[0], self.g_idx,
+                            bits=lq.bits, group_size=lq.group_size)
 
     def dequantize(self, dtype: Any = jnp.float32):
         """Dense ``W [N, K]`` in ``dtype`` (``(code - zero) · scale`` exact in float32 first)."""
