@@ -37,9 +37,11 @@ def wgmma_layer_sizes(w13: GemmExperts, w2: GemmExperts) -> tuple[int, int, int]
     return e, 4 * kw13, n13 // 2
 
 
-def _group(scales) -> int:
-    """One scale group: channelwise (the same math as a single group of 128); else group 128."""
-    return -1 if scales.shape[1] == 1 else BLOCK_K
+def _group(scales, k: int) -> int:
+    """One scale group over several K-blocks: channelwise; else group 128 — a K of 128 included:
+    its one group is the same math either way, and as group 128 the GEMM keeps the ``ws`` forms
+    (as the plans before the redesign did; a channelwise GEMM takes no ``ws``)."""
+    return -1 if scales.shape[1] == 1 and k > BLOCK_K else BLOCK_K
 
 
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2: GemmExperts, *,
@@ -109,7 +111,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
         splits. ``rs_optional``: the row scales may be left to the caller (the third value says
         whether the kernel applied them)."""
         cfg, applies_rs = plan_gemm(layer, n_blocks=experts.shape[0], block_m=bm, n=n, k=kdim,
-                                    has_zp=ops[2] is not None, group_size=_group(ops[1]), sms=sms, split=split,
+                                    has_zp=ops[2] is not None, group_size=_group(ops[1], kdim), sms=sms, split=split,
                                     gate=gate, has_row_scale=rs is not None, row_scale_optional=rs_optional,
                                     per_sm4=per_sm4, whole=whole, persistent=persistent, stages=stages, tune=tune)
         out = gemm_fn(a, experts, *ops, row_scale=rs if applies_rs else None, config=cfg)
