@@ -332,7 +332,7 @@ def main(argv=None):
                 return float(jnp.abs(got - r).max()) / float(jnp.abs(r).max())
 
             if args.sweep:
-                cfg = choose_config(t, k, tiles)
+                cfg = choose_config(t, k, tiles.num_experts, tiles.hidden_size, tiles.intermediate_size, tiles.bits)
                 print(f"## {name} T={t} floor {fl:.1f} µs; auto config {cfg}", flush=True)
                 variants = parse_variants(args.variants) if args.variants else sweep_variants(key, t, k, e)
                 for vname, over in variants.items():

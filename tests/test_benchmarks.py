@@ -206,7 +206,7 @@ def test_wgmma_plan_reports_the_layer_rules(capsys):
     assert q1["GEMM1"][10] == str(8 * 1536 // 128 * 2) and "sfold" in q1["GEMM1"][16:]
     assert q512["GEMM1"][1] == "48" and q512["GEMM1"][7] == "2" and q512["GEMM1"][13] == "1"
     assert q512["GEMM2"][7] == "3" and q512["GEMM1"][10] == q512["GEMM2"][10] == "132"
-    assert {"ws", "persistent", "gated"} <= set(q512["GEMM1"][16:]) and "row_scale" not in q512["GEMM2"][16:]
+    assert {"ws", "stream", "gated"} <= set(q512["GEMM1"][16:]) and "row_scale" not in q512["GEMM2"][16:]
     # v17: 24-row fold blocks; v25: on ws (K streams of 32 / 112 K-blocks), one program per SM
     assert m64["GEMM1"][1:3] == ["24", "13"] and m64["GEMM1"][13] == m64["GEMM2"][13] == "1"
     assert all({"sfold", "ws"} <= set(m64[g][16:]) for g in ("GEMM1", "GEMM2"))
