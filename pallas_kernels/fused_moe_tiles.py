@@ -158,10 +158,11 @@ def layer_sizes(w13: GemmExperts, w2: GemmExperts, bits: int) -> tuple[int, int,
     return e, kw13 * pf, n13 // 2
 
 
-def _layer_inputs(hidden_states, topk_ids, w13, w2, bits, expert_map, global_num_experts):
-    """Shared argument checks of the engine layer and its backward → ``(t, k, cdt, e, H, I, gne)``."""
+def layer_inputs(hidden_states, topk_ids, sizes, expert_map, global_num_experts):
+    """The engine layers' shared argument checks, for a layer of ``sizes = (E, H, I)`` →
+    ``(t, k, cdt, e, H, I, gne)``."""
     t, k = topk_ids.shape
-    e, h, i = layer_sizes(w13, w2, bits)
+    e, h, i = sizes
     if hidden_states.shape != (t, h):
         raise KernelShapeError(f"hidden_states: expected shape ({t}, {h}), got {hidden_states.shape}")
     cdt = jnp.dtype(hidden_states.dtype)
@@ -190,7 +191,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
     """
     act_name = activation
     act = check_activation(activation)
-    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, w13, w2, bits, expert_map,
+    t, k, cdt, e, h_dim, i_dim, gne = layer_inputs(hidden_states, topk_ids, layer_sizes(w13, w2, bits), expert_map,
                                                     global_num_experts)
     if t == 0:
         return jnp.zeros_like(hidden_states)
@@ -320,7 +321,7 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, w13: GemmExper
     """
     act = check_activation(activation)
     on_input = apply_router_weight_on_input
-    t, k, cdt, e, h_dim, i_dim, gne = _layer_inputs(hidden_states, topk_ids, w13, w2, bits, expert_map,
+    t, k, cdt, e, h_dim, i_dim, gne = layer_inputs(hidden_states, topk_ids, layer_sizes(w13, w2, bits), expert_map,
                                                     global_num_experts)
     bm = _pow2(max(16, block_m or vllm_block_m(t, k, e)))      # Triton: power-of-two blocks
     _, bad = _local(topk_ids, expert_map, gne, e)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 from . import device
 from .activations import FUSED_ACTIVATIONS, check_activation
-from .errors import KernelConfigError, KernelDTypeError, KernelShapeError
+from .errors import KernelConfigError, KernelShapeError
 from .experts import GemmExperts
-from .fused_moe_tiles import ENGINE_DTYPES, _local, _permute_cols, _sorted_blocks
+from .fused_moe_tiles import _local, _permute_cols, _sorted_blocks, layer_inputs
 from .row_gather import gather_rows, gather_rows_reason, gather_rows_reference
 from .wgmma_config import LayerConfig, pair_schedule, plan_gemm, tuning, wgmma_block_m
 from .wgmma_gemm import wgmma_grouped_gemm, wgmma_grouped_gemm_reference
@@ -59,14 +59,8 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
     if config is not None and options:
         raise KernelConfigError(f"fused_moe_wgmma: pass either config or its fields, not both ({sorted(options)})")
     act = check_activation(activation)
-    t, k = topk_ids.shape
-    e, h_dim, i_dim = wgmma_layer_sizes(w13, w2)
-    if hidden_states.shape != (t, h_dim):
-        raise KernelShapeError(f"hidden_states: expected shape ({t}, {h_dim}), got {hidden_states.shape}")
-    cdt = jnp.dtype(hidden_states.dtype)
-    if cdt not in ENGINE_DTYPES:
-        raise KernelDTypeError(f"hidden_states: the engine takes bfloat16 or float16, got {cdt.name}")
-    gne = global_num_experts or (e if expert_map is None else expert_map.shape[0])
+    t, k, cdt, e, h_dim, i_dim, gne = layer_inputs(hidden_states, topk_ids, wgmma_layer_sizes(w13, w2), expert_map,
+                                                   global_num_experts)
     if t == 0:
         return jnp.zeros_like(hidden_states)
     tune = tuning()
