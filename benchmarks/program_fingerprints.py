@@ -54,7 +54,7 @@ def _tile_weights(scheme, e, h, i):
     s = jax.ShapeDtypeStruct
     leaves = {n: s(shp, jnp.int32 if ("qweight" in n or "qzeros" in n or "g_idx" in n) else jnp.float16)
               for n, shp in shapes.items() if not n.endswith("bias")}
-    return jax.eval_shape(convert_tiles, CheckpointWeights(**leaves, scheme=scheme, hidden_size=h,
+    return jax.eval_shape(convert_tiles, CheckpointWeights.of(**leaves, scheme=scheme, hidden_size=h,
                                                            intermediate_size=i))
 
 

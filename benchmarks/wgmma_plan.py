@@ -47,10 +47,11 @@ def abstract_weights(e, h, i, *, group=128, zeros=True, dtype=jnp.bfloat16):
 
     s = jax.ShapeDtypeStruct
     g1, g2 = (h // BLOCK_K, i // BLOCK_K) if group == BLOCK_K else (1, 1)
-    return WgmmaWeights(s((e, 2 * i, h // 4), jnp.int16), s((e, h, i // 4), jnp.int16),
-                        s((e, g1, 2 * i), dtype), s((e, g2, h), dtype),
-                        s((e, g1, 2 * i), dtype) if zeros else None, s((e, g2, h), dtype) if zeros else None,
-                        hidden_size=h, intermediate_size=i, w13_interleaved=i % 64 == 0)
+    return WgmmaWeights.of(w13_words=s((e, 2 * i, h // 4), jnp.int16), w2_words=s((e, h, i // 4), jnp.int16),
+                           w13_scales=s((e, g1, 2 * i), dtype), w2_scales=s((e, g2, h), dtype),
+                           w13_zeros=s((e, g1, 2 * i), dtype) if zeros else None,
+                           w2_zeros=s((e, g2, h), dtype) if zeros else None,
+                           hidden_size=h, intermediate_size=i, w13_interleaved=i % 64 == 0)
 
 
 def wgmma_layer(x, tw, ids, weights, **opts):

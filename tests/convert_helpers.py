@@ -62,8 +62,9 @@ def make_checkpoint(scheme: QuantScheme, *, e: int, h: int, i: int, seed: int = 
     w2, s2, z2, g2 = one(h, i)
     b13 = rng.normal(size=(e, 2 * i)).astype(np.float16) if bias else None
     b2 = rng.normal(size=(e, h)).astype(np.float16) if bias else None
-    return CheckpointWeights(w13, w2, s13, s2, z13, z2, g13, g2, b13, b2,
-                             scheme=scheme, hidden_size=h, intermediate_size=i).validate()
+    return CheckpointWeights.of(w13_qweight=w13, w2_qweight=w2, w13_scales=s13, w2_scales=s2, w13_qzeros=z13,
+                                w2_qzeros=z2, w13_g_idx=g13, w2_g_idx=g2, w13_bias=b13, w2_bias=b2,
+                                scheme=scheme, hidden_size=h, intermediate_size=i).validate()
 
 
 def assert_logical_equal(got: LogicalQuant, want: LogicalQuant, *, same_scale_dtype=True):

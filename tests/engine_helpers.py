@@ -5,7 +5,6 @@ markers. Kernels run in interpret mode on the CPU and compiled on the GPU when o
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +113,7 @@ def layer_case(rng, scheme, e, h, i, t, k, *, bias=False, map_=False):
     ``map_`` ``e + 3`` global experts, ``e`` of them local."""
     w = random_checkpoint_weights(rng, scheme, e, h, i, scale=0.05)
     if bias:          # about the size of the GEMM outputs they are added to, so a misplaced bias shows
-        w = dataclasses.replace(w, w13_bias=(1.0 * rng.standard_normal((e, 2 * i))).astype(np.float16),
+        w = w.replace(w13_bias=(1.0 * rng.standard_normal((e, 2 * i))).astype(np.float16),
                                 w2_bias=(3.0 * rng.standard_normal((e, h))).astype(np.float16))
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     n_route = e + 3 if map_ else e

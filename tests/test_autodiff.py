@@ -4,7 +4,6 @@ computation on the dequantized weights (tight) and (b) float64 numpy central dif
 (directional derivative), for every activation, with and without bias / expert_map /
 apply_router_weight_on_input. Fresh random data each run (the seed is in the failure message)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ def _seed():
 def _layer(rng, scheme, e, bias):
     w = random_checkpoint_weights(rng, scheme, e, H, I, scale=0.3 / np.sqrt(H) / (2 ** (scheme.bits - 1)) * 2)
     if bias:
-        w = dataclasses.replace(w, w13_bias=(0.1 * rng.standard_normal((e, 2 * I))).astype(np.float16),
+        w = w.replace(w13_bias=(0.1 * rng.standard_normal((e, 2 * I))).astype(np.float16),
                                 w2_bias=(0.1 * rng.standard_normal((e, H))).astype(np.float16))
     return w.to_jax()
 

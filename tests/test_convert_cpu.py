@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 
 import jax
@@ -75,7 +74,7 @@ def avoid_v1_wrap(ck):
         nib = rng.integers(0, 15, size=shape + (8,), dtype=np.uint32)
         return (nib << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32).view(np.int32)
 
-    return dataclasses.replace(ck, w13_qzeros=words(ck.w13_qzeros.shape),
+    return ck.replace(w13_qzeros=words(ck.w13_qzeros.shape),
                                w2_qzeros=words(ck.w2_qzeros.shape)).validate()
 
 
@@ -113,7 +112,7 @@ def test_gptq_v1_true_zero_zero_wraps():
     ck = make_checkpoint(make_scheme(GPTQ, 4, 32, True), e=1, h=32, i=32, seed=1)
     qz = np.asarray(ck.w13_qzeros).copy()
     qz[0, 0, 0] = int32_of(0x7777777F)
-    ck = dataclasses.replace(ck, w13_qzeros=qz).validate()
+    ck = ck.replace(w13_qzeros=qz).validate()
     out, decoded = convert_and_decode(ck.scheme, ck)
     assert int(out.w13_zeros[0, 0, 0, 0]) == 0 and int(out.w13_zeros[0, 0, 0, 1]) == 8
     assert_logical_equal(decoded[0], ck.decode()[0], same_scale_dtype=False)

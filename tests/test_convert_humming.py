@@ -3,7 +3,6 @@ canonical ``HummingWeightSchema`` layout."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +96,7 @@ def test_golden_gptq_v1_zeros_get_plus_one_and_wrap():
     # force the v1 wrap case: stored nibble 15 means true zero 0
     qz = np.asarray(ck.w2_qzeros).copy()
     qz[0, 0, 0] = int32_of(0xF)  # nibble 0 of channel 0 = 15, others 0 → true zeros 0, 1, 1, ...
-    ck = dataclasses.replace(ck, w2_qzeros=qz).validate()
+    ck = ck.replace(w2_qzeros=qz).validate()
     out = convert_humming(scheme, ck)
     # weight: a bit-exact transpose of the K-packed words
     np.testing.assert_array_equal(np.asarray(out.w13_weight), ck.w13_qweight.transpose(0, 2, 1))
@@ -131,8 +130,9 @@ def test_compressed_tensors_is_already_canonical():
                                              ck.w13_scales, ck.w2_scales, ck.w13_qzeros, ck.w2_qzeros)
     for a, b in ((t.w13_weight, ck.w13_qweight), (t.w2_zero_point, ck.w2_qzeros), (t.w13_weight_scale, ck.w13_scales)):
         np.testing.assert_array_equal(np.asarray(a), b)
-    out = HummingWeights(t.w13_weight, t.w2_weight, t.w13_weight_scale, t.w2_weight_scale, t.w13_zero_point,
-                         t.w2_zero_point, scheme=scheme, hidden_size=12, intermediate_size=20)
+    out = HummingWeights.of(w13_weight=t.w13_weight, w2_weight=t.w2_weight, w13_weight_scale=t.w13_weight_scale,
+                            w2_weight_scale=t.w2_weight_scale, w13_zero_point=t.w13_zero_point,
+                            w2_zero_point=t.w2_zero_point, scheme=scheme, hidden_size=12, intermediate_size=20)
     assert_decodes_like(out, ck)  # K = 12 / 20: partial last word, decoded with size=K
 
 

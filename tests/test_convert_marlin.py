@@ -621,8 +621,8 @@ def make_checkpoint(cfg: Cfg, L: Logical) -> CheckpointWeights:
         if cfg.zp:
             f.update(w13_qzeros=packing.pack(L.z13, b, axis=1),
                      w2_qzeros=packing.pack(L.z2, b, axis=1))
-    ck = CheckpointWeights(**f, w13_g_idx=L.g13, w2_g_idx=L.g2, w13_bias=L.b13, w2_bias=L.b2,
-                           scheme=cfg.scheme, hidden_size=cfg.H, intermediate_size=cfg.I)
+    ck = CheckpointWeights.of(**f, w13_g_idx=L.g13, w2_g_idx=L.g2, w13_bias=L.b13, w2_bias=L.b2,
+                              scheme=cfg.scheme, hidden_size=cfg.H, intermediate_size=cfg.I)
     return ck.validate()
 
 
@@ -950,7 +950,7 @@ def test_every_converter_runs_under_jit():
 # ============================================================================ bad input
 def _ck(cfg: Cfg, seed: int = 0, **changes) -> CheckpointWeights:
     ck = make_checkpoint(cfg, make_logical(cfg, np.random.default_rng(seed)))
-    return dataclasses.replace(ck, **changes) if changes else ck
+    return ck.replace(**changes) if changes else ck
 
 
 @pytest.mark.parametrize("fn,args,exc,words", [

@@ -4,7 +4,6 @@ offending file / tensor / field, that nothing was written outside the test's tem
 that the inputs were not mutated. Where the right answer is to accept an input (a format-legal
 edge value, a symlinked shard), the case says so and checks the result."""
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -629,7 +628,7 @@ def test_act_order_g_idx_beyond_int32(tmp_path):
 
 def _hand_built(scheme=GPTQ, **replace):
     w = random_checkpoint_weights(np.random.default_rng(1), scheme, E, H, I)
-    return dataclasses.replace(w, **replace)
+    return w.replace(**replace)
 
 
 def _route(t=6):
@@ -653,7 +652,7 @@ def test_hand_built_scales_one_group_short():
 
 def test_hand_built_float_qweight():
     w = _hand_built()
-    bad = dataclasses.replace(w, w13_qweight=w.w13_qweight.astype(np.float32))
+    bad = w.replace(w13_qweight=w.w13_qweight.astype(np.float32))
     _raises(DTypeError, lambda: convert_cpu(GPTQ, bad), "w13_qweight", "int32", "float32")
     x, tw, ids = _route()
     _raises(DTypeError, lambda: fused_moe(x, tw, ids, bad), "w13_qweight")
@@ -661,9 +660,9 @@ def test_hand_built_float_qweight():
 
 def test_hand_built_missing_and_extra_fields():
     w = _hand_built(AWQ)
-    _raises(MissingTensorError, lambda: convert_cpu(AWQ, dataclasses.replace(w, w2_qzeros=None)), "w2_qzeros")
+    _raises(MissingTensorError, lambda: convert_cpu(AWQ, w.replace(w2_qzeros=None)), "w2_qzeros")
     g = _hand_built()
-    extra = dataclasses.replace(g, w13_g_idx=np.zeros((E, H), np.int32))
+    extra = g.replace(w13_g_idx=np.zeros((E, H), np.int32))
     _raises(UnexpectedTensorError, lambda: TABLE[Backend.CPU].convert(GPTQ, extra), "w13_g_idx")
 
 
@@ -679,7 +678,7 @@ def test_fused_moe_refuses_foreign_weights():
 
 def test_backend_layout_with_wrong_metadata():
     w = TABLE[Backend.MARLIN].convert(GPTQ, _hand_built().to_jax())
-    bad = dataclasses.replace(w, hidden_size=2 * H)
+    bad = w.replace(hidden_size=2 * H)
     x, tw, ids = _route()
     x2 = jnp.zeros((6, 2 * H), jnp.float32)
     _raises(ShapeError, lambda: fused_moe(x2, tw, ids, bad), "MarlinWeights")

@@ -363,7 +363,7 @@ def _reference_logits(model, tokens):
             logits = hx @ np.asarray(mlp.router[...], np.float64).T
             prob = np.exp(logits - logits.max(-1, keepdims=True))
             prob /= prob.sum(-1, keepdims=True)
-            w13, w2 = (np.asarray(t, np.float64) for t in mlp.experts.get_value().dequantize(jnp.float32))
+            w13, w2 = (np.asarray(t, np.float64) for t in mlp.expert_weights().dequantize(jnp.float32))
             y = np.zeros_like(hx)
             for t in range(s):
                 top = np.argsort(-prob[t], kind="stable")[:mlp.top_k]
@@ -373,7 +373,7 @@ def _reference_logits(model, tokens):
                     i = hh.shape[0] // 2
                     y[t] += wt * (w2[e] @ (hh[:i] / (1 + np.exp(-hh[:i])) * hh[i:]))
             if mlp.shared_experts is not None:
-                s13, s2 = (np.asarray(t, np.float64)[0] for t in mlp.shared_experts.get_value().dequantize(jnp.float32))
+                s13, s2 = (np.asarray(t, np.float64)[0] for t in mlp.shared_expert_weights().dequantize(jnp.float32))
                 hh = hx @ s13.T
                 i = hh.shape[1] // 2
                 sh = (hh[:, :i] / (1 + np.exp(-hh[:, :i])) * hh[:, i:]) @ s2.T

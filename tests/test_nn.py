@@ -236,7 +236,7 @@ def test_jit_without_boilerplate(mixtral_dir):
     # the plain (eager) call reaches the same compiled MoE program
     _check(m(x).reshape(-1, H), want, "model(x)")
     # fused_moe_trainable: a plain call with options, and jax.jit(grad) of a partial
-    w = m.experts.get_value()
+    w = m.expert_weights()
     got = fused_moe_trainable(x2d, tw, ids, w, activation="gelu_tanh", formulation="gather")
     _check(got, want, "fused_moe_trainable")
     f = functools.partial(fused_moe_trainable, activation="gelu_tanh", formulation="gather")

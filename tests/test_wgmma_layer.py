@@ -80,7 +80,6 @@ def test_wgmma_decode_with_hidden_equal_to_group(key):
     """H = 128 = the group size: w13 has one scale group (like a channelwise layer), w2 has I/128.
     The wgmma layout's decode (its XLA path and the backward's re-layout) must still read w2 as
     group-128, matching the loader layout's decode exactly."""
-    import dataclasses
 
     rng = np.random.default_rng()
     w = random_checkpoint_weights(rng, WGMMA_SCHEMES[key], 2, 128, 384).to_jax()
@@ -89,7 +88,7 @@ def test_wgmma_decode_with_hidden_equal_to_group(key):
         wg = convert_wgmma(w, dt)
         got13, got2 = (np.asarray(a, np.float64) for a in jax.jit(lambda x: x.dequantize(jnp.float32))(wg))
         # the wgmma layout stores scales in the activation dtype: compare with scales rounded the same way
-        ref = dataclasses.replace(w, w13_scales=w.w13_scales.astype(dt), w2_scales=w.w2_scales.astype(dt))
+        ref = w.replace(w13_scales=w.w13_scales.astype(dt), w2_scales=w.w2_scales.astype(dt))
         r13, r2 = (np.asarray(a, np.float64) for a in ref.dequantize(jnp.float32))
         np.testing.assert_array_equal(got13, r13)
         np.testing.assert_array_equal(got2, r2)

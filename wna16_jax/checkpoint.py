@@ -30,7 +30,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -178,8 +178,10 @@ class MoEModelConfig:
 @pytree_dataclass(meta=("hidden_size", "intermediate_size"))
 class DenseWeights(ExpertsMixin):
     """Unquantized experts (e.g. shared experts listed in a checkpoint's ``ignore``):
-    ``w13 [E, 2I, H]`` (gate first), ``w2 [E, H, I]``, optional biases."""
+    ``w13 [E, 2I, H]`` (gate first), ``w2 [E, H, I]``, optional biases (plain arrays, no
+    quantized matrices)."""
 
+    GEMMS: ClassVar[tuple[str, ...]] = ()
 
     w13: Any
     w2: Any
@@ -194,6 +196,10 @@ class DenseWeights(ExpertsMixin):
 
     def decode(self):
         raise NotImplementedError("DenseWeights hold float weights; use dequantize()")
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -802,7 +808,7 @@ class _ExpertLoader:
                 self._place(name, got[name], dst, axis, sl)
         # 3. values, once per layer, in numpy, before anything is converted
         _ValueChecks(self, h, i_full).check(stacks, extra, specs, file_name)
-        weights = CheckpointWeights(**stacks, scheme=s, hidden_size=h, intermediate_size=i_local)
+        weights = CheckpointWeights.of(**stacks, scheme=s, hidden_size=h, intermediate_size=i_local)
         return weights.validate()
 
 
@@ -983,7 +989,7 @@ def random_checkpoint_weights(rng: np.random.Generator, scheme: QuantScheme, num
             arrays[name] = (scale * (0.5 + rng.random(shape, dtype=np.float32))).astype(f16)
         else:
             arrays[name] = rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32)
-    return CheckpointWeights(**arrays, scheme=scheme, hidden_size=h, intermediate_size=i).validate()
+    return CheckpointWeights.of(**arrays, scheme=scheme, hidden_size=h, intermediate_size=i).validate()
 
 
 def default_scale_dtype(scheme: QuantScheme):

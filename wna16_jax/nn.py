@@ -24,6 +24,7 @@ layout pytree in one typed, non-trainable :class:`QuantizedExperts` keeps ``deco
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -46,25 +47,37 @@ LOADER_LAYOUT = Backend.LOADER.value
 
 
 class QuantizedExperts(nnx.Variable):
-    """Frozen quantized experts: one experts pytree (any layout), expert axis first on every leaf."""
+    """One frozen array of quantized experts (expert axis first), with its logical axis names
+    (``sharding_names``: ``"experts"``, ``"intermediate"`` or None per axis) as partition metadata."""
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def as_variables(weights: Any):
+    """The experts pytree with every array a :class:`QuantizedExperts` carrying its logical axis
+    names (:meth:`~wna16_jax.weights.ExpertsMixin.partition_names`), so ``nnx.get_partition_spec``
+    and a mesh's rules place them; not sharded eagerly (no mesh is needed to build the layer)."""
+    names = weights.partition_names() if hasattr(weights, "partition_names") else {}
+
+    def wrap(path, a):
+        axes = names.get(weights.flat_name_of(path)) if names else None
+        if axes is None:
+            axes = ("experts",) + (None,) * (a.ndim - 1) if a.ndim else ()
+        return QuantizedExperts(a, sharding_names=axes, eager_sharding=False)
+
+    return jax.tree_util.tree_map_with_path(wrap, weights)
+
+
+def plain_arrays(tree: Any):
+    """The same pytree with every :class:`~flax.nnx.Variable` replaced by its value."""
+    return jax.tree.map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
 
 
 class RouterBias(nnx.Variable):
     """Non-trainable routing buffer (DeepSeek-V3 ``e_score_correction_bias``, updated by load
     balancing, not by gradients)."""
-
-
-def _role(field: str) -> str:
-    """qwix-style role of a layout field name."""
-    if "bias" in field:
-        return "bias"
-    if "zero" in field:
-        return "zero_point"
-    if "scale" in field:
-        return "scale"
-    if "qweight" in field or field.endswith("_weight") or field in ("w13", "w2") or "packed" in field:
-        return "qvalue"
-    return field.split("_", 1)[1] if "_" in field else field
 
 
 def _is_float(dtype) -> bool:
@@ -132,7 +145,7 @@ class QuantizedMoE(nnx.Module):
         self.activation = activation
         self.formulation = formulation
         self.num_experts, self.hidden_size = e, h
-        self.experts = QuantizedExperts(weights)
+        self.experts = nnx.data(as_variables(weights))
         self.router = nnx.Param(jnp.asarray(router, self.param_dtype))
         if e_score_correction_bias is not None:
             if not grouped:
@@ -148,7 +161,7 @@ class QuantizedMoE(nnx.Module):
             if sw.num_experts != 1 or sw.hidden_size != h:
                 raise ShapeError(f"shared_experts: expected one expert of hidden size {h}, got "
                                  f"{sw.num_experts} expert(s) of hidden size {sw.hidden_size}")
-            self.shared_experts = QuantizedExperts(jax.tree.map(jnp.asarray, sw))
+            self.shared_experts = nnx.data(as_variables(jax.tree.map(jnp.asarray, sw)))
         else:
             self.shared_experts = None
         if shared_expert_gate is not None:
@@ -192,17 +205,28 @@ class QuantizedMoE(nnx.Module):
         return cls.from_layer(ckpt.load_layer(int(layer_index)), ckpt.model_config, backend, **kw)
 
     # ------------------------------------------------------------------ views
+    def expert_weights(self):
+        """The routed experts as a plain layout pytree (the arrays of the frozen variables)."""
+        return plain_arrays(self.experts)
+
+    def shared_expert_weights(self):
+        """The shared experts as a plain layout pytree, or None."""
+        return None if self.shared_experts is None else plain_arrays(self.shared_experts)
+
     def quantized_arrays(self) -> dict[str, dict[str, Any]]:
         """qwix-style read-only view: ``{"w13": {"qvalue", "scale", "zero_point", ...}, "w2": ...}``
-        of the routed experts' layout fields (absent fields omitted)."""
-        w = self.experts.get_value()
+        of the routed experts' two :class:`~wna16_jax.weights.QuantMatrix` (absent fields omitted),
+        each with its ``"bias"`` where the layer has one."""
+        w = self.expert_weights()
         out: dict[str, dict[str, Any]] = {}
-        for f in w.array_fields():
-            a = getattr(w, f)
-            if a is None:
-                continue
-            gemm, _, rest = f.partition("_")
-            out.setdefault(gemm, {})[_role(f)] = a
+        for gemm in w.GEMMS:
+            m = getattr(w, gemm)
+            view = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                    if f.name not in m.META and getattr(m, f.name) is not None}
+            bias = getattr(w, f"{gemm}_bias", None)
+            if bias is not None:
+                view["bias"] = bias
+            out[gemm] = view
         return out
 
     # ------------------------------------------------------------------ forward
@@ -237,12 +261,12 @@ class QuantizedMoE(nnx.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.hidden_size)
         tw, ids = self.route(x2d)
-        out = fused_moe_trainable(x2d, tw, ids, self.experts.get_value(), activation=self.activation,
+        out = fused_moe_trainable(x2d, tw, ids, self.expert_weights(), activation=self.activation,
                                   formulation=self.formulation)
         if self.shared_experts is not None:
             t = x2d.shape[0]
             s = fused_moe_trainable(x2d, jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32),
-                                    self.shared_experts.get_value(), activation=self.activation,
+                                    self.shared_expert_weights(), activation=self.activation,
                                     formulation=self.formulation).astype(jnp.float32)
             if self.shared_expert_gate is not None:
                 g = jax.nn.sigmoid(jnp.einsum("th,oh->to", x2d.astype(jnp.float32),
@@ -261,5 +285,5 @@ def linen_quantized_moe(experts: Any, router: Any, **kw):
     return nnx.bridge.to_linen(QuantizedMoE, experts, router, **kw)
 
 
-__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "convert_experts", "linen_quantized_moe",
-           "LOADER_LAYOUT"]
+__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "as_variables", "convert_experts",
+           "linen_quantized_moe", "plain_arrays", "LOADER_LAYOUT"]

@@ -130,16 +130,12 @@ def pytree_entry(prefix: str, obj: Any, tensors: dict[str, np.ndarray]) -> dict:
     cls = type(obj)
     if LAYOUTS.get(cls.__name__) is not cls:
         raise ConfigError(f"manifest: {cls.__name__} is not a layout that can be written ({sorted(LAYOUTS)})")
-    meta = {}
+    meta = {m: _meta_to_json(getattr(obj, m)) for m in cls.META}
     shapes = {}
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if f.name in getattr(cls, "META", ()):
-            meta[f.name] = _meta_to_json(v)
-        elif v is not None:
-            arr = np.asarray(v)
-            tensors[f"{prefix}{f.name}"] = np.ascontiguousarray(arr)
-            shapes[f.name] = {"shape": list(arr.shape), "dtype": arr.dtype.name}
+    for name, v in obj.named_arrays().items():
+        arr = np.asarray(v)
+        tensors[f"{prefix}{name}"] = np.ascontiguousarray(arr)
+        shapes[name] = {"shape": list(arr.shape), "dtype": arr.dtype.name}
     return {"class": cls.__name__, "meta": meta, "tensors": shapes}
 
 
@@ -150,8 +146,8 @@ def pytree_from_entry(prefix: str, entry: Any, read, *, where: str) -> Any:
         raise ConfigError(f"{where}: expected an object with 'class', 'meta' and 'tensors', got "
                           f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
     cls = _layout_class(entry["class"], f"{where}.class")
-    meta_names = set(getattr(cls, "META", ()))
-    field_names = {f.name for f in dataclasses.fields(cls)}
+    meta_names = set(cls.META)
+    field_names = set(cls.flat_names()) | meta_names
     meta, tensors = entry["meta"], entry["tensors"]
     if not isinstance(meta, dict) or set(meta) != meta_names:
         raise ConfigError(f"{where}.meta: expected the keys {sorted(meta_names)} of {cls.__name__}, got "
@@ -171,7 +167,7 @@ def pytree_from_entry(prefix: str, entry: Any, read, *, where: str) -> Any:
                              f"file holds {arr.dtype.name}{list(arr.shape)}")
         kwargs[field] = arr
     try:
-        return cls(**kwargs)
+        return cls.of(**kwargs)
     except WNA16Error:
         raise
     except (TypeError, ValueError) as e:
@@ -210,19 +206,10 @@ def convert_layer(backend: Backend, scheme: QuantScheme, experts: Any, *, input_
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    fields = set(first.array_fields())
-    merged = {}
-    for f in dataclasses.fields(first):
-        if f.name in getattr(type(first), "META", ()):
-            continue
-        vals = [getattr(p, f.name) for p in parts]
-        if vals[0] is None:
-            merged[f.name] = None
-        elif f.name in fields:
-            merged[f.name] = np.concatenate(vals, axis=0)
-        else:
-            merged[f.name] = vals[0]
-    return dataclasses.replace(first, **merged)
+    expert = set(first.array_fields())
+    merged = {n: np.concatenate([getattr(p, n) for p in parts], axis=0)
+              for n in first.flat_names() if n in expert and getattr(first, n) is not None}
+    return first.replace(**merged)
 
 
 def _inside(child: str, parent: str) -> bool:

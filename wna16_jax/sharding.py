@@ -24,7 +24,6 @@ layout pytree per TP rank (from ``Checkpoint.load_layer(i, tp_size=, tp_rank=)``
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -88,7 +87,7 @@ def slice_tp(weights: CheckpointWeights, tp_size: int, tp_rank: int) -> Checkpoi
             loc = size // tp_size
             idx = np.arange(tp_rank * loc, (tp_rank + 1) * loc)
         out[name] = xp.take(a, idx, axis=axis)
-    return dataclasses.replace(weights, **out, intermediate_size=i // tp_size)
+    return weights.replace(**out, intermediate_size=i // tp_size)
 
 
 def check_tp(intermediate_size: int, tp_size: int, pack_factor: int = 1, group_size: int = -1) -> None:
@@ -112,7 +111,7 @@ def stack_tp_shards(shards: Sequence[Any]):
     for r, w in enumerate(shards):
         b2 = getattr(w, "w2_bias", None)
         if r > 0 and b2 is not None:
-            w = dataclasses.replace(w, w2_bias=jnp.zeros_like(jnp.asarray(b2)))
+            w = w.replace(w2_bias=jnp.zeros_like(jnp.asarray(b2)))
         fixed.append(jax.tree.map(jnp.asarray, w))
     s0 = jax.tree.structure(fixed[0])
     for r, w in enumerate(fixed[1:], 1):

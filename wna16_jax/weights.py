@@ -31,7 +31,7 @@ scheme has them (symmetric GPTQ's constant ``0x77777777`` qzeros are dropped at 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +43,17 @@ from .schemes import QuantMethod, QuantScheme
 
 
 def pytree_dataclass(cls=None, *, meta: tuple[str, ...] = ()):
-    """Make ``cls`` a frozen dataclass and register it as a pytree; ``meta`` fields are static."""
+    """Make ``cls`` a frozen dataclass and register it as a pytree; ``meta`` fields are static.
+
+    A class with a ``NAMES`` mapping (flat name → ``(gemm, field)``, e.g. vLLM's ``"w13_qweight"``
+    → ``("w13", "qvalue")``) also gets one read-only property per flat name, reading that field of
+    that :class:`QuantMatrix`."""
 
     def wrap(c):
         c.META = tuple(meta)  # the static field names, for ExpertsMixin and serialization
+        for flat, (gemm, field) in getattr(c, "NAMES", {}).items():
+            setattr(c, flat, property(lambda self, g=gemm, f=field: getattr(getattr(self, g), f),
+                                      doc=f"``{gemm}.{field}`` (the flat name the converters use)"))
         c = dataclasses.dataclass(frozen=True)(c)
         names = [f.name for f in dataclasses.fields(c)]
         data = [n for n in names if n not in meta]
@@ -62,27 +69,192 @@ def _take(x: Any, idx: Any) -> Any:
     return xp.take(x, idx, axis=0)
 
 
-class ExpertsMixin:
-    """Shared behaviour of all experts pytrees (loader layout and every backend layout)."""
+# --------------------------------------------------------------------------- one quantized matrix
 
-    #: names of array fields that carry the expert axis first (all array fields).
-    def array_fields(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if f.name not in self._meta_names()]
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """How one layout packs a :class:`QuantMatrix` (static, hashable): the facts its decode needs
+    beyond the arrays. ``n``, ``k``: the logical output and input sizes."""
+
+    n: int
+    k: int
+
+    def decode(self, m: "QuantMatrix") -> "LogicalQuant":  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__}.decode")
+
+
+@pytree_dataclass(meta=("bits", "group_size", "form"))
+class QuantMatrix:
+    """One GEMM's quantized weights for every expert, in one layout's packed form.
+
+    ``qvalue``: the packed codes; ``scale``: the group scales; ``zero_point``: the packed zero
+    points or None (symmetric); ``g_idx``: the group of each input row or None; ``perm``: the
+    layout's row order or None; ``global_scale``: a per-tensor float32 scalar or None (the only
+    leaf without the expert axis first). ``bits`` and ``group_size`` (-1: channelwise) are the
+    code width and the group; ``form`` (a :class:`Form`) says how the arrays are laid out, so
+    :meth:`decode` needs nothing else. The arrays' shapes are the layout's (its class says).
+    """
+
+    qvalue: Any
+    scale: Any
+    zero_point: Any = None
+    g_idx: Any = None
+    perm: Any = None
+    global_scale: Any = None
+    bits: int = 4
+    group_size: int = 128
+    form: Form = None  # type: ignore[assignment]
+
+    EXPERT_FIELDS = ("qvalue", "scale", "zero_point", "g_idx", "perm")
+
+    def decode(self) -> "LogicalQuant":
+        """The logical codes / scales / zeros / groups (``codes [E, N, K]``)."""
+        return self.form.decode(self)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> Any:
+        """Dense ``[E, N, K]`` in ``dtype``."""
+        return self.decode().dequantize(dtype)
+
+    def take_experts(self, idx: Any) -> "QuantMatrix":
+        return dataclasses.replace(self, **{f: _take(getattr(self, f), idx) for f in self.EXPERT_FIELDS})
+
+    @property
+    def num_experts(self) -> int:
+        return 0 if self.qvalue is None else int(self.qvalue.shape[0])
+
+
+# --------------------------------------------------------------------------- experts layouts
+
+
+class ExpertsMixin:
+    """Shared behaviour of all experts pytrees (loader layout and every backend layout).
+
+    A layout holds ``w13`` and ``w2`` (each a :class:`QuantMatrix`), the biases ``w13_bias
+    [E, 2I]`` / ``w2_bias [E, H]`` (or None) and static metadata; ``LAYOUT`` is its static tag.
+    ``NAMES`` maps the flat field names the converters (and vLLM) use to ``(gemm, field)``; they
+    read as properties, build a layout with :meth:`of` and change one with :meth:`replace`.
+    ``forms(**meta)`` gives the two matrices' :class:`Form` for the static metadata, so a layout
+    built or changed through these is consistent by construction.
+    """
+
+    LAYOUT: str = ""
+    NAMES: dict[str, tuple[str, str]] = {}
+    GEMMS = ("w13", "w2")
 
     @classmethod
     def _meta_names(cls) -> tuple[str, ...]:
         return cls.META
 
+    @classmethod
+    def flat_names(cls) -> tuple[str, ...]:
+        """Every flat data name: the ``NAMES`` (matrix fields), then the layout's other fields."""
+        own = [f.name for f in dataclasses.fields(cls) if f.name not in cls.META and f.name not in cls.GEMMS]
+        return tuple(cls.NAMES) + tuple(own)
+
+    def array_fields(self) -> list[str]:
+        """The flat names of the arrays with the expert axis first (every data field but the
+        per-tensor global scales)."""
+        return [n for n in self.flat_names()
+                if n not in self.NAMES or self.NAMES[n][1] != "global_scale"]
+
+    @classmethod
+    def forms(cls, **meta) -> tuple[Form, Form]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def quant_params(cls, meta: dict) -> tuple[int, int]:
+        """``(bits, group_size)`` of the layout's matrices, from its static metadata."""
+        s = meta["scheme"]
+        return s.bits, s.group_size
+
+    @classmethod
+    def of(cls, **kw):
+        """Build the layout from flat names (``NAMES``, biases) and its static metadata."""
+        meta = {m: kw.pop(m) for m in cls.META if m in kw}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.META}
+        meta = {**defaults, **meta}
+        mats: dict[str, dict[str, Any]] = {g: {} for g in cls.GEMMS}
+        own = {}
+        for name, v in kw.items():
+            if name in cls.NAMES:
+                g, f = cls.NAMES[name]
+                mats[g][f] = v
+            elif name in cls.flat_names():
+                own[name] = v
+            else:
+                raise TypeError(f"{cls.__name__}.of: unexpected field {name!r}")
+        bits, group = cls.quant_params(meta) if cls.GEMMS else (0, 0)
+        forms = cls.forms(**meta) if cls.GEMMS else ()
+        for g, form in zip(cls.GEMMS, forms):
+            mats[g].setdefault("qvalue", None)
+            mats[g].setdefault("scale", None)
+            own[g] = QuantMatrix(**mats[g], bits=bits, group_size=group, form=form)
+        return cls(**own, **meta)
+
+    def replace(self, **kw):
+        """The same layout with some flat fields or static metadata changed (the matrices' forms
+        follow the metadata)."""
+        flat = {n: getattr(self, n) for n in self.flat_names()}
+        meta = {m: getattr(self, m) for m in self.META}
+        for k, v in kw.items():
+            if k in meta:
+                meta[k] = v
+            elif k in flat:
+                flat[k] = v
+            else:
+                raise TypeError(f"{type(self).__name__}.replace: unexpected field {k!r}")
+        return type(self).of(**flat, **meta)
+
+    #: flat name → the axis that spans the intermediate size (gate and up halves for w13), for
+    #: partition metadata; layouts whose axes depend on the scheme override :meth:`intermediate_axes`
+    INTERMEDIATE_AXES: dict[str, int] = {}
+
+    def intermediate_axes(self) -> dict[str, int]:
+        return dict(self.INTERMEDIATE_AXES)
+
+    def partition_names(self) -> dict[str, tuple]:
+        """Logical axis names of every array (flat name → one name or None per axis): ``"experts"``
+        on the expert axis, ``"intermediate"`` on the axis that spans the intermediate size where
+        the layout says which; the per-tensor global scales have none."""
+        inter = self.intermediate_axes()
+        out = {}
+        for name, a in self.named_arrays().items():
+            if name in self.NAMES and self.NAMES[name][1] == "global_scale":
+                out[name] = (None,) * a.ndim
+                continue
+            axes = ["experts"] + [None] * (a.ndim - 1)
+            if name in inter and inter[name] < a.ndim:
+                axes[inter[name]] = "intermediate"
+            out[name] = tuple(axes)
+        return out
+
+    def flat_name_of(self, path) -> str:
+        """The flat name of a leaf at ``path`` (a ``jax.tree_util`` key path into this layout)."""
+        keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if len(keys) >= 2 and keys[0] in self.GEMMS:
+            for flat, (g, f) in self.NAMES.items():
+                if (g, f) == (keys[0], keys[1]):
+                    return flat
+        return str(keys[0])
+
+    def named_arrays(self) -> dict[str, Any]:
+        """``{flat name: array}`` of every data field that is not None."""
+        return {n: v for n in self.flat_names() if (v := getattr(self, n)) is not None}
+
     def take_experts(self, idx: Any):
         """The same pytree restricted to experts ``idx`` (a gather along axis 0 of every array)."""
-        return dataclasses.replace(self, **{n: _take(getattr(self, n), idx) for n in self.array_fields()})
+        own = {f.name: _take(getattr(self, f.name), idx) for f in dataclasses.fields(self)
+               if f.name not in self.META and f.name not in self.GEMMS}
+        return dataclasses.replace(self, **own, **{g: getattr(self, g).take_experts(idx) for g in self.GEMMS})
 
-    def decode(self) -> tuple["LogicalQuant", "LogicalQuant"]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def decode(self) -> tuple["LogicalQuant", "LogicalQuant"]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` logical codes / scales / zeros / groups."""
+        return self.w13.decode(), self.w2.decode()
 
     @property
     def num_experts(self) -> int:
-        return int(getattr(self, self.array_fields()[0]).shape[0])
+        return self.w13.num_experts
 
     def validate(self):
         """Check that the arrays agree with the metadata: the layout decodes (shapes only, nothing
@@ -96,6 +268,9 @@ class ExpertsMixin:
         """``(w13_bias [E, 2I], w2_bias [E, H])`` in logical order; layouts that permute or pad
         their biases override this. Either entry may be None."""
         return getattr(self, "w13_bias", None), getattr(self, "w2_bias", None)
+
+    def has_bias(self) -> bool:
+        return getattr(self, "w13_bias", None) is not None
 
     def dequantize(self, dtype: Any = jnp.float32) -> tuple[Any, Any]:
         """Dense ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in ``dtype`` (output x input)."""
@@ -203,24 +378,60 @@ class LogicalQuant:
         return (diff * s.astype(xp.float32)).astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointForm(Form):
+    """A matrix as the checkpoint stores it (the module docstring's table), for ``scheme``."""
+
+    scheme: QuantScheme = None  # type: ignore[assignment]
+
+    def decode(self, m: QuantMatrix) -> "LogicalQuant":
+        return decode_packed(self.scheme, m.qvalue, m.scale, m.zero_point, m.g_idx, n=self.n, k=self.k)
+
+
+def layout_names(qvalue: str, scale: str, zero: str | None = None, *, g_idx: str | None = None,
+           perm: str | None = None, global_scale: str | None = None) -> dict[str, tuple[str, str]]:
+    """A layout's ``NAMES``: the flat name of each matrix field (``{}`` fills in ``w13`` / ``w2``)."""
+    out = {}
+    for field, pattern in (("qvalue", qvalue), ("scale", scale), ("zero_point", zero), ("g_idx", g_idx),
+                           ("perm", perm), ("global_scale", global_scale)):
+        if pattern is not None:
+            for gemm in ("w13", "w2"):
+                out[pattern.format(gemm)] = (gemm, field)
+    return out
+
+
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
 class CheckpointWeights(ExpertsMixin):
     """One MoE layer's routed experts in the layout vLLM's FusedMoE loader holds (see module doc)."""
 
+    LAYOUT: ClassVar[str] = "checkpoint"
+    NAMES: ClassVar[dict] = layout_names("{}_qweight", "{}_scales", "{}_qzeros", g_idx="{}_g_idx")
 
-    w13_qweight: Any
-    w2_qweight: Any
-    w13_scales: Any
-    w2_scales: Any
-    w13_qzeros: Any = None
-    w2_qzeros: Any = None
-    w13_g_idx: Any = None
-    w2_g_idx: Any = None
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
     scheme: QuantScheme = None  # type: ignore[assignment]
     hidden_size: int = 0
     intermediate_size: int = 0
+
+    @classmethod
+    def forms(cls, *, scheme, hidden_size, intermediate_size):
+        h, i = hidden_size, intermediate_size
+        return CheckpointForm(2 * i, h, scheme), CheckpointForm(h, i, scheme)
+
+    @classmethod
+    def quant_params(cls, meta):
+        s = meta["scheme"]
+        return (4, 128) if s is None else (s.bits, s.group_size)
+
+    def intermediate_axes(self) -> dict[str, int]:
+        n_first = self.scheme is not None and self.scheme.method is QuantMethod.COMPRESSED_TENSORS
+        w13, w2 = (1, 2) if n_first else (2, 1)
+        out = {f"w13_{n}": w13 for n in ("qweight", "scales", "qzeros")}
+        out.update({f"w2_{n}": w2 for n in ("qweight", "scales", "qzeros")})
+        out.update(w2_g_idx=1, w13_bias=1)
+        return out
 
     # ------------------------------------------------------------------ shapes
     @staticmethod
@@ -262,7 +473,7 @@ class CheckpointWeights(ExpertsMixin):
         s, h, i = self.scheme, self.hidden_size, self.intermediate_size
         if s is None:
             raise ShapeError("CheckpointWeights.scheme: missing")
-        e = int(self.w13_qweight.shape[0]) if self.w13_qweight is not None else 0
+        e = self.num_experts
         w2_groups = None
         if s.act_order and self.w2_scales is not None and self.w2_scales.ndim == 3:
             w2_groups = int(self.w2_scales.shape[2 if s.method is QuantMethod.COMPRESSED_TENSORS else 1])
@@ -288,20 +499,6 @@ class CheckpointWeights(ExpertsMixin):
         if (self.w13_bias is None) != (self.w2_bias is None):
             raise MissingTensorError("w13_bias / w2_bias: either both biases or neither must be given")
         return self
-
-    # ------------------------------------------------------------------ decoding
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
-        s = self.scheme
-        return (self._decode_one(self.w13_qweight, self.w13_scales, self.w13_qzeros, self.w13_g_idx,
-                                 n=2 * self.intermediate_size, k=self.hidden_size),
-                self._decode_one(self.w2_qweight, self.w2_scales, self.w2_qzeros, self.w2_g_idx,
-                                 n=self.hidden_size, k=self.intermediate_size)) if s else None
-
-    def _decode_one(self, qw, sc, qz, gi, *, n: int, k: int) -> LogicalQuant:
-        return decode_packed(self.scheme, qw, sc, qz, gi, n=n, k=k)
-
-    def has_bias(self) -> bool:
-        return self.w13_bias is not None
 
 
 def decode_packed(scheme: QuantScheme, qw, sc, qz, gi, *, n: int, k: int) -> LogicalQuant:

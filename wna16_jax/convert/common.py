@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -34,4 +33,4 @@ def check_same_scheme(scheme: QuantScheme, weights: CheckpointWeights) -> None:
         raise ConfigError(
             f"scheme: the weights were loaded as {weights.scheme.describe()}, "
             f"but {scheme.describe()} was given")
-    (weights if weights.scheme is not None else dataclasses.replace(weights, scheme=scheme)).validate()
+    (weights if weights.scheme is not None else weights.replace(scheme=scheme)).validate()

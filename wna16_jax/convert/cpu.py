@@ -41,9 +41,10 @@ numerically W4A8 (docs/formats.md §5), which does not concern the conversion.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ from ..errors import (
     ConfigError, ShapeError, UnsupportedError, check_divisible, check_dtype, check_rank, check_shape,
 )
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from ..weights import CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
 from .common import check_input_dtype, check_same_scheme
 
 BLOCK_N = 32  # block_size_n() = 2 · TILE_N
@@ -188,36 +189,16 @@ def prepare_int4_moe_layer_for_cpu(w13: Any, w2: Any, w13_scale: Any, w2_scale: 
 
 
 # ---------------------------------------------------------------------- pytree
-@pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
-class CPUWeights(ExpertsMixin):
-    """CPU blocked int4 layout of one MoE layer.
+@dataclasses.dataclass(frozen=True)
+class CPUForm(Form):
+    """The CPU kernel's blocked int4 bytes (see :class:`CPUWeights`); ``zero_point``: whether the
+    stored zero points are the scheme's (else the implicit 8, decoded as implicit)."""
 
-    ``w13_weight [E, 2I/32, H/bk13, 16·bk13 + 128] uint8``, ``w2_weight [E, H/32, I/bk2, 16·bk2 + 128]``
-    (bk = min(group size, 128); last 128 bytes per block = int32 compensation sums),
-    ``w13_scales [E, 2I/32, G13, 32] float32``, ``w2_scales [E, H/32, G2, 32] float32``,
-    ``w13_zeros`` / ``w2_zeros`` of the same shapes, int8 (true zero points, 8 when symmetric),
-    biases ``[E, 2I]`` / ``[E, H]`` float32 or None.
-    """
+    zero_point: bool = True
 
-
-    w13_weight: Any
-    w2_weight: Any
-    w13_scales: Any
-    w2_scales: Any
-    w13_zeros: Any
-    w2_zeros: Any
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
-
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
         """Invert the blocked layout (the compensation bytes are derived data and skipped)."""
-        return (self._decode_one(self.w13_weight, self.w13_scales, self.w13_zeros),
-                self._decode_one(self.w2_weight, self.w2_scales, self.w2_zeros))
-
-    def _decode_one(self, w: Any, s: Any, z: Any) -> LogicalQuant:
+        w, s, z = m.qvalue, m.scale, m.zero_point
         e, nc, kc, nbytes = w.shape
         bk = (nbytes - COMPENSATION_BYTES) // 16
         g = s.shape[2]
@@ -240,8 +221,36 @@ class CPUWeights(ExpertsMixin):
             return x.transpose(0, 1, 3, 2).reshape(e, nc * BLOCK_N, g)
 
         # symmetric schemes store the implicit zero point 8 everywhere: decode it as implicit
-        zeros = unblocked(z).astype(jnp.int32) if self.scheme.zero_point else None
-        return LogicalQuant(codes, unblocked(s), zeros, None, bits=4, group_size=self.scheme.group_size)
+        zeros = unblocked(z).astype(jnp.int32) if self.zero_point else None
+        return LogicalQuant(codes, unblocked(s), zeros, None, bits=4, group_size=m.group_size)
+
+
+@pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
+class CPUWeights(ExpertsMixin):
+    """CPU blocked int4 layout of one MoE layer.
+
+    ``w13_weight [E, 2I/32, H/bk13, 16·bk13 + 128] uint8``, ``w2_weight [E, H/32, I/bk2, 16·bk2 + 128]``
+    (bk = min(group size, 128); last 128 bytes per block = int32 compensation sums),
+    ``w13_scales [E, 2I/32, G13, 32] float32``, ``w2_scales [E, H/32, G2, 32] float32``,
+    ``w13_zeros`` / ``w2_zeros`` of the same shapes, int8 (true zero points, 8 when symmetric),
+    biases ``[E, 2I]`` / ``[E, H]`` float32 or None.
+    """
+
+    LAYOUT: ClassVar[str] = "cpu"
+    NAMES: ClassVar[dict] = layout_names("{}_weight", "{}_scales", "{}_zeros")
+
+    w13: QuantMatrix
+    w2: QuantMatrix
+    w13_bias: Any = None
+    w2_bias: Any = None
+    scheme: QuantScheme = None  # type: ignore[assignment]
+    hidden_size: int = 0
+    intermediate_size: int = 0
+
+    @classmethod
+    def forms(cls, *, scheme, hidden_size, intermediate_size):
+        zp = scheme.zero_point
+        return CPUForm(2 * intermediate_size, hidden_size, zp), CPUForm(hidden_size, intermediate_size, zp)
 
 
 # ---------------------------------------------------------------------- front end
@@ -284,7 +293,7 @@ def convert_cpu(scheme: QuantScheme, weights: CheckpointWeights, input_dtype: An
     if z13 is not None and true_zeros:  # the GPTQ algorithm adds 1: hand it v1 zeros
         z13, z2 = _true_zeros_to_v1(z13, 2), _true_zeros_to_v1(z2, 2)
     out = prepare_int4_moe_layer_for_cpu(w13, w2, s13, s2, algo, z13, z2)
-    return CPUWeights(
+    return CPUWeights.of(
         w13_weight=out.w13, w2_weight=out.w2, w13_scales=out.w13_scales,
         w2_scales=out.w2_scales, w13_zeros=out.w13_zeros, w2_zeros=out.w2_zeros,
         w13_bias=_bias_f32(weights.w13_bias), w2_bias=_bias_f32(weights.w2_bias),

@@ -29,7 +29,8 @@ refused, as Humming's GPTQ schema asserts ``not desc_act``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+import dataclasses
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +44,8 @@ from ..errors import (
     UnsupportedError,
 )
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names,
+                       pytree_dataclass)
 from .common import check_input_dtype, check_same_scheme
 
 
@@ -218,6 +220,16 @@ def canonical_n_first(weights: CheckpointWeights) -> HummingTensors:
 
 
 # ---------------------------------------------------------------------- pytree
+@dataclasses.dataclass(frozen=True)
+class HummingForm(Form):
+    """Humming's canonical schema: codes packed along K, true zero points packed along N."""
+
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
+        codes = packing.unpack(m.qvalue, m.bits, axis=2, size=self.k)
+        zeros = None if m.zero_point is None else packing.unpack(m.zero_point, m.bits, axis=1, size=self.n)
+        return LogicalQuant(codes, m.scale, zeros, None, bits=m.bits, group_size=m.group_size)
+
+
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
 class HummingWeights(ExpertsMixin):
     """Humming canonical schema of one MoE layer (before Humming's opaque kernel transform).
@@ -227,29 +239,20 @@ class HummingWeights(ExpertsMixin):
     ``w2_*`` likewise with ``N = H``, ``K = I``; biases ``[E, 2I]`` / ``[E, H]`` passed through.
     """
 
+    LAYOUT: ClassVar[str] = "humming"
+    NAMES: ClassVar[dict] = layout_names("{}_weight", "{}_weight_scale", "{}_zero_point")
 
-    w13_weight: Any
-    w2_weight: Any
-    w13_weight_scale: Any
-    w2_weight_scale: Any
-    w13_zero_point: Any = None
-    w2_zero_point: Any = None
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
     scheme: QuantScheme = None  # type: ignore[assignment]
     hidden_size: int = 0
     intermediate_size: int = 0
 
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
-        h, i = self.hidden_size, self.intermediate_size
-        return (self._decode_one(self.w13_weight, self.w13_weight_scale, self.w13_zero_point, 2 * i, h),
-                self._decode_one(self.w2_weight, self.w2_weight_scale, self.w2_zero_point, h, i))
-
-    def _decode_one(self, w, s, z, n: int, k: int) -> LogicalQuant:
-        b = self.scheme.bits
-        codes = packing.unpack(w, b, axis=2, size=k)
-        zeros = None if z is None else packing.unpack(z, b, axis=1, size=n)
-        return LogicalQuant(codes, s, zeros, None, bits=b, group_size=self.scheme.group_size)
+    @classmethod
+    def forms(cls, *, scheme, hidden_size, intermediate_size):
+        return HummingForm(2 * intermediate_size, hidden_size), HummingForm(hidden_size, intermediate_size)
 
 
 def convert_humming(scheme: QuantScheme, weights: CheckpointWeights, input_dtype: Any = None
@@ -268,7 +271,7 @@ def convert_humming(scheme: QuantScheme, weights: CheckpointWeights, input_dtype
         humming_weight_schema(scheme), weights.w13_qweight, weights.w2_qweight, weights.w13_scales,
         weights.w2_scales, weights.w13_qzeros, weights.w2_qzeros,
         zeros_minus_one=scheme.gptq_zeros_minus_one)
-    return HummingWeights(
+    return HummingWeights.of(
         w13_weight=t.w13_weight, w2_weight=t.w2_weight,
         w13_weight_scale=t.w13_weight_scale, w2_weight_scale=t.w2_weight_scale,
         w13_zero_point=t.w13_zero_point, w2_zero_point=t.w2_zero_point,

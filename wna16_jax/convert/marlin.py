@@ -27,6 +27,7 @@ is how the XLA executor runs this layout anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, ClassVar
@@ -46,7 +47,8 @@ from ..errors import (
     check_shape,
 )
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names,
+                       pytree_dataclass)
 from .common import check_same_scheme
 
 __all__ = [
@@ -676,11 +678,61 @@ def _scale_size_ks(scheme: QuantScheme, i: int, i_pad: int) -> tuple[int, int]:
     return i, g2_pad * (g if g != -1 else scheme.pack_factor)
 
 
+@dataclasses.dataclass(frozen=True)
+class MarlinForm(Form):
+    """One GEMM in the Marlin layout. ``kind``: ``"w13"`` (gate and up halves, each padded from
+    ``inter`` to ``padded`` columns) or ``"w2"`` (``padded`` input rows, the first ``inter`` real);
+    ``scale_k``: the ``size_k`` the scale permutation used (quirk Q1); ``a8``: 8-bit activations;
+    ``input_dtype``: the activations the layout was prepared for."""
+
+    kind: str = "w2"
+    hidden: int = 0
+    inter: int = 0
+    padded: int = 0
+    scale_k: int = 0
+    a8: bool = False
+    input_dtype: str | None = None
+
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
+        return _decode_matrix_jit(m)
+
+    def _decode(self, m: QuantMatrix) -> LogicalQuant:
+        b, g, a8 = m.bits, m.group_size, self.a8
+        h, i, ip = self.hidden, self.inter, self.padded
+        w13 = self.kind == "w13"
+        rows, cols = (h, 2 * ip) if w13 else (ip, h)
+
+        def unpad(x, groups: int | None = None):       # [E, K or G, N] → the true size
+            if w13:
+                return _unpad_w13_halves(x, i, ip)
+            return x[:, :i] if groups is None else x[:, :groups]
+
+        g2 = None if w13 else (i // g if g > 0 else 1)
+        q = unpad(marlin_moe_unrepack(m.qvalue, m.perm, rows, cols, b, a8))        # [E, K, N]
+        sc = marlin_moe_unpermute_scales(m.scale, self.scale_k, cols, g, a8)
+        if m.global_scale is not None:
+            sc = marlin_act_int8_unprocess_scales(sc, m.global_scale)
+        if self.input_dtype == "float8_e4m3fn":
+            sc = sc / FP8_SCALE_FACTOR
+        sc = unpad(sc, g2)
+        z = None
+        if m.zero_point is not None:
+            z = unpad(moe_marlin_zero_points_decode(m.zero_point, m.zero_point.shape[1], cols, b, a8), g2)
+        t = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)  # noqa: E731
+        codes, sc, z = t(q), t(sc), t(z)                                           # [E, N, K] / [E, N, G]
+        if self.input_dtype == "float8_e4m3fn":
+            codes = marlin_int4_fp8_unpreprocess_codes(codes, _expand_zeros(z, self.k, g))
+        return LogicalQuant(codes, sc, z, _unsort_g_idx(m.g_idx, m.perm), bits=b, group_size=g)
+
+
+_decode_matrix_jit = jax.jit(lambda m: m.form._decode(m))
+
+
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size", "padded_intermediate_size",
                         "is_a_8bit", "input_dtype"))
 class MarlinWeights(ExpertsMixin):
     """One MoE layer's experts in the Marlin layout (docs/formats.md §3.10); ``Ip`` = padded intermediate,
-    ``G13 = H/g``, ``G2p = Ip/g`` (1 when channelwise):
+    ``G13 = H/g``, ``G2p = Ip/g`` (1 when channelwise). Flat names (vLLM's):
 
     =========================  =================================  =========================
     field                      shape                              content
@@ -698,26 +750,18 @@ class MarlinWeights(ExpertsMixin):
     w13_bias / w2_bias         ``[E, 2·Ip]`` / ``[E, H]`` or None  single-permuted (§3.6)
     =========================  =================================  =========================
 
-    Where vLLM holds empty ``[E, 0]`` tensors (no act-order) this holds ``None``. The two global
-    scales are scalars: they are leaves but not expert arrays, so :meth:`array_fields` (and with
-    it :meth:`take_experts`) skips them. ``intermediate_size`` is the true ``I``.
+    Where vLLM holds empty ``[E, 0]`` tensors (no act-order) this holds ``None``. The sort
+    indices are each matrix's ``perm``, the global scales its ``global_scale`` (scalars: leaves
+    but not expert arrays, so :meth:`array_fields` and :meth:`take_experts` skip them).
+    ``intermediate_size`` is the true ``I``.
     """
 
-    GLOBAL_SCALE_FIELDS: ClassVar[tuple[str, ...]] = ("w13_input_global_scale",
-                                                      "w2_input_global_scale")
+    LAYOUT: ClassVar[str] = "marlin"
+    NAMES: ClassVar[dict] = layout_names("{}_qweight", "{}_scales", "{}_qzeros", g_idx="{}_g_idx",
+                                         perm="{}_g_idx_sort_indices", global_scale="{}_input_global_scale")
 
-    w13_qweight: Any
-    w2_qweight: Any
-    w13_scales: Any
-    w2_scales: Any
-    w13_qzeros: Any = None
-    w2_qzeros: Any = None
-    w13_g_idx: Any = None
-    w2_g_idx: Any = None
-    w13_g_idx_sort_indices: Any = None
-    w2_g_idx_sort_indices: Any = None
-    w13_input_global_scale: Any = None
-    w2_input_global_scale: Any = None
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
     scheme: QuantScheme = None  # type: ignore[assignment]
@@ -727,15 +771,19 @@ class MarlinWeights(ExpertsMixin):
     is_a_8bit: bool = False
     input_dtype: str | None = None
 
-    def array_fields(self) -> list[str]:
-        """Array fields with the expert axis first (everything but the scalar global scales)."""
-        return [n for n in super().array_fields() if n not in self.GLOBAL_SCALE_FIELDS]
+    @classmethod
+    def forms(cls, *, scheme, hidden_size, intermediate_size, padded_intermediate_size,
+              is_a_8bit, input_dtype):
+        h, i, ip = hidden_size, intermediate_size, padded_intermediate_size
+        k13, k2 = _scale_size_ks(scheme, i, ip)
+        common = dict(hidden=h, inter=i, padded=ip, a8=bool(is_a_8bit), input_dtype=input_dtype)
+        return (MarlinForm(2 * i, h, "w13", scale_k=k13, **common),
+                MarlinForm(h, i, "w2", scale_k=k2, **common))
 
     @property
     def num_bits(self) -> int:
         return self.scheme.bits
 
-    # ------------------------------------------------------------------ decoding
     def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` logical codes/scales/zeros/g_idx with the TRUE
         intermediate size, original row order and original g_idx (jitted per shape).
@@ -745,7 +793,7 @@ class MarlinWeights(ExpertsMixin):
         group come back as the float32 values the kernel applies (int16 fixed point × global
         scale) — the conversion is lossy there by design (§3.8).
         """
-        return _decode_jit(self)
+        return self.w13.decode(), self.w2.decode()
 
     def decode_bias(self) -> tuple[Any, Any]:
         """``(w13_bias [E, 2I], w2_bias [E, H])`` in checkpoint order (padding removed, single
@@ -753,54 +801,6 @@ class MarlinWeights(ExpertsMixin):
         if self.w13_bias is None and self.w2_bias is None:
             return None, None
         return _decode_bias_jit(self)
-
-    def _decode_impl(self) -> tuple[LogicalQuant, LogicalQuant]:
-        s = self.scheme
-        h, i, ip = self.hidden_size, self.intermediate_size, self.padded_intermediate_size
-        b, g, a8 = s.bits, s.group_size, self.is_a_8bit
-        k13, k2 = _scale_size_ks(s, i, ip)
-        g2 = s.num_groups(i)
-
-        # --- codes, K-first [E, K, N], padding removed, original row order
-        q13 = marlin_moe_unrepack(self.w13_qweight, self.w13_g_idx_sort_indices, h, 2 * ip, b, a8)
-        q13 = _unpad_w13_halves(q13, i, ip)
-        q2 = marlin_moe_unrepack(self.w2_qweight, self.w2_g_idx_sort_indices, ip, h, b, a8)[:, :i]
-
-        # --- scales [E, G, N]
-        s13 = marlin_moe_unpermute_scales(self.w13_scales, k13, 2 * ip, g, a8)
-        s2 = marlin_moe_unpermute_scales(self.w2_scales, k2, h, g, a8)
-        if self.w13_input_global_scale is not None:
-            s13 = marlin_act_int8_unprocess_scales(s13, self.w13_input_global_scale)
-        if self.w2_input_global_scale is not None:
-            s2 = marlin_act_int8_unprocess_scales(s2, self.w2_input_global_scale)
-        if self.input_dtype == "float8_e4m3fn":
-            s13 = s13 / FP8_SCALE_FACTOR
-            s2 = s2 / FP8_SCALE_FACTOR
-        s13 = _unpad_w13_halves(s13, i, ip)
-        s2 = s2[:, :g2]
-
-        # --- zeros [E, G, N]
-        z13 = z2 = None
-        if self.w13_qzeros is not None:
-            z13 = moe_marlin_zero_points_decode(self.w13_qzeros, self.w13_qzeros.shape[1], 2 * ip,
-                                                b, a8)
-            z13 = _unpad_w13_halves(z13, i, ip)
-            z2 = moe_marlin_zero_points_decode(self.w2_qzeros, self.w2_qzeros.shape[1], h, b, a8)
-            z2 = z2[:, :g2]
-
-        # --- to [E, N, K] / [E, N, G]
-        t = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)  # noqa: E731
-        c13, c2 = t(q13), t(q2)
-        s13, s2, z13, z2 = t(s13), t(s2), t(z13), t(z2)
-
-        if self.input_dtype == "float8_e4m3fn":
-            c13 = marlin_int4_fp8_unpreprocess_codes(c13, _expand_zeros(z13, h, g))
-            c2 = marlin_int4_fp8_unpreprocess_codes(c2, _expand_zeros(z2, i, g))
-
-        gi13 = _unsort_g_idx(self.w13_g_idx, self.w13_g_idx_sort_indices)
-        gi2 = _unsort_g_idx(self.w2_g_idx, self.w2_g_idx_sort_indices)
-        return (LogicalQuant(c13, s13, z13, gi13, bits=b, group_size=g),
-                LogicalQuant(c2, s2, z2, gi2, bits=b, group_size=g))
 
     def _decode_bias_impl(self) -> tuple[Any, Any]:
         i, ip = self.intermediate_size, self.padded_intermediate_size
@@ -811,11 +811,6 @@ class MarlinWeights(ExpertsMixin):
             b2 = marlin_unpermute_bias(self.w2_bias)
         return b13, b2
 
-    def has_bias(self) -> bool:
-        return self.w13_bias is not None
-
-
-_decode_jit = jax.jit(lambda mw: mw._decode_impl())
 _decode_bias_jit = jax.jit(lambda mw: mw._decode_bias_impl())
 
 
@@ -989,7 +984,7 @@ def _convert_marlin_impl(scheme: QuantScheme, weights: CheckpointWeights,
     mb13 = None if bias13 is None else marlin_permute_bias(bias13)
     mb2 = None if bias2 is None else marlin_permute_bias(bias2)
 
-    return MarlinWeights(
+    return MarlinWeights.of(
         w13_qweight=m13, w2_qweight=m2, w13_scales=ms13, w2_scales=ms2,
         w13_qzeros=mz13, w2_qzeros=mz2, w13_g_idx=gi13, w2_g_idx=gi2,
         w13_g_idx_sort_indices=perm13, w2_g_idx_sort_indices=perm2,

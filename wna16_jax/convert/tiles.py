@@ -10,7 +10,8 @@ so the layer permutes the activations to match.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,31 @@ from pallas_kernels.experts import GemmExperts
 from pallas_kernels.wna16_grouped_gemm import pack_tiles, tile_bk, unpack_tiles
 
 from ..errors import UnsupportedError, kernel_errors
-from ..weights import ExpertsMixin, LogicalQuant, pytree_dataclass
+from ..weights import ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
+
+
+@dataclasses.dataclass(frozen=True)
+class TileForm(Form):
+    """The engine's tiles: ``qvalue [E, K/pf, N]`` int32, ``scale [E, G, N]``, ``zero_point
+    [E, G, N]`` uint8 or None, ``perm [E, K]`` (act-order: row ``j`` is input row ``perm[e, j]``)."""
+
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
+        codes = unpack_tiles(m.qvalue, m.bits)                                 # [E, N, K] sorted rows
+        scales = jnp.swapaxes(m.scale, 1, 2)
+        zeros = None if m.zero_point is None else jnp.swapaxes(m.zero_point, 1, 2).astype(jnp.int32)
+        g_idx = None
+        if m.perm is not None:                                                # undo the row sort
+            inv = jnp.argsort(m.perm, axis=1)
+            codes = jnp.take_along_axis(codes, inv[:, None, :], axis=2)
+            k = codes.shape[-1]
+            g_idx = jnp.take_along_axis(jnp.broadcast_to(jnp.arange(k) // m.group_size, m.perm.shape),
+                                        inv, axis=1).astype(jnp.int32)
+        return LogicalQuant(codes, scales, zeros, g_idx, bits=m.bits, group_size=m.group_size)
+
+
+def gemm_experts(m: QuantMatrix, bias: Any) -> GemmExperts:
+    """One matrix (and its bias) as the kernels take it."""
+    return GemmExperts(m.qvalue, m.scale, m.zero_point, bias, m.perm)
 
 
 @pytree_dataclass(meta=("bits", "group_size", "hidden_size", "intermediate_size"))
@@ -29,42 +54,31 @@ class TileWeights(ExpertsMixin):
     ``w13_perm [E, H]`` / ``w2_perm [E, I]`` int32 (row ``j`` of the tiles is input row
     ``perm[e, j]``) or None."""
 
-    w13_qweight: Any
-    w2_qweight: Any
-    w13_scales: Any
-    w2_scales: Any
-    w13_zeros: Any = None
-    w2_zeros: Any = None
+    LAYOUT: ClassVar[str] = "tiles"
+    NAMES: ClassVar[dict] = layout_names("{}_qweight", "{}_scales", "{}_zeros", perm="{}_perm")
+    INTERMEDIATE_AXES: ClassVar[dict] = dict(w13_qweight=2, w13_scales=2, w13_zeros=2, w13_bias=1,
+                                             w2_qweight=1, w2_scales=1, w2_zeros=1, w2_perm=1)
+
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
-    w13_perm: Any = None
-    w2_perm: Any = None
     bits: int = 4
     group_size: int = 128
     hidden_size: int = 0
     intermediate_size: int = 0
 
+    @classmethod
+    def forms(cls, *, hidden_size, intermediate_size, **_):
+        return TileForm(2 * intermediate_size, hidden_size), TileForm(hidden_size, intermediate_size)
+
+    @classmethod
+    def quant_params(cls, meta):
+        return meta["bits"], meta["group_size"]
+
     def gemms(self) -> tuple[GemmExperts, GemmExperts]:
         """The two GEMMs' arrays as the kernels take them."""
-        return (GemmExperts(self.w13_qweight, self.w13_scales, self.w13_zeros, self.w13_bias, self.w13_perm),
-                GemmExperts(self.w2_qweight, self.w2_scales, self.w2_zeros, self.w2_bias, self.w2_perm))
-
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
-        def one(w, s, z, perm):
-            codes = unpack_tiles(w, self.bits)                                 # [E, N, K] sorted rows
-            scales = jnp.swapaxes(s, 1, 2)
-            zeros = None if z is None else jnp.swapaxes(z, 1, 2).astype(jnp.int32)
-            g_idx = None
-            if perm is not None:                                              # undo the row sort
-                inv = jnp.argsort(perm, axis=1)
-                codes = jnp.take_along_axis(codes, inv[:, None, :], axis=2)
-                k = codes.shape[-1]
-                g_idx = jnp.take_along_axis(jnp.broadcast_to(jnp.arange(k) // self.group_size, perm.shape),
-                                            inv, axis=1).astype(jnp.int32)
-            return LogicalQuant(codes, scales, zeros, g_idx, bits=self.bits, group_size=self.group_size)
-
-        return (one(self.w13_qweight, self.w13_scales, self.w13_zeros, self.w13_perm),
-                one(self.w2_qweight, self.w2_scales, self.w2_zeros, self.w2_perm))
+        return gemm_experts(self.w13, self.w13_bias), gemm_experts(self.w2, self.w2_bias)
 
 
 def tile_unsupported_reason(weights) -> str | None:
@@ -124,8 +138,10 @@ def convert_tiles(weights) -> TileWeights:
 
     w13, s13, z13, p13 = one(l13, "w13")
     w2, s2, z2, p2 = one(l2, "w2")
-    return TileWeights(w13, w2, s13, s2, z13, z2, b13, b2, p13, p2, bits=l13.bits, group_size=l13.group_size,
-                       hidden_size=weights.hidden_size, intermediate_size=weights.intermediate_size)
+    return TileWeights.of(w13_qweight=w13, w2_qweight=w2, w13_scales=s13, w2_scales=s2, w13_zeros=z13, w2_zeros=z2,
+                          w13_bias=b13, w2_bias=b2, w13_perm=p13, w2_perm=p2, bits=l13.bits,
+                          group_size=l13.group_size, hidden_size=weights.hidden_size,
+                          intermediate_size=weights.intermediate_size)
 
 
 __all__ = ["TileWeights", "convert_tiles", "tile_unsupported_reason"]

@@ -30,8 +30,9 @@ also makes every row count a multiple of 128, so the swizzle padding never trigg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,8 @@ import numpy as np
 from .. import packing
 from ..errors import DTypeError, UnsupportedError, check_divisible, check_rank, check_shape
 from ..schemes import QuantScheme
-from ..weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix,
+                       pytree_dataclass)
 from .common import check_input_dtype, check_same_scheme
 from .humming import canonical_n_first
 
@@ -185,39 +187,50 @@ def prepare_static_weights_for_trtllm_mxint4_moe(gemm1_weights: Any, gemm1_scale
 
 
 # ---------------------------------------------------------------------- pytree
+@dataclasses.dataclass(frozen=True)
+class Mxint4Form(Form):
+    """The MXINT4 block layout of one GEMM (``kind``: ``"w13"``, gated and interleaved, or ``"w2"``)."""
+
+    kind: str = "w2"
+
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
+        inv = _inverse(self.kind, self.n)
+        b = jnp.take(_from_block_layout(m.qvalue), inv, axis=1)  # [E, N, K/2] signed int4 bytes
+        nib = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
+        codes = (nib ^ 8).astype(jnp.int32)  # signed int4 s → uint4b8 code (s + 8) & 0xF
+        scales = jnp.take(block_scale_deinterleave(m.scale, self.n, self.k // MXINT4_GROUP_SIZE), inv, axis=1)
+        return LogicalQuant(codes, scales, None, None, bits=4, group_size=MXINT4_GROUP_SIZE)
+
+
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
 class TrtllmMxint4Weights(ExpertsMixin):
-    """FlashInfer TRT-LLM MXINT4 layout of one MoE layer (fields as vLLM's dict keys).
+    """FlashInfer TRT-LLM MXINT4 layout of one MoE layer (flat names as vLLM's dict keys).
 
     ``gemm1_weights [E, H/256, 2I, 128] uint8``, ``gemm1_scales [E, pad128(2I)·pad4(H/32)] bf16``,
     ``gemm2_weights [E, I/256, H, 128] uint8``, ``gemm2_scales [E, pad128(H)·pad4(I/32)] bf16``,
     biases ``[E, 2I]`` / ``[E, H]`` passed through (the kernel takes none).
     """
 
+    LAYOUT: ClassVar[str] = "trtllm_mxint4"
+    NAMES: ClassVar[dict] = {"gemm1_weights": ("w13", "qvalue"), "gemm1_scales": ("w13", "scale"),
+                             "gemm2_weights": ("w2", "qvalue"), "gemm2_scales": ("w2", "scale")}
 
-    gemm1_weights: Any
-    gemm1_scales: Any
-    gemm2_weights: Any
-    gemm2_scales: Any
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
     scheme: QuantScheme = None  # type: ignore[assignment]
     hidden_size: int = 0
     intermediate_size: int = 0
 
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
-        h, i = self.hidden_size, self.intermediate_size
-        return (self._decode_one(self.gemm1_weights, self.gemm1_scales, "w13", 2 * i, h),
-                self._decode_one(self.gemm2_weights, self.gemm2_scales, "w2", h, i))
+    @classmethod
+    def forms(cls, *, scheme, hidden_size, intermediate_size):
+        h, i = hidden_size, intermediate_size
+        return Mxint4Form(2 * i, h, "w13"), Mxint4Form(h, i, "w2")
 
-    @staticmethod
-    def _decode_one(w: Any, s: Any, kind: str, m: int, k: int) -> LogicalQuant:
-        inv = _inverse(kind, m)
-        b = jnp.take(_from_block_layout(w), inv, axis=1)  # [E, M, K/2] signed int4 bytes
-        nib = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
-        codes = (nib ^ 8).astype(jnp.int32)  # signed int4 s → uint4b8 code (s + 8) & 0xF
-        scales = jnp.take(block_scale_deinterleave(s, m, k // MXINT4_GROUP_SIZE), inv, axis=1)
-        return LogicalQuant(codes, scales, None, None, bits=4, group_size=MXINT4_GROUP_SIZE)
+    @classmethod
+    def quant_params(cls, meta):
+        return 4, MXINT4_GROUP_SIZE
 
 
 def convert_trtllm_mxint4(scheme: QuantScheme, weights: CheckpointWeights, input_dtype: Any = None
@@ -247,7 +260,7 @@ def convert_trtllm_mxint4(scheme: QuantScheme, weights: CheckpointWeights, input
     t = canonical_n_first(weights)
     out = prepare_static_weights_for_trtllm_mxint4_moe(
         t.w13_weight, t.w13_weight_scale, t.w2_weight, t.w2_weight_scale)
-    return TrtllmMxint4Weights(
+    return TrtllmMxint4Weights.of(
         gemm1_weights=out.gemm1_weights, gemm1_scales=out.gemm1_scales,
         gemm2_weights=out.gemm2_weights, gemm2_scales=out.gemm2_scales,
         w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,

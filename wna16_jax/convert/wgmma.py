@@ -6,7 +6,8 @@ group 128 or channelwise."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
@@ -15,8 +16,32 @@ from pallas_kernels.wgmma_layout import (BLOCK_K, BLOCK_N, GATE_HALF, deinterlea
                                          interleave_gate_up, magic_value, to_wgmma_layout)
 
 from ..errors import UnsupportedError, kernel_errors
-from ..weights import ExpertsMixin, pytree_dataclass
-from .tiles import TileWeights, convert_tiles, tile_unsupported_reason
+from ..weights import ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
+from .tiles import TileForm, TileWeights, convert_tiles, gemm_experts, tile_unsupported_reason
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaForm(Form):
+    """The wgmma kernels' matrix: 16-bit words ``[E, N, K/4]``, scales ``[E, G, N]`` and zero
+    points biased by the magic number in the activations' dtype; ``interleaved``: columns in the
+    gated epilogue's order (``w13`` only)."""
+
+    interleaved: bool = False
+
+    def to_tiles(self, m: QuantMatrix) -> QuantMatrix:
+        """The same matrix in the engine's tile form, bit-exactly."""
+        def cols(x, axis):
+            return deinterleave_gate_up(x, axis) if self.interleaved and x is not None else x
+
+        scale = cols(m.scale, 2)
+        zeros = cols(m.zero_point, 2)
+        if zeros is not None:
+            zeros = (zeros.astype(jnp.float32) - magic_value(scale.dtype)).astype(jnp.uint8)
+        return QuantMatrix(from_wgmma_layout(cols(m.qvalue, 1)), scale, zeros, None, m.perm, bits=4,
+                           group_size=m.group_size, form=TileForm(self.n, self.k))
+
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
+        return self.to_tiles(m).decode()
 
 
 @pytree_dataclass(meta=("hidden_size", "intermediate_size", "w13_interleaved"))
@@ -25,47 +50,52 @@ class WgmmaWeights(ExpertsMixin):
     ``w13_words [E, 2I, H/4]``, ``w2_words [E, H, I/4]``; scales ``[E, G, N]`` and zero points
     (stored biased by the magic number, or None) in the activations' dtype; biases and act-order
     row orders as in :class:`~wna16_jax.convert.tiles.TileWeights`. ``w13_interleaved``: ``w13``'s
-    words, scales and zero points (not its bias) are in the gated epilogue's column order."""
+    words, scales and zero points (not its bias) are in the gated epilogue's column order. Each
+    matrix's ``group_size`` is its own: 128, or -1 where it has one group (channelwise, or K = 128,
+    which decodes the same)."""
 
-    w13_words: Any
-    w2_words: Any
-    w13_scales: Any
-    w2_scales: Any
-    w13_zeros: Any = None
-    w2_zeros: Any = None
+    LAYOUT: ClassVar[str] = "wgmma"
+    NAMES: ClassVar[dict] = layout_names("{}_words", "{}_scales", "{}_zeros", perm="{}_perm")
+    INTERMEDIATE_AXES: ClassVar[dict] = dict(w13_words=1, w13_scales=2, w13_zeros=2, w13_bias=1,
+                                             w2_words=2, w2_scales=1, w2_zeros=1, w2_perm=1)
+
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
-    w13_perm: Any = None
-    w2_perm: Any = None
     hidden_size: int = 0
     intermediate_size: int = 0
     w13_interleaved: bool = False
 
+    @classmethod
+    def forms(cls, *, hidden_size, intermediate_size, w13_interleaved):
+        h, i = hidden_size, intermediate_size
+        return WgmmaForm(2 * i, h, bool(w13_interleaved)), WgmmaForm(h, i, False)
+
+    @classmethod
+    def quant_params(cls, meta):
+        return 4, BLOCK_K
+
+    @classmethod
+    def of(cls, **kw):
+        w = super().of(**kw)
+        # one scale group per matrix reads as channelwise (the kernels' and the tiles' convention)
+        one = w.w13.scale is not None and w.w13.scale.shape[1] == 1 and w.w2.scale.shape[1] == 1
+        if not one:
+            return w
+        return dataclasses.replace(w, w13=dataclasses.replace(w.w13, group_size=-1),
+                                   w2=dataclasses.replace(w.w2, group_size=-1))
+
     def gemms(self) -> tuple[GemmExperts, GemmExperts]:
         """The two GEMMs' arrays as the kernels take them."""
-        return (GemmExperts(self.w13_words, self.w13_scales, self.w13_zeros, self.w13_bias, self.w13_perm),
-                GemmExperts(self.w2_words, self.w2_scales, self.w2_zeros, self.w2_bias, self.w2_perm))
+        return gemm_experts(self.w13, self.w13_bias), gemm_experts(self.w2, self.w2_bias)
 
     @kernel_errors()
     def to_tiles(self) -> TileWeights:
         """The same layer in the engine's tile layout, bit-exactly (the backward's layout)."""
-        def zeros(z, s):
-            return None if z is None else (z.astype(jnp.float32) - magic_value(s.dtype)).astype(jnp.uint8)
-
-        def w13(x, axis):
-            return deinterleave_gate_up(x, axis) if self.w13_interleaved and x is not None else x
-
-        # each GEMM's own groups: one group is channelwise (or K = 128, which decodes the same)
-        channelwise = self.w13_scales.shape[1] == 1 and self.w2_scales.shape[1] == 1
-        w13_scales = w13(self.w13_scales, 2)
-        return TileWeights(from_wgmma_layout(w13(self.w13_words, 1)), from_wgmma_layout(self.w2_words),
-                           w13_scales, self.w2_scales, zeros(w13(self.w13_zeros, 2), w13_scales),
-                           zeros(self.w2_zeros, self.w2_scales), self.w13_bias, self.w2_bias, self.w13_perm,
-                           self.w2_perm, bits=4, group_size=-1 if channelwise else BLOCK_K,
+        t13, t2 = self.w13.form.to_tiles(self.w13), self.w2.form.to_tiles(self.w2)
+        return TileWeights(t13, t2, self.w13_bias, self.w2_bias, bits=4, group_size=t13.group_size,
                            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
-
-    def decode(self):
-        return self.to_tiles().decode()
 
 
 def wgmma_unsupported_reason(weights) -> str | None:
@@ -111,9 +141,10 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> WgmmaWeights:
     if inter:
         w13 = (interleave_gate_up(w13[0], 1), interleave_gate_up(w13[1], 2),
                None if w13[2] is None else interleave_gate_up(w13[2], 2))
-    return WgmmaWeights(w13[0], w2[0], w13[1], w2[1], w13[2], w2[2], tw.w13_bias, tw.w2_bias, tw.w13_perm,
-                        tw.w2_perm, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size,
-                        w13_interleaved=inter)
+    return WgmmaWeights.of(w13_words=w13[0], w2_words=w2[0], w13_scales=w13[1], w2_scales=w2[1], w13_zeros=w13[2],
+                           w2_zeros=w2[2], w13_bias=tw.w13_bias, w2_bias=tw.w2_bias, w13_perm=tw.w13_perm,
+                           w2_perm=tw.w2_perm, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size,
+                           w13_interleaved=inter)
 
 
 __all__ = ["WgmmaWeights", "convert_wgmma", "wgmma_unsupported_reason"]

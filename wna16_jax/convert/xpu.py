@@ -24,8 +24,9 @@ points (and every other asymmetric scheme) is refused: the kernel has no zero po
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,8 @@ from jax import lax
 
 from ..errors import ShapeError, UnsupportedError, check_dtype, check_rank
 from ..schemes import QuantScheme
-from ..weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names,
+                       pytree_dataclass)
 from .common import check_input_dtype, check_same_scheme
 from .humming import canonical_n_first
 
@@ -89,6 +91,18 @@ def process_weights_xpu(w13_qweight: Any, w2_qweight: Any, w13_scales: Any, w2_s
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class XPUForm(Form):
+    """``[E, N, K/2]`` uint8, low nibble = even k, uint4b8 codes (no zero points)."""
+
+    def decode(self, m: QuantMatrix) -> LogicalQuant:
+        w = m.qvalue
+        lo = (w & 0xF).astype(jnp.int32)
+        hi = (w >> 4).astype(jnp.int32)
+        codes = jnp.stack([lo, hi], axis=-1).reshape(w.shape[:-1] + (2 * w.shape[-1],))
+        return LogicalQuant(codes, m.scale, None, None, bits=4, group_size=m.group_size)
+
+
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
 class XPUWeights(ExpertsMixin):
     """XPU int4 layout of one MoE layer.
@@ -98,26 +112,20 @@ class XPUWeights(ExpertsMixin):
     ``[E, 2I]`` / ``[E, H]``.
     """
 
+    LAYOUT: ClassVar[str] = "xpu"
+    NAMES: ClassVar[dict] = layout_names("{}_weight", "{}_scales")
 
-    w13_weight: Any
-    w2_weight: Any
-    w13_scales: Any
-    w2_scales: Any
+    w13: QuantMatrix
+    w2: QuantMatrix
     w13_bias: Any = None
     w2_bias: Any = None
     scheme: QuantScheme = None  # type: ignore[assignment]
     hidden_size: int = 0
     intermediate_size: int = 0
 
-    def decode(self) -> tuple[LogicalQuant, LogicalQuant]:
-        return self._decode_one(self.w13_weight, self.w13_scales), \
-            self._decode_one(self.w2_weight, self.w2_scales)
-
-    def _decode_one(self, w: Any, s: Any) -> LogicalQuant:
-        lo = (w & 0xF).astype(jnp.int32)
-        hi = (w >> 4).astype(jnp.int32)
-        codes = jnp.stack([lo, hi], axis=-1).reshape(w.shape[:-1] + (2 * w.shape[-1],))
-        return LogicalQuant(codes, s, None, None, bits=4, group_size=self.scheme.group_size)
+    @classmethod
+    def forms(cls, *, scheme, hidden_size, intermediate_size):
+        return XPUForm(2 * intermediate_size, hidden_size), XPUForm(hidden_size, intermediate_size)
 
 
 def convert_xpu(scheme: QuantScheme, weights: CheckpointWeights, input_dtype: Any = None
@@ -145,7 +153,7 @@ def convert_xpu(scheme: QuantScheme, weights: CheckpointWeights, input_dtype: An
                 f"{name}: {size} is not a multiple of 8 (XPU bytes [N, K/2] come from whole "
                 "int32 words of 8 nibbles)")
     t = canonical_n_first(weights)
-    return XPUWeights(
+    return XPUWeights.of(
         w13_weight=int32_words_to_int4_bytes("w13_weight", t.w13_weight),
         w2_weight=int32_words_to_int4_bytes("w2_weight", t.w2_weight),
         w13_scales=t.w13_weight_scale, w2_scales=t.w2_weight_scale,
