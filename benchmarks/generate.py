@@ -99,7 +99,7 @@ def touched_bytes(model: MoEDecoder, batch: int) -> int:
         if isinstance(layer.mlp, QuantizedMoE):
             moe = layer.mlp
             e, k = moe.num_experts, moe.top_k
-            experts = _nbytes(moe.experts.get_value())
+            experts = _nbytes(moe.expert_weights())
             expected = e * (1.0 - (1.0 - k / e) ** batch)
             total += int(experts / e * expected)
             rest = nnx.state(layer, nnx.Not(QuantizedExperts))
@@ -147,7 +147,7 @@ def _memory() -> tuple[int | None, int | None]:
 
 
 def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: int, bandwidth: float,
-                seed: int = 0) -> dict:
+                seed: int = 0, profile: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
@@ -182,11 +182,34 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
         return lambda: p.decode(lv, cache, nxt, pos, key, jnp.int32(1), zero, one, sample=False)
 
     t_step = _median_s(step_of(progs, leaves), reps)
+    if profile:
+        print_step_profile(progs, leaves, cache, nxt, pos, key, zero, one, batch)
     t_bare = _median_s(step_of(*G.programs(without_moe(model))), reps)
     floor = touched_bytes(model, batch) / bandwidth
     in_use, peak = _memory()
     return {"batch": batch, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps, "step_ms": t_step * 1e3,
             "floor_ms": floor * 1e3, "moe_share": 1.0 - t_bare / t_step, "in_use": in_use, "peak": peak}
+
+
+def print_step_profile(progs, leaves, cache, tok, pos, key, zero, one, batch: int) -> None:
+    """One decode step's device kernels (the JAX profiler's trace, ``kernel_profile``), by name and
+    grouped by kind, with the device's idle time between the step's first and last kernel."""
+    from benchmarks.kernel_profile import format_breakdown, kernel_breakdown
+
+    def step(lv, c, t, p):
+        return progs.decode(lv, c, t, p, key, jnp.int32(1), zero, one, sample=False)
+
+    result = kernel_breakdown(step, (leaves, cache, tok, pos), calls=10)
+    print(f"# profile, batch {batch}: one decode step")
+    print(format_breakdown(result, top=25))
+    groups: dict = {}
+    for name, us, n in result[0]:
+        kind = name.split(".")[0].split("_")[0] if not name.startswith(("wna16", "wgmma", "fused_moe")) else name
+        g = groups.setdefault(kind, [0.0, 0.0])
+        g[0] += us
+        g[1] += n
+    for kind, (us, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"    group {kind[:60]:60s} {us:8.1f} µs ×{n:g}")
 
 
 def _mb(v):
@@ -218,6 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default=None, help="where the random checkpoints go (default: a temp folder)")
     ap.add_argument("--append", default=None, metavar="RESULTS.md")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print one decode step's device kernels (JAX profiler trace)")
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     bad = [n for n in names if n not in SHAPES]
@@ -251,7 +276,7 @@ def main(argv=None) -> int:
                 print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
                 for b in args.batch:
                     r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
-                                    bandwidth=bandwidth)
+                                    bandwidth=bandwidth, profile=args.profile)
                     line = row_md(label, variant, r)
                     print(line, flush=True)
                     table.append(line)

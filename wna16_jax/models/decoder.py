@@ -81,8 +81,8 @@ def apply_rope(x, positions, inv_freq):
 
 
 def _write_rows(cache, new, start):
-    """``cache [B, T, n, d]`` with ``new [B, S, n, d]`` written at slot ``start[b]`` of row ``b``."""
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(
+    """``cache [B, n, T, d]`` with ``new [B, n, S, d]`` written at slot ``start[b]`` of row ``b``."""
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, s, 0)))(
         cache, new, start.astype(jnp.int32))
 
 
@@ -109,18 +109,19 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
         if cache is None:
             keys, vals, kpos = k, v, positions
         else:
             ck, cv = cache
             ck, cv = _write_rows(ck, k, positions[:, 0]), _write_rows(cv, v, positions[:, 0])
             cache = (ck, cv)
-            t = kv_len or ck.shape[1]
-            keys, vals = ck[:, :t].astype(x.dtype), cv[:, :t].astype(x.dtype)
+            t = kv_len or ck.shape[2]
+            keys, vals = ck[:, :, :t].astype(x.dtype), cv[:, :, :t].astype(x.dtype)
             kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
         g = nh // nkv
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        scores = jnp.einsum("bsngd,btnd->bngst", q.reshape(b, s, nkv, g, hd), keys, precision=prec,
+        scores = jnp.einsum("bsngd,bntd->bngst", q.reshape(b, s, nkv, g, hd), keys, precision=prec,
                             preferred_element_type=jnp.float32) * np.float32(hd ** -0.5)
         qp, kp = positions[:, :, None], kpos[:, None, :]
         mask = kp <= qp
@@ -128,7 +129,7 @@ class Attention(nnx.Module):
             mask = mask & (qp - kp < self.sliding_window)
         scores = jnp.where(mask[:, None, None], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bngst,btnd->bsngd", probs, vals, precision=prec,
+        out = jnp.einsum("bngst,bntd->bsngd", probs, vals, precision=prec,
                          preferred_element_type=jnp.float32).astype(x.dtype)
         return self.o_proj(out.reshape(b, s, nh * hd)), cache
 
@@ -180,7 +181,7 @@ class MoEDecoder(nnx.Module):
 
     def hidden_states(self, tokens, positions, cache=None, kv_len: int | None = None):
         """Final-normed hidden states ``[B, S, H]`` and the updated cache (a tuple of per-layer
-        ``(k, v)`` arrays ``[B, T, n_kv, d]``, or None)."""
+        ``(k, v)`` arrays ``[B, n_kv, T, d]``, or None)."""
         x = self.embed(tokens)
         new = []
         for i, layer in enumerate(self.layers):
@@ -205,9 +206,10 @@ class MoEDecoder(nnx.Module):
 
     # ------------------------------------------------------------------ facts
     def init_cache(self, batch_size: int, max_len: int, dtype=None):
-        """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, max_len, n_kv, d]``."""
+        """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, n_kv, max_len, d]`` (heads
+        before positions, the order attention reads them in)."""
         c = self.config
-        shape = (int(batch_size), int(max_len), c.num_kv_heads, c.head_dim)
+        shape = (int(batch_size), c.num_kv_heads, int(max_len), c.head_dim)
         dt = dtype or self.dtype
         return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_layers))
 
