@@ -365,5 +365,5 @@ def shard_weights(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: s
     return jax.device_put(weights, jax.tree.map(lambda _: NamedSharding(mesh, spec), weights))
 
 
-__all__ = ["sharded_fused_moe", "sharded_executor", "slice_tp", "stack_tp_shards", "tp_shards_from_checkpoint", "check_tp",
-           "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS"]
+__all__ = ["sharded_fused_moe", "sharded_executor", "slice_tp", "stack_tp_shards", "tp_shards_from_checkpoint",
+           "check_tp", "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS"]
