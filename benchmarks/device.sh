@@ -10,7 +10,9 @@
 #                 token counts, the wgmma engine (AWQ and GPTQ) against XLA's alternatives
 #   engine        the same rows, the wgmma engine's two columns only (for before / after comparisons)
 #   generate      whole-model generation, Qwen3-30B-A3B and Mixtral-8x7B shapes, batch 1 / 8 / 64
-# Each suite writes OUT/<suite>.log; the table and generate suites also append their tables to
+#   sharding      one layer on one GPU vs EP=2 (all-gather, all-to-all) and TP=2, Mixtral-8x7B and
+#                 Qwen3-30B-A3B shapes at 1 / 16 / 256 / 4096 tokens (needs two GPUs)
+# Each suite writes OUT/<suite>.log; the table, generate and sharding suites also append their tables to
 # OUT/RESULTS.md and OUT/results.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +30,8 @@ for suite in "$@"; do
         engine) cmd=(python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40
                      --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot,dense bf16") ;;
         generate) cmd=(python3 benchmarks/generate.py --append "$OUT/RESULTS.md") ;;
-        *) echo "unknown suite: $suite (tests, fingerprints, table, engine, generate)"; status=2; continue ;;
+        sharding) cmd=(python3 benchmarks/sharding.py --append "$OUT/RESULTS.md" --json "$OUT/sharding.json") ;;
+        *) echo "unknown suite: $suite (tests, fingerprints, table, engine, generate, sharding)"; status=2; continue ;;
     esac
     "${cmd[@]}" 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}

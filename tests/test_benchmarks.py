@@ -229,3 +229,30 @@ def test_parse_variants_values():
     got = moe_engine.parse_variants("a=kernel:wgmma,persistent:-/1,weight_in_gemm2:0;b=stages:-3,x:1/0;c=")
     assert got == {"a": {"kernel": "wgmma", "persistent": (None, 1), "weight_in_gemm2": 0},
                    "b": {"stages": -3, "x": (1, 0)}, "c": {}}
+
+
+def test_sharding_benchmark_tiny_on_two_cpu_devices(tmp_path):
+    """``benchmarks/sharding.py --tiny`` on 2 fake CPU devices (a subprocess: this process's jax
+    has one): every design's row, its executor, a communication share, and its output equal to
+    the one-device output (XLA executor: float32 inside, so at most the final bfloat16 rounding)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "sharding.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sharding.py"), "--tiny", "--tokens", "5",
+                           "--reps", "1", "--samples", "1", "--json", str(out), "--append", str(tmp_path / "R.md")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["tokens"]) for r in rows] == [("tiny", 5)]
+    cells = rows[0]["cells"]
+    assert list(cells) == ["one GPU", "EP=2 all-gather", "EP=2 all-to-all", "TP=2"]
+    for design, c in cells.items():
+        assert c["executor"] == "xla" and c["us"] > 0 and c["err"] <= 2.0 ** -8, (design, c)
+        assert (c["comm"] is None) == (design == "one GPU"), (design, c)
+    assert "| tiny | 5 |" in (tmp_path / "R.md").read_text()

@@ -35,8 +35,9 @@ def layer():
 def test_registry_order_and_names():
     assert executors.REGISTRY == (executors.WGMMA, executors.TRITON, executors.XLA)
     assert executors.ENGINES == (executors.WGMMA, executors.TRITON)
-    assert set(executors.BY_NAME) == {"wgmma", "triton", "xla"}
-    assert executors.EXECUTOR_CHOICES == ("auto", "pallas", "wgmma", "triton", "xla")
+    assert set(executors.BY_NAME) == {"wgmma", "triton", "xla", "triton_interpret"}
+    assert executors.EXECUTOR_CHOICES == ("auto", "pallas", "wgmma", "triton", "xla", "triton_interpret")
+    assert executors.TRITON_INTERPRET not in executors.REGISTRY      # by name only, never "auto"
     with pytest.raises(ConfigError, match="executor: expected one of"):
         executors.select(None, jnp.bfloat16, executor="engine", device=CPU)
 

@@ -113,9 +113,10 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name, executor):
         bm = block_m or default_block_m(t, k, weights.num_experts)
         choice = executors.select(weights, x.dtype, executor=executor, formulation=formulation, compute_dtype=cdt)
         if choice.executor is not executors.XLA:   # the engine's transposed-access kernels (GPU)
-            dx, dtw = executors.TRITON.backward(g, x, tw, ids, weights, expert_map, activation=activation,
-                                                apply_router_weight_on_input=on_input, global_num_experts=gne,
-                                                block_m=block_m)
+            engine = choice.executor if isinstance(choice.executor, executors.TritonEngine) else executors.TRITON
+            dx, dtw = engine.backward(g, x, tw, ids, weights, expert_map, activation=activation,
+                                      apply_router_weight_on_input=on_input, global_num_experts=gne,
+                                      block_m=block_m)
         else:
             dx, dtw = _backward_blocked(g, x, tw, ids, weights, expert_map, activation=activation,
                                         on_input=on_input, gne=gne, block_m=bm, cdt=cdt or jnp.float32)

@@ -156,16 +156,23 @@ def _input_reason(input_dtype) -> str | None:
     return None if name in (None, "bfloat16", "float16") else f"the engine takes 16-bit activations, not {name}"
 
 
+@dataclasses.dataclass(frozen=True)
 class TritonEngine(Executor):
     """The Triton-lowered Pallas kernels on the tile layout (:class:`~wna16_jax.convert.tiles.TileWeights`),
-    or on vLLM's Marlin layout re-laid as tiles on every call; every NVIDIA GPU from SM75."""
+    or on vLLM's Marlin layout re-laid as tiles on every call; every NVIDIA GPU from SM75.
+
+    ``interpret=True`` (the registry's ``"triton_interpret"``, chosen by name only, never by
+    ``"auto"``): the same kernels in Pallas interpret mode, on any device — slow, for checking the
+    engine's logic on the CPU (tests, ``benchmarks/sharding.py --tiny``)."""
+
+    interpret: bool = False
 
     def layouts(self):
         return (TileWeights, MarlinWeights)
 
     def supports(self, weights, device=None, *, hidden_dtype=None, formulation=None, compute_dtype=None):
         dev = _device(device)
-        reason = _nvidia_reason(dev)
+        reason = None if self.interpret else _nvidia_reason(dev)
         if reason:
             return reason
         if not self.reads(weights):
@@ -182,6 +189,8 @@ class TritonEngine(Executor):
 
     def prepares(self, weights, device=None, input_dtype=None):
         dev = _device(device)
+        if self.interpret:
+            return "the interpret-mode engine runs layouts prepared for the Triton-lowered engine"
         if forced_gpu_kernels() == "wgmma":
             return "WNA16_JAX_GPU_KERNELS=wgmma"
         return _nvidia_reason(dev) or _input_reason(input_dtype) or tile_unsupported_reason(weights)
@@ -200,14 +209,15 @@ class TritonEngine(Executor):
         w13, w2 = tw.gemms()
         return fused_moe_tiles(x, topk_weights, topk_ids, w13, w2, bits=tw.bits, group_size=tw.group_size,
                                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
-                               expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m)
+                               expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m,
+                               interpret=self.interpret)
 
     @kernel_errors()
     def batched(self, batched_hidden, expert_num_tokens, weights, *, activation):
         tw = self.tiles(weights)
         w13, w2 = tw.gemms()
         return batched_experts_tiles(batched_hidden, expert_num_tokens, w13, w2, bits=tw.bits,
-                                     group_size=tw.group_size, activation=activation)
+                                     group_size=tw.group_size, activation=activation, interpret=self.interpret)
 
     @kernel_errors()
     def backward(self, g, x, topk_weights, topk_ids, weights, expert_map, *, activation,
@@ -218,20 +228,24 @@ class TritonEngine(Executor):
         w13, w2 = tw.gemms()
         return fused_moe_tiles_bwd(g, x, topk_weights, topk_ids, w13, w2, bits=tw.bits, group_size=tw.group_size,
                                    activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
-                                   expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m)
+                                   expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m,
+                                   interpret=self.interpret)
 
 
 WGMMA = WgmmaEngine("wgmma", "Mosaic GPU wgmma kernels (Hopper)")
 TRITON = TritonEngine("triton", "Triton-lowered Pallas kernels (NVIDIA GPUs)")
 XLA = XLAExecutor("xla", "XLA dequantize-on-the-fly executor (every platform)")
+#: the Triton-lowered kernels in Pallas interpret mode on any device (by name only: checks, not speed)
+TRITON_INTERPRET = TritonEngine("triton_interpret", "Triton-lowered Pallas kernels in interpret mode (any device)",
+                                interpret=True)
 
 #: the executors in order of preference; the last (XLA) supports everything
 REGISTRY: tuple[Executor, ...] = (WGMMA, TRITON, XLA)
 ENGINES: tuple[Executor, ...] = (WGMMA, TRITON)
-BY_NAME: dict[str, Executor] = {ex.name: ex for ex in REGISTRY}
+BY_NAME: dict[str, Executor] = {ex.name: ex for ex in (*REGISTRY, TRITON_INTERPRET)}
 
 #: ``fused_moe``'s ``executor=``: "auto" walks the registry, "pallas" the engines only (an error
-#: where none supports the call), or one executor by name
+#: where none supports the call), or one executor by name (``"triton_interpret"`` only so)
 EXECUTOR_CHOICES = ("auto", "pallas", *BY_NAME)
 
 
@@ -292,4 +306,4 @@ def preparing_engine(weights, device=None, input_dtype=None, engines: tuple[Exec
 
 
 __all__ = ["BY_NAME", "Choice", "ENGINES", "EXECUTOR_CHOICES", "Executor", "GPU_KERNELS", "REGISTRY", "TRITON",
-           "WGMMA", "XLA", "fallback_warning_applies", "forced_gpu_kernels", "preparing_engine", "select"]
+           "TRITON_INTERPRET", "WGMMA", "XLA", "fallback_warning_applies", "forced_gpu_kernels", "preparing_engine", "select"]

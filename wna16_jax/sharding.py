@@ -1,9 +1,17 @@
 """Expert- and tensor-parallel fused MoE with ``jax.sharding.Mesh`` + ``jax.shard_map``.
 
-Weights are any experts pytree (loader or backend layout: every leaf has the expert axis
-first). Tensor parallelism adds a leading ``tp`` axis: :func:`stack_tp_shards` stacks one
+Weights are any experts pytree (loader, backend or engine layout: every leaf has the expert
+axis first). Tensor parallelism adds a leading ``tp`` axis: :func:`stack_tp_shards` stacks one
 layout pytree per TP rank (from ``Checkpoint.load_layer(i, tp_size=, tp_rank=)`` or
-:func:`slice_tp`), so the same code shards every layout.
+:func:`slice_tp`, each rank converted on its own), so the same code shards every layout.
+
+Inside the ``shard_map`` each device calls :func:`~wna16_jax.moe.fused_moe` on its own shard
+with the executor the registry picks for that shard (:func:`sharded_executor`; the same on
+every device). On an NVIDIA GPU an engine layout (``WgmmaWeights``, ``TileWeights``) runs the
+engine per device on 16-bit activations, their dtype kept: each device aligns the rows routed to
+its local experts into blocks and gathers them itself. A layer the engine refuses runs the XLA
+executor per device in float32, with one ``EngineFallbackWarning`` naming the reasons (as
+:func:`fused_moe` does on one device).
 
 * **EP, all-gather design** (``ep_method="allgather"``): tokens are sharded over the EP
   axis; each shard all-gathers the tokens and their routing, runs :func:`fused_moe` on its
@@ -11,15 +19,22 @@ layout pytree per TP rank (from ``Checkpoint.load_layer(i, tp_size=, tp_rank=)``
   ``psum_scatter`` (reduce-scatter) returns every token's sum to its owner.
 * **EP, all-to-all design** (``ep_method="all_to_all"``): each shard sorts its (token, slot)
   rows by owning shard and sends exactly those rows there with ``jax.lax.ragged_all_to_all``
-  (dispatch), the owners run their experts on the received rows, and a second
-  ``ragged_all_to_all`` sends the results back (combine). XLA:CPU does not implement the
-  ``ragged-all-to-all`` HLO (jax 0.10.2: ``UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is
-  not supported by XLA:CPU ThunkEmitter``), so ``ragged="auto"`` uses an exact emulation on
-  CPU: the same offsets / sizes protocol carried by a fixed-capacity ``lax.all_to_all``.
-* **TP**: the intermediate dimension is split; each shard computes a partial down-projection
-  and a ``psum`` over the TP axis adds them. The w2 bias is kept on TP rank 0 only (zeroed on
-  the other ranks by :func:`stack_tp_shards`), so it is added once.
+  (dispatch), the owners run their experts on the received rows (top-1 each; the unused
+  receive capacity is routed to a masked expert ``E / ep``), and a second ``ragged_all_to_all``
+  sends the results back (combine), where each token's ``k`` rows are summed in float32.
+  XLA:CPU does not implement the ``ragged-all-to-all`` HLO (jax 0.10.2: ``UNIMPLEMENTED: HLO
+  opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter``), so ``ragged="auto"``
+  uses an exact emulation on CPU: the same offsets / sizes protocol carried by a fixed-capacity
+  ``lax.all_to_all``.
+* **TP**: the intermediate dimension is split (an engine layout pads and permutes each rank's
+  slice on its own); each shard computes a partial down-projection and a ``psum`` over the TP
+  axis adds them. The w2 bias is kept on TP rank 0 only (zeroed on the other ranks by
+  :func:`stack_tp_shards`), so it is added once.
 * **EP × TP** on a 2-D mesh: both at once (weights ``[tp, E, ...]`` sharded ``P(tp, ep)``).
+
+The reductions carry the executor's output dtype: float32 on the XLA executor, the activations'
+16-bit dtype on an engine (each device's partial output is rounded to it once before it is
+reduced, as vLLM's all-reduce does).
 """
 
 from __future__ import annotations
@@ -32,8 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import executors
+from .device import Device
 from .errors import ConfigError, ShapeError, UnsupportedError
-from .moe import check_activation, fused_moe
+from .moe import _warn_fallback, check_activation, fused_moe
 from .schemes import QuantMethod
 from .weights import CheckpointWeights
 
@@ -102,17 +119,33 @@ def check_tp(intermediate_size: int, tp_size: int, pack_factor: int = 1, group_s
                          + (f" and the group size {group_size}" if group_size != -1 else ""))
 
 
+def _without_w2_bias(w):
+    """``w`` with its w2 bias leaf zeroed, whatever the layout (a zero bias stays zero under the
+    permutation or padding a layout applies to its bias)."""
+    b2 = getattr(w, "w2_bias", None)
+    if b2 is None:
+        return w
+    leaves, treedef = jax.tree.flatten(w)
+    hits = [j for j, a in enumerate(leaves) if a is b2]
+    if len(hits) != 1:
+        raise UnsupportedError(f"stack_tp_shards: {type(w).__name__}.w2_bias is not one array leaf of the "
+                               f"layout ({len(hits)} leaves are it), so it cannot be kept on TP rank 0 only")
+    leaves[hits[0]] = jnp.zeros_like(jnp.asarray(b2))
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def stack_tp_shards(shards: Sequence[Any]):
-    """Stack one experts pytree per TP rank along a new leading axis (``[tp, E, ...]``).
-    The w2 bias is zeroed on ranks > 0 so the psum over TP adds it exactly once."""
+    """Stack one experts pytree per TP rank (any layout, each rank converted on its own) along a
+    new leading axis (``[tp, E, ...]``). The w2 bias is zeroed on ranks > 0 so the psum over TP
+    adds it exactly once."""
     if not shards:
         raise ConfigError("stack_tp_shards: no shards given")
-    fixed = []
     for r, w in enumerate(shards):
-        b2 = getattr(w, "w2_bias", None)
-        if r > 0 and b2 is not None:
-            w = w.replace(w2_bias=jnp.zeros_like(jnp.asarray(b2)))
-        fixed.append(jax.tree.map(jnp.asarray, w))
+        leaves = jax.tree.leaves(w)
+        if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves):
+            raise ConfigError(f"stack_tp_shards: shard {r}: expected an experts pytree of arrays, "
+                              f"got {type(w).__name__}")
+    fixed = [jax.tree.map(jnp.asarray, w if r == 0 else _without_w2_bias(w)) for r, w in enumerate(shards)]
     s0 = jax.tree.structure(fixed[0])
     for r, w in enumerate(fixed[1:], 1):
         if jax.tree.structure(w) != s0 or any(a.shape != b.shape for a, b in
@@ -122,13 +155,15 @@ def stack_tp_shards(shards: Sequence[Any]):
 
 
 def tp_shards_from_checkpoint(ckpt, layer_index: int, tp_size: int, backend: Any = None,
-                              activation: str = "silu"):
+                              activation: str = "silu", input_dtype: Any = None):
     """Load ``tp_size`` TP slices of one layer (``Checkpoint.load_layer``), convert each to the
-    backend layout (``None`` → dispatch table, ``"loader"`` → unchanged) and stack them."""
+    backend layout (``None`` → dispatch table, ``"loader"`` → unchanged; on an NVIDIA GPU the
+    MARLIN row prepares the engine's layout, for ``input_dtype`` activations) and stack them."""
     from .nn import convert_experts
 
     return stack_tp_shards([convert_experts(ckpt.load_layer(layer_index, tp_size=tp_size, tp_rank=r).experts,
-                                            backend, activation=activation)[0] for r in range(tp_size)])
+                                            backend, activation=activation, input_dtype=input_dtype)[0]
+                            for r in range(tp_size)])
 
 
 # --------------------------------------------------------------------------- ragged all-to-all
@@ -170,24 +205,17 @@ def _axis_size(mesh: Mesh, name: str | None) -> int:
     return int(mesh.shape[name])
 
 
-def sharded_fused_moe(x, topk_weights, topk_ids, weights, mesh: Mesh, *, ep_axis: str | None = "ep",
-                      tp_axis: str | None = None, ep_method: str = "allgather", activation: str = "silu",
-                      apply_router_weight_on_input: bool = False, formulation: str | None = None,
-                      ragged: str = "auto"):
-    """:func:`wna16_jax.moe.fused_moe` over a mesh. ``weights``: experts pytree ``[E, ...]``
-    (``[tp, E, ...]`` from :func:`stack_tp_shards` when ``tp_axis`` is set); ``topk_ids`` are
-    global expert ids. EP shards the experts (linear: shard ``r`` owns ``r·E/ep ...``) and the
-    tokens over ``ep_axis``; TP splits the intermediate size over ``tp_axis``. Returns ``[T, H]``.
-    """
-    check_activation(activation)
-    if ep_method not in EP_METHODS:
-        raise ConfigError(f"ep_method: expected one of {EP_METHODS}, got {ep_method!r}")
-    ep, tp = _axis_size(mesh, ep_axis), _axis_size(mesh, tp_axis)
+def _layout(weights, mesh: Mesh, ep_axis: str | None, tp_axis: str | None) -> tuple[int, int, int]:
+    """``(E, ep, tp)`` of a weights pytree on the mesh, checked."""
     if ep_axis is not None and ep_axis == tp_axis:
         raise ConfigError(f"ep_axis and tp_axis must differ, both are {ep_axis!r}")
-    lead = jax.tree.leaves(weights)[0]
+    ep, tp = _axis_size(mesh, ep_axis), _axis_size(mesh, tp_axis)
+    leaves = jax.tree.leaves(weights)
+    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves):
+        raise ConfigError(f"weights: expected an experts pytree of arrays, got {type(weights).__name__}")
+    lead = leaves[0]
     if tp_axis is not None:
-        if lead.shape[0] != tp:
+        if lead.ndim < 2 or lead.shape[0] != tp:
             raise ShapeError(f"weights: expected a leading TP axis of size {tp} (mesh axis {tp_axis!r}), "
                              f"got shape {tuple(lead.shape)}; build it with stack_tp_shards")
         e = int(lead.shape[1])
@@ -196,27 +224,76 @@ def sharded_fused_moe(x, topk_weights, topk_ids, weights, mesh: Mesh, *, ep_axis
     if e % ep:
         raise ShapeError(f"expert parallelism: the {e} experts are not a multiple of the EP mesh axis "
                          f"{ep_axis!r} of size {ep}")
-    if getattr(x, "ndim", None) != 2 or tuple(topk_ids.shape) != tuple(topk_weights.shape) \
-            or topk_ids.shape[0] != x.shape[0]:
+    return e, ep, tp
+
+
+def _local_shard(weights, tp_axis: str | None, el: int):
+    """One device's shard of ``weights`` as shapes (the pytree ``fused_moe`` sees inside the body)."""
+    def one(a):
+        shape = tuple(a.shape[1:]) if tp_axis is not None else tuple(a.shape)
+        return jax.ShapeDtypeStruct((el, *shape[1:]), a.dtype)
+    return jax.tree.map(one, weights)
+
+
+def sharded_executor(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: str | None = None,
+                     hidden_dtype: Any = jnp.bfloat16, executor: str = "auto", formulation: str | None = None,
+                     device: Device | None = None) -> executors.Choice:
+    """The registry's :class:`~wna16_jax.executors.Choice` for one device's shard of ``weights``
+    under :func:`sharded_fused_moe` (the executor that runs it, and why the executors before it
+    refused). Every device of the mesh runs the same program, so this one choice holds for each;
+    ``device`` defaults to the mesh's first device."""
+    e, ep, _ = _layout(weights, mesh, ep_axis, tp_axis)
+    dev = device or Device.current(mesh.devices.flat[0])
+    return executors.select(_local_shard(weights, tp_axis, e // ep), hidden_dtype, executor=executor,
+                            device=dev, formulation=formulation)
+
+
+def sharded_fused_moe(x, topk_weights, topk_ids, weights, mesh: Mesh, *, ep_axis: str | None = "ep",
+                      tp_axis: str | None = None, ep_method: str = "allgather", activation: str = "silu",
+                      apply_router_weight_on_input: bool = False, formulation: str | None = None,
+                      ragged: str = "auto", executor: str = "auto"):
+    """:func:`wna16_jax.moe.fused_moe` over a mesh. ``weights``: experts pytree ``[E, ...]``
+    (``[tp, E, ...]`` from :func:`stack_tp_shards` when ``tp_axis`` is set); ``topk_ids`` are
+    global expert ids. EP shards the experts (linear: shard ``r`` owns ``r·E/ep ...``) and the
+    tokens over ``ep_axis``; TP splits the intermediate size over ``tp_axis``. Returns ``[T, H]``
+    in ``x.dtype``.
+
+    ``executor`` as in :func:`fused_moe`, for each device's shard (:func:`sharded_executor` says
+    which runs): an engine keeps ``x``'s 16-bit dtype; the XLA executor computes in float32.
+    """
+    check_activation(activation)
+    if ep_method not in EP_METHODS:
+        raise ConfigError(f"ep_method: expected one of {EP_METHODS}, got {ep_method!r}")
+    e, ep, _ = _layout(weights, mesh, ep_axis, tp_axis)
+    if getattr(x, "ndim", None) != 2 or getattr(topk_ids, "ndim", None) != 2 \
+            or tuple(topk_ids.shape) != tuple(getattr(topk_weights, "shape", ())) or topk_ids.shape[0] != x.shape[0]:
         raise ShapeError(f"x / topk_weights / topk_ids: expected (T, H), (T, k), (T, k), got "
-                         f"{tuple(x.shape)}, {tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
+                         f"{tuple(getattr(x, 'shape', ()))}, {tuple(getattr(topk_weights, 'shape', ()))}, "
+                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
     t, k = topk_ids.shape
     el = e // ep
-    pad = (-t) % ep
+    choice = sharded_executor(weights, mesh, ep_axis=ep_axis, tp_axis=tp_axis, hidden_dtype=x.dtype,
+                              executor=executor, formulation=formulation)
+    if choice.refused:
+        _warn_fallback(_local_shard(weights, tp_axis, el), choice)
+    name = choice.executor.name
     dtype = x.dtype
-    xf = jnp.pad(x.astype(jnp.float32), ((0, pad), (0, 0)))
-    twp = jnp.pad(topk_weights.astype(jnp.float32), ((0, pad), (0, 0)))
-    idp = jnp.pad(topk_ids.astype(jnp.int32), ((0, pad), (0, 0)))
+    cdt = jnp.float32 if name == "xla" else dtype       # the engines take 16-bit activations as they are
+    pad = (-t) % ep
+    xp = jnp.pad(jnp.asarray(x).astype(cdt), ((0, pad), (0, 0)))
+    twp = jnp.pad(jnp.asarray(topk_weights).astype(jnp.float32), ((0, pad), (0, 0)))
+    idp = jnp.pad(jnp.asarray(topk_ids).astype(jnp.int32), ((0, pad), (0, 0)))
     f = _build(mesh, ep_axis, tp_axis, ep_method, activation, bool(apply_router_weight_on_input),
-               formulation, ragged, e, el, ep)
-    out = f(xf, twp, idp, weights)
+               formulation, ragged, name, e, el, ep)
+    out = f(xp, twp, idp, weights)
     return out[:t].astype(dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def _build(mesh, ep_axis, tp_axis, ep_method, activation, on_input, formulation, ragged, e, el, ep):
+def _build(mesh, ep_axis, tp_axis, ep_method, activation, on_input, formulation, ragged, executor, e, el, ep):
     """The jitted shard_map program for one static configuration (cached: no recompiles)."""
-    kw = dict(activation=activation, apply_router_weight_on_input=on_input, formulation=formulation)
+    kw = dict(activation=activation, apply_router_weight_on_input=on_input, formulation=formulation,
+              executor=executor)
     tok = P(ep_axis) if ep_axis else P()
     w_spec = P(*(a for a in (tp_axis, ep_axis) if a is not None))     # a prefix of every leaf
     exchange = _ragged(ragged)
@@ -278,7 +355,7 @@ def _all_to_all_body(xl, twl, idl, wl, rank, ep_axis, tp_axis, n, el, exchange, 
     back = exchange(y, jnp.zeros((r, y.shape[1]), y.dtype), recv_off, recv, home, send,
                     axis_name=ep_axis, axis_size=n)                        # in my sorted order
     rows = jnp.zeros_like(back).at[order].set(back)
-    return rows.reshape(tl, k, -1).sum(axis=1)
+    return rows.reshape(tl, k, -1).astype(jnp.float32).sum(axis=1).astype(xl.dtype)
 
 
 def shard_weights(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: str | None = None):
@@ -287,5 +364,5 @@ def shard_weights(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: s
     return jax.device_put(weights, jax.tree.map(lambda _: NamedSharding(mesh, spec), weights))
 
 
-__all__ = ["sharded_fused_moe", "slice_tp", "stack_tp_shards", "tp_shards_from_checkpoint", "check_tp",
-           "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS"]
+__all__ = ["sharded_fused_moe", "sharded_executor", "slice_tp", "stack_tp_shards", "tp_shards_from_checkpoint",
+           "check_tp", "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS"]
