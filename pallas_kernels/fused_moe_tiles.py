@@ -31,7 +31,8 @@ from .activations import FUSED_ACTIVATIONS, check_activation
 from .align import align_pairs, vllm_block_m
 from .errors import KernelConfigError, KernelDTypeError, KernelShapeError
 from .experts import GemmExperts
-from .wna16_grouped_gemm import choose_split, grouped_gemm, grouped_gemm_t, pair_gemm, tile_bk, valid_split
+from .wna16_grouped_gemm import (DEQUANT_MODES, DOTS, choose_split, grouped_gemm, grouped_gemm_t, pair_gemm, tile_bk,
+                                 valid_split)
 
 ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MODES = ("pair", "blocked")
@@ -42,7 +43,8 @@ MODES = ("pair", "blocked")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Static launch choices for one layer call (see :func:`choose_config`)."""
+    """Static launch choices for one layer call (see :func:`choose_config`), checked when built:
+    a :class:`KernelConfigError` names the field, what it must be and what it is."""
 
     mode: str
     block_m: int            # rows per expert block (blocked mode)
@@ -54,6 +56,32 @@ class EngineConfig:
     num_stages: int = 3
     dequant: str = "auto"
     dot: str = "mma"        # "mma", "swap" (weights as the MMA's A operand) or, pair mode, "fma"
+
+    def __post_init__(self):
+        def bad(field, want):
+            raise KernelConfigError(f"EngineConfig.{field}: expected {want}, got {getattr(self, field)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.mode not in MODES:
+            bad("mode", f"one of {MODES}")
+        for field in ("block_m", "block_n1", "block_n2"):    # the Triton lowering's block shapes
+            v = getattr(self, field)
+            if not is_int(v) or v < 16 or v & (v - 1):
+                bad(field, "a power of two >= 16")
+        if self.mode == "pair" and self.block_m != 16:
+            bad("block_m", "16 in pair mode (one 16-row MMA tile per routed pair)")
+        for field in ("split1", "split2", "num_stages"):
+            if not is_int(getattr(self, field)) or getattr(self, field) < 1:
+                bad(field, "a positive integer")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not is_int(self.num_warps):
+            bad("num_warps", "one of (1, 2, 4, 8, 16)")
+        if self.dequant not in ("auto",) + DEQUANT_MODES:
+            bad("dequant", f"one of {('auto',) + DEQUANT_MODES}")
+        dots = DOTS if self.mode == "pair" else tuple(d for d in DOTS if d != "fma")
+        if self.dot not in dots:
+            bad("dot", f"one of {dots} in {self.mode} mode")
 
 
 def _divisor(n, prefs):

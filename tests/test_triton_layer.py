@@ -248,6 +248,28 @@ def test_choose_config_modes():
     assert layer_sizes(*tiles.gemms(), tiles.bits) == (e, h, i)
 
 
+@pytest.mark.parametrize("field,value,want", [
+    ("mode", "grid", "one of"), ("block_m", 24, "power of two"), ("block_n1", 8, "power of two"),
+    ("block_n2", True, "power of two"), ("split1", 0, "positive"), ("split2", 1.5, "positive"),
+    ("num_stages", 0, "positive"), ("num_warps", 3, "one of"), ("dequant", "i2f", "one of"),
+    ("dot", "fma", "blocked mode"), ("dot", "wgmma", "one of")])
+def test_engine_config_is_checked_when_built(field, value, want):
+    """Every combination rule of the Triton engine's schedule is checked at construction, naming the
+    field, the rule and the value — from the constructor and from choose_config's overrides."""
+    import dataclasses
+
+    good = EngineConfig("blocked", 32, 64, 64, 1, 1)
+    with pytest.raises(KernelConfigError, match=f"EngineConfig.{field}: expected .*{want}.*got {value!r}"):
+        dataclasses.replace(good, **{field: value})
+    if field not in ("mode", "block_m"):       # (choose_config rounds a block_m up to a power of two)
+        with pytest.raises(KernelConfigError, match=f"EngineConfig.{field}"):
+            choose_config(64, 2, 16, 256, 256, 4, mode="blocked", **{field: value})
+    # pair mode runs 16-row tiles and may use the FMA dot
+    assert EngineConfig("pair", 16, 64, 64, 2, 2, dot="fma").dot == "fma"
+    with pytest.raises(KernelConfigError, match="EngineConfig.block_m: expected 16 in pair mode"):
+        EngineConfig("pair", 32, 64, 64, 1, 1)
+
+
 # ----------------------------------------------------------------------------- the GPU reference
 
 
