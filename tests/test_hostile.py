@@ -666,6 +666,20 @@ def test_hand_built_missing_and_extra_fields():
     _raises(UnexpectedTensorError, lambda: TABLE[Backend.CPU].convert(GPTQ, extra), "w13_g_idx")
 
 
+def test_layout_fields_by_unknown_names():
+    """Building or changing a layout by flat names refuses a name it does not have (a vLLM name of
+    another layout, a typo), naming the class, the name and the names it has; the input is unchanged."""
+    w = _hand_built()
+    _raises(ConfigError, lambda: w.replace(w13_weight=w.w13_qweight), "CheckpointWeights.replace", "'w13_weight'",
+            "w13_qweight")
+    fields = {n: getattr(w, n) for n in w.flat_names() if getattr(w, n) is not None}
+    _raises(ConfigError, lambda: type(w).of(**fields, w13_scale=w.w13_scales, scheme=w.scheme, hidden_size=H,
+                                            intermediate_size=w.intermediate_size), "CheckpointWeights.of", "'w13_scale'")
+    changed = w.replace(w13_scales=w.w13_scales * 2)
+    assert changed.w13_scales is not w.w13_scales and np.array_equal(changed.w13_scales, 2 * w.w13_scales)
+    assert np.array_equal(w.w13_scales, _hand_built().w13_scales)                # the input is unchanged
+
+
 def test_convert_with_another_scheme():
     w = _hand_built()
     _raises(ConfigError, lambda: TABLE[Backend.CPU].convert(AWQ, w), "scheme")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import packing
-from .errors import ShapeError, WNA16Error, check_dtype, check_shape
+from .errors import ConfigError, ShapeError, WNA16Error, check_dtype, check_shape
 from .schemes import QuantMethod, QuantScheme
 
 
@@ -143,10 +143,6 @@ class ExpertsMixin:
     GEMMS = ("w13", "w2")
 
     @classmethod
-    def _meta_names(cls) -> tuple[str, ...]:
-        return cls.META
-
-    @classmethod
     def flat_names(cls) -> tuple[str, ...]:
         """Every flat data name: the ``NAMES`` (matrix fields), then the layout's other fields."""
         own = [f.name for f in dataclasses.fields(cls) if f.name not in cls.META and f.name not in cls.GEMMS]
@@ -183,7 +179,8 @@ class ExpertsMixin:
             elif name in cls.flat_names():
                 own[name] = v
             else:
-                raise TypeError(f"{cls.__name__}.of: unexpected field {name!r}")
+                raise ConfigError(f"{cls.__name__}.of: {name!r} is not a field; expected one of "
+                                  f"{list(cls.flat_names()) + list(cls.META)}")
         bits, group = cls.quant_params(meta) if cls.GEMMS else (0, 0)
         forms = cls.forms(**meta) if cls.GEMMS else ()
         for g, form in zip(cls.GEMMS, forms):
@@ -203,7 +200,8 @@ class ExpertsMixin:
             elif k in flat:
                 flat[k] = v
             else:
-                raise TypeError(f"{type(self).__name__}.replace: unexpected field {k!r}")
+                raise ConfigError(f"{type(self).__name__}.replace: {k!r} is not a field; expected one of "
+                                  f"{list(self.flat_names()) + list(self.META)}")
         return type(self).of(**flat, **meta)
 
     #: flat name → the axis that spans the intermediate size (gate and up halves for w13), for
