@@ -77,8 +77,9 @@ class _NoMLP(nnx.Module):
 def without_moe(model: MoEDecoder) -> MoEDecoder:
     """The same model (sharing every array) with each MoE layer's MLP replaced by identity."""
     layers = [DecoderLayer(l.input_layernorm, l.self_attn, l.post_attention_layernorm,
-                           _NoMLP() if isinstance(l.mlp, QuantizedMoE) else l.mlp) for l in model.layers]
-    return MoEDecoder(model.config, model.embed_tokens[...], layers, model.norm, model.lm_head, dtype=model.dtype)
+                           _NoMLP() if isinstance(l.mlp, QuantizedMoE) else l.mlp) for l in model.layer_modules()]
+    return MoEDecoder(model.config, model.embed_tokens[...], layers, model.norm, model.lm_head, dtype=model.dtype,
+                      scan_layers=model.scan_layers)
 
 
 def _nbytes(tree) -> int:
@@ -95,7 +96,7 @@ def touched_bytes(model: MoEDecoder, batch: int) -> int:
     total += batch * h * np.dtype(model.embed_tokens[...].dtype).itemsize
     if model.lm_head is None:
         total += _nbytes(model.embed_tokens[...])
-    for layer in model.layers:
+    for layer in model.layer_modules():
         if isinstance(layer.mlp, QuantizedMoE):
             moe = layer.mlp
             e, k = moe.num_experts, moe.top_k
@@ -241,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default=None, help="where the random checkpoints go (default: a temp folder)")
     ap.add_argument("--append", default=None, metavar="RESULTS.md")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="run the decoder layers as one lax.scan (load_model(scan_layers=True))")
     ap.add_argument("--profile", action="store_true",
                     help="also print one decode step's device kernels (JAX profiler trace)")
     args = ap.parse_args(argv)
@@ -272,7 +275,8 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    model = load_model(path, dtype=dtype, dequantized=variant != "GPTQ int4")
+                    model = load_model(path, dtype=dtype, dequantized=variant != "GPTQ int4",
+                                       scan_layers=args.scan_layers)
                 print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
                 for b in args.batch:
                     r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,

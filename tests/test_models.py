@@ -470,6 +470,29 @@ def test_dequantized_variant_is_the_same_model(synth_root):
     assert float(np.abs(q - d).max()) <= 2e-2 * float(np.abs(q).max())
 
 
+def test_scanned_layers_are_the_same_model(synth_root):
+    """load_model(scan_layers=True): the decoder layers stacked and run as one lax.scan give the
+    unrolled model's logits (float32, same tolerance as against the reference) and its greedy tokens
+    through the cached decode, with the cache stacked per layer; a model that mixes dense and
+    sparse layers is refused, naming the layer."""
+    _synthetic(synth_root, "mixtral-window")
+    path = os.path.join(synth_root, "mixtral-window")
+    unrolled, scanned = _synthetic(synth_root, "mixtral-window"), _quiet_load(path, dtype=jnp.float32, scan_layers=True)
+    assert len(scanned.layers) == 0 and len(scanned.layer_modules()) == scanned.config.num_layers
+    k, v = scanned.init_cache(2, 16)
+    assert k.shape == v.shape == (scanned.config.num_layers, 2, scanned.config.num_kv_heads, 16,
+                                  scanned.config.head_dim)
+    tokens = [5, 17, 3, 88, 41, 9, 60, 2]
+    a, b = _logits(unrolled, tokens), _logits(scanned, tokens)
+    assert np.isfinite(b).all() and float(np.abs(a - b).max()) <= LOGITS_TOL, float(np.abs(a - b).max())
+    prompts = [tokens, tokens[:3]]
+    want = Generator(unrolled, batch_size=2, max_len=24).generate(prompts, 8)
+    assert Generator(scanned, batch_size=2, max_len=24).generate(prompts, 8) == want
+    _synthetic(synth_root, "qwen2")
+    with pytest.raises(ConfigError, match="scan_layers: decoder layer 1 differs"):
+        _quiet_load(os.path.join(synth_root, "qwen2"), dtype=jnp.float32, scan_layers=True)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -48,7 +48,12 @@ LOADER_LAYOUT = Backend.LOADER.value
 
 class QuantizedExperts(nnx.Variable):
     """One frozen array of quantized experts (expert axis first), with its logical axis names
-    (``sharding_names``: ``"experts"``, ``"intermediate"`` or None per axis) as partition metadata."""
+    (``"experts"``, ``"intermediate"`` or None per axis) as partition metadata."""
+
+
+#: the variable metadata key NNX reads logical axis names from (``out_sharding`` since flax 0.12,
+#: ``sharding_names`` before)
+SHARDING_KEY = "out_sharding" if hasattr(nnx.variablelib, "_remap_sharding_metadata") else "sharding_names"
 
 
 def _is_variable(x) -> bool:
@@ -65,7 +70,7 @@ def as_variables(weights: Any):
         axes = names.get(weights.flat_name_of(path)) if names else None
         if axes is None:
             axes = ("experts",) + (None,) * (a.ndim - 1) if a.ndim else ()
-        return QuantizedExperts(a, sharding_names=axes, eager_sharding=False)
+        return QuantizedExperts(a, **{SHARDING_KEY: axes}, eager_sharding=False)
 
     return jax.tree_util.tree_map_with_path(wrap, weights)
 

@@ -34,7 +34,7 @@ from flax import nnx
 
 from ..checkpoint import Checkpoint, DenseWeights
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
-from ..nn import QuantizedMoE
+from ..nn import SHARDING_KEY, QuantizedMoE
 from ..safetensors_io import load_json
 from .config import DecoderConfig
 from .linear import QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, quantized_matmul, read_quantized_linear
@@ -167,13 +167,20 @@ class MoEDecoder(nnx.Module):
     """
 
     def __init__(self, config: DecoderConfig, embed_tokens, layers: Sequence[DecoderLayer], norm: RMSNorm,
-                 lm_head: DenseLinear | None, *, dtype=jnp.float32):
+                 lm_head: DenseLinear | None, *, dtype=jnp.float32, scan_layers: bool = False):
         self.config = config
         self.dtype = jnp.dtype(dtype).name
         self.embed_tokens = nnx.Param(embed_tokens)
-        self.layers = nnx.List(list(layers))
         self.norm = norm
         self.lm_head = lm_head
+        self.scan_layers = bool(scan_layers)
+        if self.scan_layers:
+            self.layer_graph, stacked = _stacked_layers(list(layers))
+            self.stacked_layers = nnx.data(stacked)
+            self.layers = nnx.List([])
+        else:
+            self.layer_graph, self.stacked_layers = None, None
+            self.layers = nnx.List(list(layers))
 
     # ------------------------------------------------------------------ pieces
     def embed(self, tokens):
@@ -183,11 +190,32 @@ class MoEDecoder(nnx.Module):
         """Final-normed hidden states ``[B, S, H]`` and the updated cache (a tuple of per-layer
         ``(k, v)`` arrays ``[B, n_kv, T, d]``, or None)."""
         x = self.embed(tokens)
+        if self.scan_layers:
+            return self._scanned(x, positions, cache, kv_len)
         new = []
         for i, layer in enumerate(self.layers):
             x, c = layer(x, positions, None if cache is None else cache[i], kv_len)
             new.append(c)
         return self.norm(x), (None if cache is None else tuple(new))
+
+    def _scanned(self, x, positions, cache, kv_len):
+        """The layers as one ``lax.scan`` over their stacked states (one compiled layer body; the
+        cache is then ``(k, v)``, each ``[L, B, n_kv, T, d]``)."""
+        graph = self.layer_graph
+
+        def body(h, xs):
+            state, c = xs
+            h, c = nnx.merge(graph, state)(h, positions, c, kv_len)
+            return h, c
+
+        if cache is None:
+            def body_nocache(h, state):
+                return body(h, (state, None))[0], None
+
+            x, _ = jax.lax.scan(body_nocache, x, self.stacked_layers)
+            return self.norm(x), None
+        x, cache = jax.lax.scan(body, x, (self.stacked_layers, tuple(cache)))
+        return self.norm(x), cache
 
     def logits(self, h):
         """float32 logits of hidden states ``h [..., H]`` (products accumulated in float32)."""
@@ -205,13 +233,50 @@ class MoEDecoder(nnx.Module):
         return self.logits(h)
 
     # ------------------------------------------------------------------ facts
+    def layer_modules(self) -> list:
+        """The decoder layers as modules (with ``scan_layers``, each rebuilt from its slice of
+        the stacked state: for inspection, not for running)."""
+        if not self.scan_layers:
+            return list(self.layers)
+        n = self.config.num_layers
+        return [nnx.merge(self.layer_graph, jax.tree.map(lambda a: a[i], self.stacked_layers)) for i in range(n)]
+
     def init_cache(self, batch_size: int, max_len: int, dtype=None):
         """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, n_kv, max_len, d]`` (heads
         before positions, the order attention reads them in)."""
         c = self.config
         shape = (int(batch_size), c.num_kv_heads, int(max_len), c.head_dim)
         dt = dtype or self.dtype
+        if self.scan_layers:          # the layers' caches stacked, as the scan reads them
+            return jnp.zeros((c.num_layers,) + shape, dt), jnp.zeros((c.num_layers,) + shape, dt)
         return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_layers))
+
+
+def _stacked_layers(layers: list) -> tuple[Any, Any]:
+    """``(graphdef, state)`` of identical decoder layers with every array stacked on a new leading
+    axis (the layer axis; partition metadata gains a leading ``"layers"`` name)."""
+    graph, first = nnx.split(layers[0])
+    states = [first]
+    for i, layer in enumerate(layers[1:], 1):
+        g, st = nnx.split(layer)
+        if g != graph or jax.tree.structure(st) != jax.tree.structure(first) or any(
+                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(first))):
+            raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes or "
+                              "dtypes (dense and sparse layers mixed, or layers of different layouts); "
+                              "load with scan_layers=False")
+        states.append(st)
+
+    def stack(*vs):
+        if isinstance(vs[0], nnx.Variable):
+            meta = dict(vs[0].get_metadata())
+            if meta.get(SHARDING_KEY) is not None:
+                meta[SHARDING_KEY] = ("layers",) + tuple(meta[SHARDING_KEY])
+            value = jax.tree.map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *[v.get_value() for v in vs])
+            return type(vs[0])(value, **meta)
+        return jnp.stack([jnp.asarray(v) for v in vs])
+
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return graph, stacked
 
 
 # --------------------------------------------------------------------------- loading
@@ -285,7 +350,7 @@ def _dense_experts(w, dtype):
 
 
 def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
-               dequantized: bool = False) -> MoEDecoder:
+               dequantized: bool = False, scan_layers: bool = False) -> MoEDecoder:
     """Build the :class:`MoEDecoder` of checkpoint folder ``path`` (``config.json`` + safetensors).
 
     ``dtype``: the activations' dtype (default :func:`default_dtype`). ``param_dtype``: the dtype
@@ -293,6 +358,9 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     experts' layout (``None``: the dispatch table's choice; see :func:`wna16_jax.select_backend`).
     ``dequantized=True`` dequantizes every quantized linear and expert to bfloat16 while loading
     (a reference point for benchmarks: the same model as plain XLA on 16-bit weights).
+    ``scan_layers=True`` stacks the decoder layers and runs them as one ``lax.scan`` (one compiled
+    layer instead of one per layer; every layer must have the same structure, so not for configs
+    that mix dense and sparse layers).
 
     Refuses, before reading any weight data: an unsupported ``model_type`` (naming the supported
     families), rope types / sliding-window settings it would get wrong, MoE layers where the
@@ -360,7 +428,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         lm_head = lin("lm_head", c.vocab_size, h)
     if fallback:
         warnings.warn(f"{len(fallback)} MoE layer(s): {fallback[0]}", stacklevel=2)
-    return MoEDecoder(c, jnp.asarray(embed), layers, norm("model.norm.weight", h), lm_head, dtype=dtype)
+    return MoEDecoder(c, jnp.asarray(embed), layers, norm("model.norm.weight", h), lm_head, dtype=dtype,
+                      scan_layers=scan_layers)
 
 
 __all__ = ["MoEDecoder", "DecoderLayer", "Attention", "GatedMLP", "RMSNorm", "load_model", "apply_rope",
