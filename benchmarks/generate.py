@@ -148,13 +148,15 @@ def _memory() -> tuple[int | None, int | None]:
 
 
 def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: int, bandwidth: float,
-                seed: int = 0, profile: bool = False) -> dict:
+                seed: int = 0, profile: bool = False, moe_share: bool = True) -> dict:
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
     max_len = prompt + new
     gen = G.Generator(model, batch_size=batch, max_len=max_len)
+    t0 = time.perf_counter()
     gen.generate(prompts, 2)                                     # compile prefill + decode
+    t_compile = time.perf_counter() - t0
     progs, leaves = G.programs(model)
     tokens = np.zeros((batch, gen.bucket(prompt)), np.int32)
     tokens[:, :prompt] = np.asarray(prompts, np.int32)
@@ -175,20 +177,31 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
             t_first = time.perf_counter()
     t_end = time.perf_counter()
     decode_tps = batch * (n - 1) / (t_end - t_first) if n > 1 else float("nan")
-    # one decode step alone, at the middle of the generation
-    nxt, _, cache = prefill()
+    # one decode step alone, at the middle of the generation: the program the stream runs (the
+    # cache donated and fed back), each call synchronized
+    nxt, _, cache0 = prefill()
     pos = jnp.full((batch,), prompt + new // 2, jnp.int32)
 
-    def step_of(p, lv):
-        return lambda: p.decode(lv, cache, nxt, pos, key, jnp.int32(1), zero, one, sample=False)
+    def step_time(p, lv) -> float:
+        cache = jax.tree.map(jnp.copy, cache0)
+        decode = p.decode_donating if jax.default_backend() != "cpu" else p.decode
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            out = decode(lv, cache, nxt, pos, key, jnp.int32(1), zero, one, sample=False)
+            jax.block_until_ready(out)
+            ts.append(time.perf_counter() - t0)
+            cache = out[2]
+        return statistics.median(ts[1:])
 
-    t_step = _median_s(step_of(progs, leaves), reps)
+    t_step = step_time(progs, leaves)
     if profile:
-        print_step_profile(progs, leaves, cache, nxt, pos, key, zero, one, batch)
-    t_bare = _median_s(step_of(*G.programs(without_moe(model))), reps)
+        print_step_profile(progs, leaves, cache0, nxt, pos, key, zero, one, batch)
+    t_bare = step_time(*G.programs(without_moe(model))) if moe_share else float("nan")
     floor = touched_bytes(model, batch) / bandwidth
     in_use, peak = _memory()
-    return {"batch": batch, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps, "step_ms": t_step * 1e3,
+    return {"batch": batch, "compile_s": t_compile, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps,
+            "step_ms": t_step * 1e3,
             "floor_ms": floor * 1e3, "moe_share": 1.0 - t_bare / t_step, "in_use": in_use, "peak": peak}
 
 
@@ -218,13 +231,14 @@ def _mb(v):
 
 
 HEADER = ("| model | weights | batch | prefill ms | decode tok/s | step µs | floor µs | step / floor | MoE share "
-          "| device MiB in use | peak MiB |")
+          "| device MiB in use | peak MiB | first call s |")
 
 
 def row_md(label: str, variant: str, r: dict) -> str:
+    share = "—" if np.isnan(r["moe_share"]) else f"{100 * r['moe_share']:.0f}%"
     return (f"| {label} | {variant} | {r['batch']} | {r['prefill_ms']:.2f} | {r['decode_tps']:.1f} | "
             f"{r['step_ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['step_ms'] / r['floor_ms']:.2f} | "
-            f"{100 * r['moe_share']:.0f}% | {_mb(r['in_use'])} | {_mb(r['peak'])} |")
+            f"{share} | {_mb(r['in_use'])} | {_mb(r['peak'])} | {r['compile_s']:.0f} |")
 
 
 def main(argv=None) -> int:
@@ -232,6 +246,10 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="qwen3,mixtral", help=f"comma-separated of {sorted(SHAPES)}")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--bf16-batch", type=int, nargs="+", default=None,
+                    help="batch sizes for the bf16-dequantized variant (default: --batch)")
+    ap.add_argument("--no-moe-share", action="store_true",
+                    help="skip the MoE share (one more compiled program per batch size)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
@@ -278,9 +296,10 @@ def main(argv=None) -> int:
                     model = load_model(path, dtype=dtype, dequantized=variant != "GPTQ int4",
                                        scan_layers=args.scan_layers)
                 print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
-                for b in args.batch:
+                batches = args.batch if variant == "GPTQ int4" or not args.bf16_batch else args.bf16_batch
+                for b in batches:
                     r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
-                                    bandwidth=bandwidth, profile=args.profile)
+                                    bandwidth=bandwidth, profile=args.profile, moe_share=not args.no_moe_share)
                     line = row_md(label, variant, r)
                     print(line, flush=True)
                     table.append(line)

@@ -28,12 +28,18 @@ from .wgmma_gemm import wgmma_grouped_gemm, wgmma_grouped_gemm_reference
 from .wgmma_layout import BLOCK_K, deinterleave_gate_up, magic_value
 
 
-def wgmma_layer_sizes(w13: GemmExperts, w2: GemmExperts) -> tuple[int, int, int]:
-    """``(E, H, I)`` of a layer in the wgmma layout (``w13 [E, 2I, H/4]``, ``w2 [E, H, I/4]``)."""
+def wgmma_layer_sizes(w13: GemmExperts, w2: GemmExperts, num_experts: int | None = None) -> tuple[int, int, int]:
+    """``(E, H, I)`` of a layer in the wgmma layout (``w13 [E, 2I, H/4]``, ``w2 [E, H, I/4]``);
+    ``num_experts``: the layer's ``E`` where the arrays hold several layers' experts (a multiple)."""
     e, n13, kw13 = w13.words.shape
     if n13 % 2 or w2.words.shape != (e, 4 * kw13, n13 // 8):
         raise KernelShapeError(f"w2.words: expected shape {(e, 4 * kw13, n13 // 8)} for w13.words "
                                f"{tuple(w13.words.shape)}, got {tuple(w2.words.shape)}")
+    if num_experts is not None:
+        if num_experts < 1 or e % num_experts:
+            raise KernelShapeError(f"num_experts: expected a divisor of the {e} experts the arrays hold, "
+                                   f"got {num_experts}")
+        e = num_experts
     return e, 4 * kw13, n13 // 2
 
 
@@ -47,20 +53,33 @@ def _group(scales, k: int) -> int:
 def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2: GemmExperts, *,
                     interleaved: bool = False, activation: str = "silu", apply_router_weight_on_input: bool = False,
                     expert_map=None, global_num_experts: int | None = None, config: LayerConfig | None = None,
-                    **options):
+                    num_experts: int | None = None, expert_offset=None, **options):
     """The MoE layer on the wgmma GEMMs; returns ``[T, H]`` in the input dtype (bf16 / fp16),
     NaN rows for tokens with an out-of-range expert id.
 
     ``w13`` / ``w2``: the two GEMMs' experts in the wgmma layout (:mod:`pallas_kernels.wgmma_layout`;
     ``interleaved``: ``w13``'s words, scales and zero points — not its bias — in the gated
     epilogue's column order). ``config`` (or its fields as keyword ``options``): the layer's
-    :class:`~pallas_kernels.wgmma_config.LayerConfig`."""
+    :class:`~pallas_kernels.wgmma_config.LayerConfig`.
+
+    Several layers' experts in one stack (a scanned decoder): ``w13`` / ``w2`` hold ``L·E``
+    experts, ``num_experts`` is the layer's ``E`` and ``expert_offset`` (an int32 scalar, may be
+    traced) the stack index of its expert 0; routing, schedules and plans are the layer's, and
+    only the kernels' expert indices move, so the kernels read the layer where it lies."""
     layer = config if config is not None else LayerConfig(**options)
     if config is not None and options:
         raise KernelConfigError(f"fused_moe_wgmma: pass either config or its fields, not both ({sorted(options)})")
     act = check_activation(activation)
-    t, k, cdt, e, h_dim, i_dim, gne = layer_inputs(hidden_states, topk_ids, wgmma_layer_sizes(w13, w2), expert_map,
-                                                   global_num_experts)
+    if (num_experts is None) != (expert_offset is None):
+        raise KernelConfigError("fused_moe_wgmma: num_experts and expert_offset go together (a stack of layers)")
+    t, k, cdt, e, h_dim, i_dim, gne = layer_inputs(hidden_states, topk_ids, wgmma_layer_sizes(w13, w2, num_experts),
+                                                   expert_map, global_num_experts)
+
+    def stack_index(ids):
+        """The stack's index of local expert ids (``-1``, no expert, stays)."""
+        if expert_offset is None:
+            return ids
+        return jnp.where(ids >= 0, ids + jnp.asarray(expert_offset, jnp.int32), ids)
     if t == 0:
         return jnp.zeros_like(hidden_states)
     tune = tuning()
@@ -108,7 +127,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
                                     has_zp=ops[2] is not None, group_size=_group(ops[1], kdim), sms=sms, split=split,
                                     gate=gate, has_row_scale=rs is not None, row_scale_optional=rs_optional,
                                     per_sm4=per_sm4, whole=whole, persistent=persistent, stages=stages, tune=tune)
-        out = gemm_fn(a, experts, *ops, row_scale=rs if applies_rs else None, config=cfg)
+        out = gemm_fn(a, stack_index(experts), *ops, row_scale=rs if applies_rs else None, config=cfg)
         return ((out[0] if cfg.split_k == 1 else total(out.astype(jnp.float32))), cfg.gated is not None,
                 applies_rs)
 
@@ -150,7 +169,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
         else:
             x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
-    a1 = _permute_cols(spread(x_rows), w13.perm, row_expert)
+    a1 = _permute_cols(spread(x_rows), w13.perm, stack_index(row_expert))
     h, gated, _ = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, layer.split1, activation if fuse else None,
                        per_sm4=schedule == "pair", persistent=pers_of[0], stages=stages_of[0])
     if schedule == "pair" and gated and w2.perm is None and h.dtype == cdt:
@@ -164,11 +183,11 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
             if interleaved:
                 h = deinterleave_gate_up(h, 1)
             if w13.bias is not None:
-                h = h + w13.bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+                h = h + w13.bias[jnp.maximum(stack_index(expert_of_row), 0)].astype(jnp.float32)
             if apply_router_weight_on_input:
                 h = h * tw_rows[:, None]
             h = act(h)
-        a2 = _permute_cols(spread(h.astype(cdt)), w2.perm, row_expert)
+        a2 = _permute_cols(spread(h.astype(cdt)), w2.perm, stack_index(row_expert))
     # the router weights: in GEMM2's epilogue (rows of pairs that route nowhere and padding rows
     # scaled by 0) or in XLA below; with the weights on the input GEMM2's rows are weighted
     # already (padding rows and expert −1 blocks are zero). Default: in GEMM2 for the blocked
@@ -183,7 +202,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
     y = first_rows(y).astype(jnp.float32)
     row_w = live.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
     if w2.bias is not None:
-        bias = w2.bias[jnp.maximum(expert_of_row, 0)].astype(jnp.float32)
+        bias = w2.bias[jnp.maximum(stack_index(expert_of_row), 0)].astype(jnp.float32)
         y = y + (bias * row_w[:, None] if in_gemm2 else bias)
     if not in_gemm2:
         y = y * row_w[:, None]

@@ -32,6 +32,7 @@ import numpy as np
 from . import executors
 from . import moe as _moe
 from .routing import moe_align_block_size
+from .weights import at_layer
 from .moe import check_activation, default_block_m, dot_f32, expert_gemm1, expert_gemm2, validate_moe_inputs
 
 
@@ -108,7 +109,8 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name, executor):
         return forward(x, tw, ids, weights, expert_map), (x, tw, ids, weights, expert_map)
 
     def bwd(res, g):
-        x, tw, ids, weights, expert_map = res
+        x, tw, ids, stored, expert_map = res
+        weights = at_layer(stored)               # a stack of layers: the backward reads its layer
         t, k = ids.shape
         bm = block_m or default_block_m(t, k, weights.num_experts)
         choice = executors.select(weights, x.dtype, executor=executor, formulation=formulation, compute_dtype=cdt)
@@ -121,7 +123,7 @@ def _make(activation, on_input, gne, formulation, block_m, cdt_name, executor):
             dx, dtw = _backward_blocked(g, x, tw, ids, weights, expert_map, activation=activation,
                                         on_input=on_input, gne=gne, block_m=bm, cdt=cdt or jnp.float32)
         return (dx.astype(x.dtype), dtw.astype(tw.dtype), _zero_cotangent(ids),
-                jax.tree.map(_zero_cotangent, weights), jax.tree.map(_zero_cotangent, expert_map))
+                jax.tree.map(_zero_cotangent, stored), jax.tree.map(_zero_cotangent, expert_map))
 
     f.defvjp(fwd, bwd)
     # compiled like fused_moe: an eager call (or an eager ``jax.grad``) runs one cached program
@@ -147,7 +149,8 @@ def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activ
     (``jax.jit(functools.partial(fused_moe_trainable, activation="gelu"))``).
     """
     check_activation(activation)
-    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
+    gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, at_layer(weights), expert_map,
+                              global_num_experts)
     if topk_ids.shape[0] == 0:
         return _moe.fused_moe(hidden_states, topk_weights, topk_ids, weights, activation=activation,
                               expert_map=expert_map, global_num_experts=gne)

@@ -33,6 +33,7 @@ from .convert.tiles import TileWeights, convert_tiles, tile_unsupported_reason
 from .convert.wgmma import WgmmaWeights, convert_wgmma, wgmma_unsupported_reason
 from .device import Device, _dtype_name
 from .errors import ConfigError, UnsupportedError, kernel_errors
+from .weights import LayerStack
 
 _ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: ``WNA16_JAX_GPU_KERNELS``: which engine :meth:`BackendSpec.prepare` lays MARLIN layers out for.
@@ -76,6 +77,9 @@ class Executor:
 
     name: str
     description: str
+    #: whether :meth:`run` takes a :class:`~wna16_jax.weights.LayerStack` as it is (else it gets
+    #: the layer's weights, ``at_layer()``)
+    reads_stacks: bool = False
 
     def layouts(self) -> tuple[type, ...] | None:
         return None
@@ -143,10 +147,16 @@ class WgmmaEngine(Executor):
     @kernel_errors()
     def run(self, x, topk_weights, topk_ids, weights, expert_map, *, activation, apply_router_weight_on_input,
             global_num_experts, block_m):
+        stack = {}
+        if isinstance(weights, LayerStack):     # L layers' experts read as L·E experts, in place
+            e = int(weights.stacked.w13.qvalue.shape[1])
+            stack = dict(num_experts=e, expert_offset=jnp.asarray(weights.index, jnp.int32) * e)
+            weights = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), weights.stacked)
         w13, w2 = weights.gemms()
         return fused_moe_wgmma(x, topk_weights, topk_ids, w13, w2, interleaved=weights.w13_interleaved,
                                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
-                               expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m)
+                               expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m,
+                               **stack)
 
 
 def _input_reason(input_dtype) -> str | None:
@@ -232,7 +242,7 @@ class TritonEngine(Executor):
                                    interpret=self.interpret)
 
 
-WGMMA = WgmmaEngine("wgmma", "Mosaic GPU wgmma kernels (Hopper)")
+WGMMA = WgmmaEngine("wgmma", "Mosaic GPU wgmma kernels (Hopper)", reads_stacks=True)
 TRITON = TritonEngine("triton", "Triton-lowered Pallas kernels (NVIDIA GPUs)")
 XLA = XLAExecutor("xla", "XLA dequantize-on-the-fly executor (every platform)")
 #: the Triton-lowered kernels in Pallas interpret mode on any device (by name only: checks, not speed)

@@ -54,6 +54,7 @@ from pallas_kernels.align import vllm_block_m as default_block_m
 from . import executors
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError, check_dtype
 from .routing import moe_align_block_size
+from .weights import at_layer
 
 # --------------------------------------------------------------------------- activations
 
@@ -308,6 +309,7 @@ def _resolve_options(hidden_states, topk_weights, topk_ids, weights, *, activati
     of the executors that refused).
     """
     check_activation(activation)
+    weights = at_layer(weights)              # a stack of layers is checked and chosen for as its layer
     gne = validate_moe_inputs(hidden_states, topk_weights, topk_ids, weights, expert_map, global_num_experts)
     choice = executors.select(weights, hidden_states.dtype, executor=executor, formulation=formulation,
                               compute_dtype=compute_dtype)
@@ -329,10 +331,13 @@ def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, 
     act = check_activation(activation)
     gne = global_num_experts
     t, k = topk_ids.shape
+    ex = executors.BY_NAME[executor]
+    if not ex.reads_stacks:
+        weights = at_layer(weights)
     if executor != "xla":
-        return executors.BY_NAME[executor].run(hidden_states, topk_weights, topk_ids, weights, expert_map, activation=activation,
-                                     apply_router_weight_on_input=apply_router_weight_on_input,
-                                     global_num_experts=gne, block_m=block_m)
+        return ex.run(hidden_states, topk_weights, topk_ids, weights, expert_map, activation=activation,
+                      apply_router_weight_on_input=apply_router_weight_on_input, global_num_experts=gne,
+                      block_m=block_m)
     if formulation is None:
         formulation = choose_formulation(t, k, weights.num_experts)
     cdt = jnp.dtype(compute_dtype or jnp.float32)
@@ -422,7 +427,7 @@ def fused_moe(
         global_num_experts=global_num_experts, formulation=formulation, block_m=block_m,
         compute_dtype=compute_dtype, executor=executor)
     if choice.refused:
-        _warn_fallback(weights, choice)
+        _warn_fallback(at_layer(weights), choice)
     return _fused_moe_jit(hidden_states, topk_weights, topk_ids, weights, expert_map, **options)
 
 

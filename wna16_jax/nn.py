@@ -38,7 +38,7 @@ from .backends import TABLE, Backend, select_backend
 from .checkpoint import Checkpoint, DenseWeights, MoELayer
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError
 from .moe import check_activation
-from .weights import CheckpointWeights
+from .weights import CheckpointWeights, LayerStack
 
 _FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -255,7 +255,9 @@ class QuantizedMoE(nnx.Module):
             w = w * jnp.float32(self.routed_scaling_factor)
         return w, ids
 
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
+        """``layer``: where the experts hold several layers stacked (a scanned decoder), the one
+        to apply (an int32 scalar; the wgmma engine reads the stack in place)."""
         from .autodiff import fused_moe_trainable
 
         if getattr(x, "ndim", None) not in (2, 3) or x.shape[-1] != self.hidden_size:
@@ -266,12 +268,15 @@ class QuantizedMoE(nnx.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.hidden_size)
         tw, ids = self.route(x2d)
-        out = fused_moe_trainable(x2d, tw, ids, self.expert_weights(), activation=self.activation,
+        def stacked(w):
+            return w if layer is None else LayerStack(w, layer)
+
+        out = fused_moe_trainable(x2d, tw, ids, stacked(self.expert_weights()), activation=self.activation,
                                   formulation=self.formulation)
         if self.shared_experts is not None:
             t = x2d.shape[0]
             s = fused_moe_trainable(x2d, jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32),
-                                    self.shared_expert_weights(), activation=self.activation,
+                                    stacked(self.shared_expert_weights()), activation=self.activation,
                                     formulation=self.formulation).astype(jnp.float32)
             if self.shared_expert_gate is not None:
                 g = jax.nn.sigmoid(jnp.einsum("th,oh->to", x2d.astype(jnp.float32),

@@ -525,3 +525,36 @@ def decode_packed(scheme: QuantScheme, qw, sc, qz, gi, *, n: int, k: int) -> Log
         scales = sc
         zeros = None if qz is None else packing.unpack(qz, b, axis=1, size=n)
     return LogicalQuant(codes, scales, zeros, gi, bits=b, group_size=s.group_size)
+
+
+# --------------------------------------------------------------------------- stacked layers
+
+
+@pytree_dataclass
+class LayerStack:
+    """The weights of ``L`` identical layers, stacked, read at layer ``index``.
+
+    ``stacked``: a weights pytree (any layout, a dense linear's included) whose every array has a
+    leading layer axis ``[L, ...]``; ``index``: an int32 scalar (traced in a ``lax.scan`` over
+    the layers). :meth:`at_layer` is the one layer's weights. The wgmma engine reads the stack
+    itself (layer ``l``'s expert ``e`` is expert ``l·E + e`` of the stack seen as ``L·E``
+    experts), so a scanned decoder's kernels read the weights where they lie instead of a copy
+    of the layer's slice; every other executor takes :meth:`at_layer`, which XLA fuses into the
+    dequantization that reads it."""
+
+    stacked: Any
+    index: Any
+
+    def at_layer(self) -> Any:
+        """The weights of layer ``index`` (a dynamic index of every array)."""
+        i = jnp.asarray(self.index, jnp.int32)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.stacked)
+
+    @property
+    def num_layers(self) -> int:
+        return int(jax.tree.leaves(self.stacked)[0].shape[0])
+
+
+def at_layer(weights: Any) -> Any:
+    """``weights.at_layer()`` for a :class:`LayerStack`, ``weights`` otherwise."""
+    return weights.at_layer() if isinstance(weights, LayerStack) else weights

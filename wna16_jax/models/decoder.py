@@ -34,10 +34,11 @@ from flax import nnx
 
 from ..checkpoint import Checkpoint, DenseWeights
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
-from ..nn import SHARDING_KEY, QuantizedMoE
+from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE
 from ..safetensors_io import load_json
 from .config import DecoderConfig
-from .linear import QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, quantized_matmul, read_quantized_linear
+from .linear import (QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, QuantizedWeight, quantized_matmul,
+                     read_quantized_linear)
 
 _MASKED = -1e30
 
@@ -80,6 +81,18 @@ def apply_rope(x, positions, inv_freq):
     return x * cos + rot * sin
 
 
+#: the variables a scanned decoder keeps stacked (read in place at the layer's index, never sliced)
+STACKED_IN_PLACE = (QuantizedWeight, QuantizedExperts)
+
+
+def _apply(module, x, layer=None):
+    """``module(x)``; in a scanned decoder (``layer``: the layer index), the modules whose frozen
+    quantized weights stay stacked are told which layer to read."""
+    if layer is not None and isinstance(module, (QuantizedLinear, QuantizedMoE)):
+        return module(x, layer=layer)
+    return module(x)
+
+
 def _write_rows(cache, new, start):
     """``cache [B, n, T, d]`` with ``new [B, n, S, d]`` written at slot ``start[b]`` of row ``b``."""
     return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, s, 0)))(
@@ -99,12 +112,12 @@ class Attention(nnx.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def __call__(self, x, positions, cache=None, kv_len: int | None = None):
+    def __call__(self, x, positions, cache=None, kv_len: int | None = None, layer=None):
         b, s, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, s, nh, hd)
-        k = self.k_proj(x).reshape(b, s, nkv, hd)
-        v = self.v_proj(x).reshape(b, s, nkv, hd)
+        q = _apply(self.q_proj, x, layer).reshape(b, s, nh, hd)
+        k = _apply(self.k_proj, x, layer).reshape(b, s, nkv, hd)
+        v = _apply(self.v_proj, x, layer).reshape(b, s, nkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
@@ -121,6 +134,10 @@ class Attention(nnx.Module):
             kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
         g = nh // nkv
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        if x.dtype != jnp.float32 and jax.default_backend() == "cpu":
+            # XLA:CPU has no 16-bit × 16-bit → float32 dot for some batched shapes (DotThunk
+            # UNIMPLEMENTED); widened first, the products are the same (exact in float32)
+            q, keys, vals = q.astype(jnp.float32), keys.astype(jnp.float32), vals.astype(jnp.float32)
         scores = jnp.einsum("bsngd,bntd->bngst", q.reshape(b, s, nkv, g, hd), keys, precision=prec,
                             preferred_element_type=jnp.float32) * np.float32(hd ** -0.5)
         qp, kp = positions[:, :, None], kpos[:, None, :]
@@ -128,10 +145,10 @@ class Attention(nnx.Module):
         if self.sliding_window is not None:
             mask = mask & (qp - kp < self.sliding_window)
         scores = jnp.where(mask[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype).astype(vals.dtype)
         out = jnp.einsum("bngst,bntd->bsngd", probs, vals, precision=prec,
                          preferred_element_type=jnp.float32).astype(x.dtype)
-        return self.o_proj(out.reshape(b, s, nh * hd)), cache
+        return _apply(self.o_proj, out.reshape(b, s, nh * hd), layer), cache
 
 
 class GatedMLP(nnx.Module):
@@ -140,10 +157,10 @@ class GatedMLP(nnx.Module):
     def __init__(self, gate_proj, up_proj, down_proj):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def __call__(self, x):
-        g = self.gate_proj(x).astype(jnp.float32)
-        u = self.up_proj(x).astype(jnp.float32)
-        return self.down_proj((jax.nn.silu(g) * u).astype(x.dtype))
+    def __call__(self, x, layer=None):
+        g = _apply(self.gate_proj, x, layer).astype(jnp.float32)
+        u = _apply(self.up_proj, x, layer).astype(jnp.float32)
+        return _apply(self.down_proj, (jax.nn.silu(g) * u).astype(x.dtype), layer)
 
 
 class DecoderLayer(nnx.Module):
@@ -153,10 +170,13 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm, self.self_attn = input_layernorm, self_attn
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
 
-    def __call__(self, x, positions, cache=None, kv_len=None):
-        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, kv_len)
+    def __call__(self, x, positions, cache=None, kv_len=None, layer=None):
+        """``layer``: the layer index in a scanned decoder (its quantized weights stacked)."""
+        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, kv_len, layer)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), cache
+        y = self.post_attention_layernorm(x)
+        y = self.mlp(y, layer) if isinstance(self.mlp, GatedMLP) else _apply(self.mlp, y, layer)
+        return x + y.astype(x.dtype), cache
 
 
 class MoEDecoder(nnx.Module):
@@ -199,22 +219,28 @@ class MoEDecoder(nnx.Module):
         return self.norm(x), (None if cache is None else tuple(new))
 
     def _scanned(self, x, positions, cache, kv_len):
-        """The layers as one ``lax.scan`` over their stacked states (one compiled layer body; the
-        cache is then ``(k, v)``, each ``[L, B, n_kv, T, d]``)."""
+        """The layers as one ``lax.scan`` (one compiled layer body; the cache is then ``(k, v)``,
+        each ``[L, B, n_kv, T, d]``). The scan slices each layer's 16-bit weights; the frozen
+        quantized ones stay stacked and are read in place at the layer's index
+        (:class:`~wna16_jax.weights.LayerStack`): a slice would be a copy of the layer's weights
+        ahead of every kernel that reads them, more bytes than the layer's own step reads."""
         graph = self.layer_graph
+        in_place, sliced = nnx.split_state(self.stacked_layers, nnx.Any(*STACKED_IN_PLACE), ...)
+        n = self.config.num_layers
 
         def body(h, xs):
-            state, c = xs
-            h, c = nnx.merge(graph, state)(h, positions, c, kv_len)
+            state, c, i = xs
+            h, c = nnx.merge(graph, state, in_place)(h, positions, c, kv_len, layer=i)
             return h, c
 
+        layers = jnp.arange(n, dtype=jnp.int32)
         if cache is None:
-            def body_nocache(h, state):
-                return body(h, (state, None))[0], None
+            def body_nocache(h, xs):
+                return body(h, (xs[0], None, xs[1]))[0], None
 
-            x, _ = jax.lax.scan(body_nocache, x, self.stacked_layers)
+            x, _ = jax.lax.scan(body_nocache, x, (sliced, layers))
             return self.norm(x), None
-        x, cache = jax.lax.scan(body, x, (self.stacked_layers, tuple(cache)))
+        x, cache = jax.lax.scan(body, x, (sliced, tuple(cache), layers))
         return self.norm(x), cache
 
     def logits(self, h):

@@ -55,7 +55,7 @@ from ..device import Device
 from ..errors import (ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError,
                       ValueRangeError, kernel_errors)
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import LogicalQuant, decode_packed
+from ..weights import LayerStack, LogicalQuant, at_layer, decode_packed
 
 _FLOAT_ST = ("F16", "BF16", "F32")
 _INT_ST = ("I32",)
@@ -320,6 +320,13 @@ def _wgmma_matmul(x, w: WgmmaLinearWeights, compute_dtype, *, gemm=None):
 
     del compute_dtype                                     # the kernel computes in the activations' dtype
     gemm = gemm or wgmma_grouped_gemm
+    layer = None
+    if isinstance(w, LayerStack):         # L layers' linears as the experts [L, N, K/4]: row blocks → layer
+        layer, w = jnp.asarray(w.index, jnp.int32), w.stacked
+        w = dataclasses.replace(w, words=w.words.reshape((-1,) + w.words.shape[2:]),
+                                scales=w.scales.reshape((-1,) + w.scales.shape[2:]),
+                                zeros=None if w.zeros is None else w.zeros.reshape((-1,) + w.zeros.shape[2:]),
+                                bias=None if w.bias is None else jax.lax.dynamic_index_in_dim(w.bias, layer, 0, False))
     lead, k, n = x.shape[:-1], w.in_features, w.out_features
     m = int(np.prod(lead)) if lead else 1
     bm = _linear_block_m(m)
@@ -329,7 +336,8 @@ def _wgmma_matmul(x, w: WgmmaLinearWeights, compute_dtype, *, gemm=None):
     cfg, _ = plan_gemm(LayerConfig(), n_blocks=nb, block_m=bm, n=n, k=k, has_zp=w.zeros is not None,
                        group_size=-1 if w.scales.shape[1] == 1 else 128, sms=kernel_device.num_sms())
     with kernel_errors():
-        out = gemm(a, jnp.zeros((nb,), jnp.int32), w.words, w.scales, w.zeros, config=cfg)
+        experts = jnp.zeros((nb,), jnp.int32) if layer is None else jnp.full((nb,), layer, jnp.int32)
+        out = gemm(a, experts, w.words, w.scales, w.zeros, config=cfg)
     y = out.astype(jnp.float32).sum(0)[:m]
     if w.bias is not None:
         y = y + jnp.asarray(w.bias).astype(jnp.float32)
@@ -355,7 +363,10 @@ def quantized_matmul(x, w, *, compute_dtype=None, out_dtype=None,
     quantized dense layer of :mod:`wna16_jax.models` runs through. ``compute_dtype`` (default
     ``x.dtype``) is the dtype ``W`` is dequantized to and ``x`` is cast to; the products
     accumulate in float32; the result is ``out_dtype`` (default ``x.dtype``). Traceable (meant
-    to run inside ``jax.jit``)."""
+    to run inside ``jax.jit``). ``w`` may be a :class:`~wna16_jax.weights.LayerStack` of several
+    layers' weights (a scanned decoder): the wgmma executor reads the stack in place, the XLA one
+    the layer's slice."""
+    stack, w = (w, w.at_layer()) if isinstance(w, LayerStack) else (None, w)
     if getattr(x, "ndim", 0) < 1 or x.shape[-1] != w.in_features:
         raise ShapeError(f"x: expected shape (..., {w.in_features}), got {tuple(getattr(x, 'shape', ()))}")
     cdt = jnp.dtype(compute_dtype or x.dtype)
@@ -365,7 +376,7 @@ def quantized_matmul(x, w, *, compute_dtype=None, out_dtype=None,
     if name == "wgmma" and not isinstance(w, WgmmaLinearWeights):
         raise ConfigError(f"executor='wgmma': the weights are {type(w).__name__}, not the wgmma layout "
                           "(QuantizedLinear prepares it on a Hopper GPU)")
-    y = LINEAR_EXECUTORS[name](x, w, cdt)
+    y = LINEAR_EXECUTORS[name](x, stack if stack is not None and name == "wgmma" else w, cdt)
     return y.astype(out_dtype or x.dtype)
 
 
@@ -412,8 +423,11 @@ class QuantizedLinear(nnx.Module):
         b = None if w.bias is None else jnp.asarray(w.bias, dtype)
         return DenseLinear(w.dequantize(dtype), b, compute_dtype=self.compute_dtype)
 
-    def __call__(self, x):
-        return quantized_matmul(x, self.weight.get_value(), compute_dtype=self.compute_dtype)
+    def __call__(self, x, layer=None):
+        """``layer``: where the weight holds several layers stacked (a scanned decoder), the one to
+        apply (an int32 scalar)."""
+        w = self.weight.get_value()
+        return quantized_matmul(x, w if layer is None else LayerStack(w, layer), compute_dtype=self.compute_dtype)
 
 
 class DenseLinear(nnx.Module):

@@ -1,0 +1,167 @@
+"""Several layers' weights stacked and read at one layer (``LayerStack``, a scanned decoder).
+
+The wgmma kernels read a stack in place (layer ``l``'s expert ``e`` is expert ``l·E + e``; a
+dense linear's row blocks all name expert ``l``), so the result must be exactly the one layer's:
+the same GEMMs on the same values, only the expert indices moved. On the CPU the kernels are
+replaced by their jnp references; on a Hopper GPU the kernels run. Every other executor reads
+``at_layer()``. Fresh random weights and routing per test, the layer index traced."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import (WGMMA_SCHEMES, gpu, layer_case, layer_close, needs_hopper, reference,
+                            wgmma_reference_layer)
+from pallas_kernels.errors import KernelConfigError, KernelShapeError
+from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
+from pallas_kernels.wgmma_layer import fused_moe_wgmma
+from wna16_jax import fused_moe
+from wna16_jax.convert.wgmma import convert_wgmma
+from wna16_jax.models.linear import _wgmma_matmul, quantized_matmul, to_engine_linear
+from wna16_jax.weights import LayerStack, at_layer
+
+from test_linear_engine import SCHEMES as LINEAR_SCHEMES, _linear
+
+LAYERS = 3
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def _moe_layers(key, t, *, bias=True, seed=None):
+    """``LAYERS`` random layers (wgmma layout) of one shape, each with its own tokens and routing,
+    its float64 reference, and the stack of their wgmma weights."""
+    rng = np.random.default_rng(seed)
+    cases = [layer_case(rng, WGMMA_SCHEMES[key], 6, 256, 256, t, 2, bias=bias) for _ in range(LAYERS)]
+    wgs = [convert_wgmma(c[0].to_jax()) for c in cases]
+    return cases, wgs, _stack(wgs)
+
+
+def _stacked_reference_layer(x, tw, ids, stack: LayerStack, **options):
+    """:func:`fused_moe_wgmma` on a stack, the kernels replaced by their jnp references."""
+    w = stack.stacked
+    e = int(w.w13.qvalue.shape[1])
+    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), w)
+    w13, w2 = flat.gemms()
+    return fused_moe_wgmma(x, tw, ids, w13, w2, interleaved=w.w13_interleaved, kernels="reference",
+                           num_experts=e, expert_offset=jnp.asarray(stack.index, jnp.int32) * e, **options)
+
+
+@pytest.mark.parametrize("key", ["awq_g128", "gptq4_g128_actorder"])
+@pytest.mark.parametrize("t, schedule", [(3, "pair"), (40, "blocked")])
+def test_wgmma_layer_reads_a_stack_in_place_cpu(key, t, schedule):
+    """Each layer of the stack (index traced) gives exactly the one layer's output (biases and
+    act-order row orders read at the layer's experts too), and that output matches the float64
+    reference."""
+    cases, wgs, stacked = _moe_layers(key, t)
+    on_stack = jax.jit(functools.partial(_stacked_reference_layer, schedule=schedule))
+    alone = jax.jit(functools.partial(wgmma_reference_layer, schedule=schedule))
+    for layer, ((w, x, tw, ids, _), wg) in enumerate(zip(cases, wgs)):
+        got = np.asarray(on_stack(x, tw, ids, LayerStack(stacked, jnp.int32(layer))).astype(jnp.float32))
+        want = np.asarray(alone(x, tw, ids, wg).astype(jnp.float32))
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
+        layer_close(got, reference(w, x, tw, ids, None), what=f"layer {layer}")
+
+
+def test_wgmma_layer_stack_arguments_are_checked():
+    (case, *_), wgs, stacked = _moe_layers("awq_g128", 3, bias=False)
+    _, x, tw, ids, _ = case
+    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stacked)
+    w13, w2 = flat.gemms()
+    with pytest.raises(KernelShapeError, match="num_experts: expected a divisor of the 18 experts.*got 4"):
+        fused_moe_wgmma(x, tw, ids, w13, w2, kernels="reference", num_experts=4, expert_offset=0)
+    with pytest.raises(KernelConfigError, match="num_experts and expert_offset go together"):
+        fused_moe_wgmma(x, tw, ids, w13, w2, kernels="reference", num_experts=6)
+
+
+def test_fused_moe_on_a_stack_reads_the_layer_cpu():
+    """``fused_moe`` on a stack of checkpoint-layout layers (the XLA executor: ``at_layer()``) is the
+    one layer's ``fused_moe``, and ``at_layer`` leaves other weights alone."""
+    rng = np.random.default_rng()
+    cases = [layer_case(rng, WGMMA_SCHEMES["gptq4_g128_actorder"], 6, 256, 128, 5, 2, bias=True)
+             for _ in range(LAYERS)]
+    ws = [c[0].to_jax() for c in cases]
+    stacked = _stack(ws)
+    assert at_layer(ws[0]) is ws[0]
+    f = jax.jit(lambda x, tw, ids, s: fused_moe(x, tw, ids, s, compute_dtype=jnp.float32))
+    g = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))
+    for layer, (w, x, tw, ids, _) in enumerate(cases):
+        got = np.asarray(f(x, tw, ids, LayerStack(stacked, jnp.int32(layer))), np.float32)
+        want = np.asarray(g(x, tw, ids, ws[layer]), np.float32)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_SCHEMES))
+def test_linear_reads_a_stack_in_place_cpu(name):
+    """A dense linear on the wgmma GEMM's reference, read from a stack of layers (index traced), is
+    the one layer's; the XLA executor on a stack of checkpoint-layout linears likewise."""
+    lws = [_linear(LINEAR_SCHEMES[name], 192, 512, seed=s)[0] for s in np.random.default_rng().integers(0, 2**31, LAYERS)]
+    ews = [to_engine_linear(lw, jnp.bfloat16) for lw in lws]
+    x = jnp.asarray(np.random.default_rng().standard_normal((3, 5, 512)), jnp.bfloat16)
+    mm = jax.jit(functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16, gemm=wgmma_grouped_gemm_reference))
+    xla = jax.jit(functools.partial(quantized_matmul, compute_dtype=jnp.float32, out_dtype=jnp.float32))
+    stacked_e, stacked_q = _stack(ews), _stack(lws)
+    for layer in range(LAYERS):
+        got = np.asarray(mm(x, LayerStack(stacked_e, jnp.int32(layer))))
+        want = np.asarray(mm(x, ews[layer]))
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(xla(x, LayerStack(stacked_q, jnp.int32(layer)))),
+                                      np.asarray(xla(x, lws[layer])))
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_engine_reads_a_stack_in_place_gpu(t):
+    """On Hopper, ``fused_moe`` on a stack runs the wgmma engine on the stack itself and gives the
+    one layer's output bit for bit; a stack of dense linears likewise."""
+    cases, wgs, stacked = _moe_layers("awq_g128", t)
+    f = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w))
+    for layer, ((w, x, tw, ids, _), wg) in enumerate(zip(cases, wgs)):
+        got = np.asarray(f(x, tw, ids, LayerStack(stacked, jnp.int32(layer))).astype(jnp.float32))
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, np.asarray(f(x, tw, ids, wg).astype(jnp.float32)))
+        layer_close(got, reference(w, x, tw, ids, None), what=f"layer {layer}")
+    lws = [_linear(LINEAR_SCHEMES["awq g128"], 2048, 1024, seed=s)[0] for s in range(LAYERS)]
+    ews = [to_engine_linear(lw, jnp.bfloat16) for lw in lws]
+    x = jnp.asarray(np.random.default_rng(t).standard_normal((t, 1024)), jnp.bfloat16)
+    mm = jax.jit(quantized_matmul)
+    for layer in range(LAYERS):
+        got = np.asarray(mm(x, LayerStack(_stack(ews), jnp.int32(layer))).astype(jnp.float32))
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, np.asarray(mm(x, ews[layer]).astype(jnp.float32)))
+
+
+@gpu
+@needs_hopper
+def test_scanned_model_on_the_engine_gpu(tmp_path):
+    """A Qwen3-MoE-shaped model (GPTQ int4 g128) on Hopper, its layers scanned: the attention
+    projections and experts stay in the wgmma layout, read in place from the stacks, and the
+    logits and greedy tokens are the unrolled model's."""
+    from wna16_jax.convert.wgmma import WgmmaWeights
+    from wna16_jax.models import Generator, load_model, write_random_model
+    from wna16_jax.models.linear import WgmmaLinearWeights
+    from wna16_jax.schemes import QuantScheme
+
+    path = str(tmp_path / "m")
+    write_random_model(path, model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False), vocab_size=512,
+                       hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8,
+                       top_k=2, moe_intermediate_size=128, intermediate_size=256, seed=int(np.random.default_rng().integers(1 << 30)))
+    unrolled = load_model(path, dtype=jnp.bfloat16)
+    scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
+    layer = scanned.layer_modules()[1]
+    assert isinstance(layer.mlp.expert_weights(), WgmmaWeights)
+    assert isinstance(layer.self_attn.q_proj.weight.get_value(), WgmmaLinearWeights)
+    prompts = [[5, 17, 3, 88, 41, 9, 60, 2], [7, 300, 11]]
+    a = Generator(unrolled, batch_size=2, max_len=64).prefill_logits(prompts)
+    b = Generator(scanned, batch_size=2, max_len=64).prefill_logits(prompts)
+    assert np.isfinite(b).all() and np.abs(a - b).max() <= 2e-2 * np.abs(a).max(), np.abs(a - b).max()
+    want = Generator(unrolled, batch_size=2, max_len=64).generate(prompts, 16)
+    assert Generator(scanned, batch_size=2, max_len=64).generate(prompts, 16) == want
