@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scan-layers", action="store_true",
                     help="run the decoder layers as one lax.scan (load_model(scan_layers=True))")
     ap.add_argument("--profile", action="store_true",
-                    help="also print one decode step's device kernels (JAX profiler trace)")
+                    help="also print one decode step's device kernels (JAX profiler trace), first batch size only")
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     bad = [n for n in names if n not in SHAPES]
@@ -299,7 +299,8 @@ def main(argv=None) -> int:
                 batches = args.batch if variant == "GPTQ int4" or not args.bf16_batch else args.bf16_batch
                 for b in batches:
                     r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
-                                    bandwidth=bandwidth, profile=args.profile, moe_share=not args.no_moe_share)
+                                    bandwidth=bandwidth, profile=args.profile and b == batches[0],
+                                    moe_share=not args.no_moe_share)
                     line = row_md(label, variant, r)
                     print(line, flush=True)
                     table.append(line)

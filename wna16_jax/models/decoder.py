@@ -93,10 +93,17 @@ def _apply(module, x, layer=None):
     return module(x)
 
 
-def _write_rows(cache, new, start):
-    """``cache [B, n, T, d]`` with ``new [B, n, S, d]`` written at slot ``start[b]`` of row ``b``."""
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, s, 0)))(
-        cache, new, start.astype(jnp.int32))
+def _write_rows(cache, new, start, layer=None):
+    """``cache [B, n, T, d]`` with ``new [B, n, S, d]`` written at slot ``start[b]`` of row ``b``;
+    with ``layer``, ``cache`` is every layer's ``[L, B, n, T, d]`` and layer ``layer``'s is written
+    (in place: the rest of the stack is not touched)."""
+    start = start.astype(jnp.int32)
+    if layer is None:
+        return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, s, 0)))(
+            cache, new, start)
+    i = jnp.asarray(layer, jnp.int32)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x[None].astype(c.dtype), (i, 0, s, 0)),
+                    in_axes=(1, 0, 0), out_axes=1)(cache, new, start)
 
 
 class Attention(nnx.Module):
@@ -126,9 +133,13 @@ class Attention(nnx.Module):
         if cache is None:
             keys, vals, kpos = k, v, positions
         else:
+            # a scanned decoder (``layer`` given) passes every layer's cache [L, B, n_kv, T, d]
             ck, cv = cache
-            ck, cv = _write_rows(ck, k, positions[:, 0]), _write_rows(cv, v, positions[:, 0])
+            ck, cv = _write_rows(ck, k, positions[:, 0], layer), _write_rows(cv, v, positions[:, 0], layer)
             cache = (ck, cv)
+            if layer is not None:
+                ck, cv = (jax.lax.dynamic_index_in_dim(c, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+                          for c in (ck, cv))
             t = kv_len or ck.shape[2]
             keys, vals = ck[:, :, :t].astype(x.dtype), cv[:, :, :t].astype(x.dtype)
             kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
@@ -220,7 +231,7 @@ class MoEDecoder(nnx.Module):
 
     def _scanned(self, x, positions, cache, kv_len):
         """The layers as one ``lax.scan`` (one compiled layer body; the cache is then ``(k, v)``,
-        each ``[L, B, n_kv, T, d]``). The scan slices each layer's 16-bit weights; the frozen
+        each ``[L, B, n_kv, T, d]``, carried through the scan and written in place). The scan slices each layer's 16-bit weights; the frozen
         quantized ones stay stacked and are read in place at the layer's index
         (:class:`~wna16_jax.weights.LayerStack`): a slice would be a copy of the layer's weights
         ahead of every kernel that reads them, more bytes than the layer's own step reads."""
@@ -228,19 +239,14 @@ class MoEDecoder(nnx.Module):
         in_place, sliced = nnx.split_state(self.stacked_layers, nnx.Any(*STACKED_IN_PLACE), ...)
         n = self.config.num_layers
 
-        def body(h, xs):
-            state, c, i = xs
+        def body(carry, xs):                   # the cache rides in the carry, written in place
+            h, c = carry
+            state, i = xs
             h, c = nnx.merge(graph, state, in_place)(h, positions, c, kv_len, layer=i)
-            return h, c
+            return (h, c), None
 
         layers = jnp.arange(n, dtype=jnp.int32)
-        if cache is None:
-            def body_nocache(h, xs):
-                return body(h, (xs[0], None, xs[1]))[0], None
-
-            x, _ = jax.lax.scan(body_nocache, x, (sliced, layers))
-            return self.norm(x), None
-        x, cache = jax.lax.scan(body, x, (sliced, tuple(cache), layers))
+        (x, cache), _ = jax.lax.scan(body, (x, None if cache is None else tuple(cache)), (sliced, layers))
         return self.norm(x), cache
 
     def logits(self, h):
