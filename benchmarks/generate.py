@@ -260,8 +260,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default=None, help="where the random checkpoints go (default: a temp folder)")
     ap.add_argument("--append", default=None, metavar="RESULTS.md")
-    ap.add_argument("--scan-layers", action="store_true",
-                    help="run the decoder layers as one lax.scan (load_model(scan_layers=True))")
+    layers_mode = ap.add_mutually_exclusive_group()
+    layers_mode.add_argument("--scan-layers", action="store_true",
+                             help="run the decoder layers as one lax.scan (load_model(scan_layers=True); "
+                                  "default: load_model's choice, scanned from 8 alike layers)")
+    layers_mode.add_argument("--unrolled", action="store_true", help="one compiled layer per decoder layer")
     ap.add_argument("--profile", action="store_true",
                     help="also print one decode step's device kernels (JAX profiler trace), first batch size only")
     args = ap.parse_args(argv)
@@ -294,7 +297,7 @@ def main(argv=None) -> int:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     model = load_model(path, dtype=dtype, dequantized=variant != "GPTQ int4",
-                                       scan_layers=args.scan_layers)
+                                       scan_layers=True if args.scan_layers else False if args.unrolled else None)
                 print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
                 batches = args.batch if variant == "GPTQ int4" or not args.bf16_batch else args.bf16_batch
                 for b in batches:

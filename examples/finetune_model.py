@@ -64,7 +64,8 @@ def loss_fn(model, tokens):
 def main(steps: int = 8, seed: int = 0, learning_rate: float = 2e-2) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = load_model(CHECKPOINT, dtype=jnp.float32, param_dtype=jnp.float32)
+        # unrolled layers (scan_layers=False): the adapters below are set on each layer's module
+        model = load_model(CHECKPOINT, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers=False)
     rngs = nnx.Rngs(seed)
     for layer in model.layers:
         layer.self_attn.q_proj = LoRA(layer.self_attn.q_proj, 4, rngs=rngs)

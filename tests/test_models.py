@@ -503,6 +503,28 @@ def test_scanned_layers_are_the_same_model(synth_root):
         _quiet_load(os.path.join(synth_root, "qwen2"), dtype=jnp.float32, scan_layers=True)
 
 
+def test_deep_uniform_models_are_scanned_by_default(tmp_path):
+    """``load_model``'s default: a model of SCAN_MIN_LAYERS alike layers is scanned (and gives the
+    unrolled model's logits and greedy tokens); fewer layers, or dense and sparse layers mixed,
+    stay unrolled."""
+    from wna16_jax.models.decoder import SCAN_MIN_LAYERS
+
+    path = str(tmp_path / "deep")
+    write_random_model(path, model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=SCAN_MIN_LAYERS,
+                       seed=int(np.random.default_rng().integers(1 << 30)), **TINY)
+    scanned, unrolled = _quiet_load(path, dtype=jnp.float32), _quiet_load(path, dtype=jnp.float32, scan_layers=False)
+    assert scanned.scan_layers and not unrolled.scan_layers and len(unrolled.layers) == SCAN_MIN_LAYERS
+    tokens = [5, 17, 3, 88, 41, 9]
+    a, b = _logits(unrolled, tokens), _logits(scanned, tokens)
+    assert np.isfinite(b).all() and float(np.abs(a - b).max()) <= LOGITS_TOL, float(np.abs(a - b).max())
+    assert (Generator(scanned, batch_size=1, max_len=16).generate([tokens], 6)
+            == Generator(unrolled, batch_size=1, max_len=16).generate([tokens], 6))
+    mixed = str(tmp_path / "mixed")
+    write_random_model(mixed, model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=SCAN_MIN_LAYERS,
+                       mlp_only_layers=[3], intermediate_size=96, seed=3, **TINY)
+    assert not _quiet_load(mixed, dtype=jnp.float32).scan_layers
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -284,19 +284,35 @@ class MoEDecoder(nnx.Module):
         return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_layers))
 
 
+#: ``load_model(scan_layers=None)`` scans models of at least this many identical layers
+SCAN_MIN_LAYERS = 8
+
+
+def _first_different_layer(layers: list) -> int | None:
+    """The first layer whose graph, state tree, shapes or dtypes differ from layer 0's (None: all
+    alike, so they stack)."""
+    graph, first = nnx.split(layers[0])
+    leaves0 = jax.tree.leaves(first)
+    for i, layer in enumerate(layers[1:], 1):
+        g, st = nnx.split(layer)
+        leaves = jax.tree.leaves(st)
+        if g != graph or jax.tree.structure(st) != jax.tree.structure(first) or any(
+                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, leaves0)):
+            return i
+    return None
+
+
 def _stacked_layers(layers: list) -> tuple[Any, Any]:
     """``(graphdef, state)`` of identical decoder layers with every array stacked on a new leading
     axis (the layer axis; partition metadata gains a leading ``"layers"`` name)."""
     graph, first = nnx.split(layers[0])
     states = [first]
-    for i, layer in enumerate(layers[1:], 1):
-        g, st = nnx.split(layer)
-        if g != graph or jax.tree.structure(st) != jax.tree.structure(first) or any(
-                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(first))):
-            raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes or "
-                              "dtypes (dense and sparse layers mixed, or layers of different layouts); "
-                              "load with scan_layers=False")
-        states.append(st)
+    i = _first_different_layer(layers)
+    if i is not None:
+        raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes or "
+                          "dtypes (dense and sparse layers mixed, or layers of different layouts); "
+                          "load with scan_layers=False")
+    states += [nnx.split(layer)[1] for layer in layers[1:]]
 
     def stack(*vs):
         if isinstance(vs[0], nnx.Variable):
@@ -382,7 +398,7 @@ def _dense_experts(w, dtype):
 
 
 def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
-               dequantized: bool = False, scan_layers: bool = False) -> MoEDecoder:
+               dequantized: bool = False, scan_layers: bool | None = None) -> MoEDecoder:
     """Build the :class:`MoEDecoder` of checkpoint folder ``path`` (``config.json`` + safetensors).
 
     ``dtype``: the activations' dtype (default :func:`default_dtype`). ``param_dtype``: the dtype
@@ -390,9 +406,13 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     experts' layout (``None``: the dispatch table's choice; see :func:`wna16_jax.select_backend`).
     ``dequantized=True`` dequantizes every quantized linear and expert to bfloat16 while loading
     (a reference point for benchmarks: the same model as plain XLA on 16-bit weights).
-    ``scan_layers=True`` stacks the decoder layers and runs them as one ``lax.scan`` (one compiled
-    layer instead of one per layer; every layer must have the same structure, so not for configs
-    that mix dense and sparse layers).
+    ``scan_layers=True`` stacks the decoder layers and runs them as one ``lax.scan``: one compiled
+    layer instead of one per layer (a 48-layer model compiles in seconds instead of minutes), the
+    quantized weights read in place from the stacks, the KV cache one ``(k, v)`` pair stacked per
+    layer; every layer must have the same structure (not configs that mix dense and sparse
+    layers), and ``model.layers`` is then empty (:meth:`MoEDecoder.layer_modules` rebuilds them).
+    ``None`` (default): scanned when there are at least :data:`SCAN_MIN_LAYERS` layers and all
+    have the same structure, unrolled otherwise.
 
     Refuses, before reading any weight data: an unsupported ``model_type`` (naming the supported
     families), rope types / sliding-window settings it would get wrong, MoE layers where the
@@ -460,6 +480,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         lm_head = lin("lm_head", c.vocab_size, h)
     if fallback:
         warnings.warn(f"{len(fallback)} MoE layer(s): {fallback[0]}", stacklevel=2)
+    if scan_layers is None:
+        scan_layers = len(layers) >= SCAN_MIN_LAYERS and _first_different_layer(layers) is None
     return MoEDecoder(c, jnp.asarray(embed), layers, norm("model.norm.weight", h), lm_head, dtype=dtype,
                       scan_layers=scan_layers)
 
