@@ -4,7 +4,9 @@
 #     bash benchmarks/device.sh SUITE [SUITE ...]      (OUT=DIR for the logs; default ./device-out)
 #
 # Suites:
-#   tests         every GPU test (pytest -m gpu), 8 workers
+#   tests         every GPU test (pytest -m gpu), 8 workers (more than one 10-minute call: use the two below)
+#   tests-layers  the GPU tests of the layers at model shapes (test_wgmma_layer.py, test_triton_layer.py)
+#   tests-rest    every other GPU test
 #   fingerprints  the engine's default programs hashed (benchmarks/program_fingerprints.py)
 #   table         the performance table: Mixtral, Qwen3-30B-A3B and DeepSeek-V2-Lite shapes × their
 #                 token counts, the wgmma engine (AWQ and GPTQ) against XLA's alternatives
@@ -24,6 +26,10 @@ for suite in "$@"; do
     echo "=== $suite"
     case "$suite" in
         tests) cmd=(python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests) ;;
+        tests-layers) cmd=(python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --durations=20
+                           tests/test_wgmma_layer.py tests/test_triton_layer.py) ;;
+        tests-rest) cmd=(python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --durations=20 tests
+                         --deselect tests/test_wgmma_layer.py --deselect tests/test_triton_layer.py) ;;
         fingerprints) cmd=(python3 benchmarks/program_fingerprints.py --out "$OUT/fingerprints.json") ;;
         table) cmd=(python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40
                     --skip "engine AWQ,engine GPTQ,engine←Marlin" --append "$OUT/RESULTS.md" --json "$OUT/results.json") ;;
@@ -31,7 +37,7 @@ for suite in "$@"; do
                      --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot,dense bf16") ;;
         generate) cmd=(python3 benchmarks/generate.py --append "$OUT/RESULTS.md") ;;
         sharding) cmd=(python3 benchmarks/sharding.py --append "$OUT/RESULTS.md" --json "$OUT/sharding.json") ;;
-        *) echo "unknown suite: $suite (tests, fingerprints, table, engine, generate, sharding)"; status=2; continue ;;
+        *) echo "unknown suite: $suite (tests, tests-layers, tests-rest, fingerprints, table, engine, generate, sharding)"; status=2; continue ;;
     esac
     "${cmd[@]}" 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}
