@@ -165,3 +165,22 @@ def test_scanned_model_on_the_engine_gpu(tmp_path):
     assert np.isfinite(b).all() and np.abs(a - b).max() <= 2e-2 * np.abs(a).max(), np.abs(a - b).max()
     want = Generator(unrolled, batch_size=2, max_len=64).generate(prompts, 16)
     assert Generator(scanned, batch_size=2, max_len=64).generate(prompts, 16) == want
+
+
+def test_layer_index_is_checked_where_concrete():
+    """A concrete layer index outside the stack, or not an integer, and a stack whose arrays
+    disagree on the layer axis are refused, naming what was expected and what came."""
+    from wna16_jax.errors import ShapeError, ValueRangeError
+    from wna16_jax.weights import layer_stack
+
+    lws = [_linear(LINEAR_SCHEMES["gptq g128"], 64, 128, seed=s)[0] for s in range(2)]
+    stacked = _stack(lws)
+    assert layer_stack(stacked, 1).index == 1
+    for bad in (2, -1, 1.0, np.array([0, 1])):
+        with pytest.raises(ValueRangeError, match=r"layer: expected an integer index in \[0, 2\)"):
+            layer_stack(stacked, bad)
+    with pytest.raises(ShapeError, match="same leading layer axis"):
+        layer_stack({"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 3))}, 0)
+    # traced (a scan over the layers): not checkable, taken as given
+    got = jax.jit(lambda i: layer_stack(stacked, i).at_layer().scales)(jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(lws[1].scales))

@@ -38,7 +38,7 @@ from .backends import TABLE, Backend, select_backend
 from .checkpoint import Checkpoint, DenseWeights, MoELayer
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError
 from .moe import check_activation
-from .weights import CheckpointWeights, LayerStack
+from .weights import CheckpointWeights, layer_stack
 
 _FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -269,7 +269,7 @@ class QuantizedMoE(nnx.Module):
         x2d = x.reshape(-1, self.hidden_size)
         tw, ids = self.route(x2d)
         def stacked(w):
-            return w if layer is None else LayerStack(w, layer)
+            return w if layer is None or w is None else layer_stack(w, layer)
 
         out = fused_moe_trainable(x2d, tw, ids, stacked(self.expert_weights()), activation=self.activation,
                                   formulation=self.formulation)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import packing
-from .errors import ConfigError, ShapeError, WNA16Error, check_dtype, check_shape
+from .errors import ConfigError, ShapeError, ValueRangeError, WNA16Error, check_dtype, check_shape
 from .schemes import QuantMethod, QuantScheme
 
 
@@ -553,6 +553,26 @@ class LayerStack:
     @property
     def num_layers(self) -> int:
         return int(jax.tree.leaves(self.stacked)[0].shape[0])
+
+
+def layer_stack(stacked: Any, index: Any) -> LayerStack:
+    """:class:`LayerStack` of ``stacked`` at ``index``, the index checked where it is concrete (a
+    traced one, as in a ``lax.scan`` over ``arange(L)``, cannot be: an index outside ``[0, L)``
+    would read a clamped or foreign layer)."""
+    leaves = jax.tree.leaves(stacked)
+    if not leaves:
+        raise ShapeError("stacked: expected a weights pytree with arrays, got none")
+    n = int(leaves[0].shape[0]) if getattr(leaves[0], "ndim", 0) else 0
+    if any(getattr(a, "ndim", 0) < 1 or int(a.shape[0]) != n for a in leaves):
+        raise ShapeError(f"stacked: every array needs the same leading layer axis; got leading sizes "
+                         f"{sorted({int(a.shape[0]) if getattr(a, 'ndim', 0) else None for a in leaves}, key=str)}")
+    try:
+        i = np.asarray(index)
+    except jax.errors.TracerArrayConversionError:
+        return LayerStack(stacked, index)
+    if i.shape != () or not np.issubdtype(i.dtype, np.integer) or not 0 <= int(i) < n:
+        raise ValueRangeError(f"layer: expected an integer index in [0, {n}) (the stacked layers), got {index!r}")
+    return LayerStack(stacked, index)
 
 
 def at_layer(weights: Any) -> Any:

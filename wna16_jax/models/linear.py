@@ -55,7 +55,7 @@ from ..device import Device
 from ..errors import (ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError,
                       ValueRangeError, kernel_errors)
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import LayerStack, LogicalQuant, at_layer, decode_packed
+from ..weights import LayerStack, LogicalQuant, decode_packed, layer_stack
 
 _FLOAT_ST = ("F16", "BF16", "F32")
 _INT_ST = ("I32",)
@@ -427,7 +427,7 @@ class QuantizedLinear(nnx.Module):
         """``layer``: where the weight holds several layers stacked (a scanned decoder), the one to
         apply (an int32 scalar)."""
         w = self.weight.get_value()
-        return quantized_matmul(x, w if layer is None else LayerStack(w, layer), compute_dtype=self.compute_dtype)
+        return quantized_matmul(x, w if layer is None else layer_stack(w, layer), compute_dtype=self.compute_dtype)
 
 
 class DenseLinear(nnx.Module):
