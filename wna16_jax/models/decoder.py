@@ -407,8 +407,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     ``dequantized=True`` dequantizes every quantized linear and expert to bfloat16 while loading
     (a reference point for benchmarks: the same model as plain XLA on 16-bit weights).
     ``scan_layers=True`` stacks the decoder layers and runs them as one ``lax.scan``: one compiled
-    layer instead of one per layer (a 48-layer model compiles in seconds instead of minutes), the
-    quantized weights read in place from the stacks, the KV cache one ``(k, v)`` pair stacked per
+    layer instead of one per layer (a 48-layer model's prefill and decode compile in under a
+    minute), the quantized weights read in place from the stacks, the KV cache one ``(k, v)`` pair stacked per
     layer; every layer must have the same structure (not configs that mix dense and sparse
     layers), and ``model.layers`` is then empty (:meth:`MoEDecoder.layer_modules` rebuilds them).
     ``None`` (default): scanned when there are at least :data:`SCAN_MIN_LAYERS` layers and all
