@@ -43,12 +43,10 @@ def _moe_layers(key, t, *, bias=True, seed=None):
 
 def _stacked_reference_layer(x, tw, ids, stack: LayerStack, **options):
     """:func:`fused_moe_wgmma` on a stack, the kernels replaced by their jnp references."""
-    w = stack.stacked
-    e = int(w.w13.qvalue.shape[1])
-    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), w)
+    flat, e, offset = stack.as_experts()
     w13, w2 = flat.gemms()
-    return fused_moe_wgmma(x, tw, ids, w13, w2, interleaved=w.w13_interleaved, kernels="reference",
-                           num_experts=e, expert_offset=jnp.asarray(stack.index, jnp.int32) * e, **options)
+    return fused_moe_wgmma(x, tw, ids, w13, w2, interleaved=flat.w13_interleaved, kernels="reference",
+                           num_experts=e, expert_offset=offset, **options)
 
 
 @pytest.mark.parametrize("key", ["awq_g128", "gptq4_g128_actorder"])
@@ -71,7 +69,7 @@ def test_wgmma_layer_reads_a_stack_in_place_cpu(key, t, schedule):
 def test_wgmma_layer_stack_arguments_are_checked():
     (case, *_), wgs, stacked = _moe_layers("awq_g128", 3, bias=False)
     _, x, tw, ids, _ = case
-    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stacked)
+    flat, _, _ = LayerStack(stacked, 0).as_experts()
     w13, w2 = flat.gemms()
     with pytest.raises(KernelShapeError, match="num_experts: expected a divisor of the 18 experts.*got 4"):
         fused_moe_wgmma(x, tw, ids, w13, w2, kernels="reference", num_experts=4, expert_offset=0)

@@ -149,9 +149,8 @@ class WgmmaEngine(Executor):
             global_num_experts, block_m):
         stack = {}
         if isinstance(weights, LayerStack):     # L layers' experts read as L·E experts, in place
-            e = int(weights.stacked.w13.qvalue.shape[1])
-            stack = dict(num_experts=e, expert_offset=jnp.asarray(weights.index, jnp.int32) * e)
-            weights = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), weights.stacked)
+            weights, e, offset = weights.as_experts()
+            stack = dict(num_experts=e, expert_offset=offset)
         w13, w2 = weights.gemms()
         return fused_moe_wgmma(x, topk_weights, topk_ids, w13, w2, interleaved=weights.w13_interleaved,
                                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,

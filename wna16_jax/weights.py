@@ -550,9 +550,12 @@ class LayerStack:
         i = jnp.asarray(self.index, jnp.int32)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.stacked)
 
-    @property
-    def num_layers(self) -> int:
-        return int(jax.tree.leaves(self.stacked)[0].shape[0])
+    def as_experts(self) -> tuple[Any, int, Any]:
+        """``(weights, E, offset)``: an experts pytree ``[L, E, ...]`` seen as one layer of ``L·E``
+        experts (a reshape, no copy), the layer's ``E``, and the stack index of its expert 0."""
+        e = int(jax.tree.leaves(self.stacked)[0].shape[1])
+        flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), self.stacked)
+        return flat, e, jnp.asarray(self.index, jnp.int32) * e
 
 
 def layer_stack(stacked: Any, index: Any) -> LayerStack:
