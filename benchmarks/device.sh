@@ -10,7 +10,10 @@
 #   fingerprints  the engine's default programs hashed (benchmarks/program_fingerprints.py)
 #   table         the performance table: Mixtral, Qwen3-30B-A3B and DeepSeek-V2-Lite shapes × their
 #                 token counts, the wgmma engine (AWQ and GPTQ) against XLA's alternatives
-#   engine        the same rows, the wgmma engine's two columns only (for before / after comparisons)
+#   engine        the same rows, the wgmma engine's two columns only
+#   before-after  the wgmma engine of the tree in $BEFORE (default .before: an older commit unpacked
+#                 with `git archive TAG | tar -x -C .before`, named in the call's carry) against this
+#                 tree, the two timed in turn on the same GPU ($ROWS: default the 15-row table)
 #   generate      whole-model generation, Qwen3-30B-A3B and Mixtral-8x7B shapes, batch 1 / 8 / 64
 #   sharding      one layer on one GPU vs EP=2 (all-gather, all-to-all) and TP=2, Mixtral-8x7B and
 #                 Qwen3-30B-A3B shapes at 1 / 16 / 256 / 4096 tokens (needs two GPUs)
@@ -35,9 +38,11 @@ for suite in "$@"; do
                     --skip "engine AWQ,engine GPTQ,engine←Marlin" --append "$OUT/RESULTS.md" --json "$OUT/results.json") ;;
         engine) cmd=(python3 benchmarks/moe_engine.py --rows mixtral qwen3 dsv2lite --reps 40
                      --skip "engine AWQ,engine GPTQ,engine←Marlin,XLA path,ragged_dot bf16,dequant→ragged_dot,dense bf16") ;;
+        before-after) cmd=(python3 benchmarks/before_after.py --before "${BEFORE:-.before}" --after .
+                           ${ROWS:+--rows $ROWS} --append "$OUT/RESULTS.md") ;;
         generate) cmd=(python3 benchmarks/generate.py --append "$OUT/RESULTS.md") ;;
         sharding) cmd=(python3 benchmarks/sharding.py --append "$OUT/RESULTS.md" --json "$OUT/sharding.json") ;;
-        *) echo "unknown suite: $suite (tests, tests-layers, tests-rest, fingerprints, table, engine, generate, sharding)"; status=2; continue ;;
+        *) echo "unknown suite: $suite (tests, tests-layers, tests-rest, fingerprints, table, engine, before-after, generate, sharding)"; status=2; continue ;;
     esac
     "${cmd[@]}" 2>&1 | tee "$OUT/$suite.log"
     rc=${PIPESTATUS[0]}

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -154,6 +156,11 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
     max_len = prompt + new
     gen = G.Generator(model, batch_size=batch, max_len=max_len)
+    temp = prefill_temp_bytes(model, batch, gen.bucket(prompt), max_len)
+    free = _free_bytes()
+    if free is not None and temp > free:
+        raise MemoryError(f"the prefill program needs {temp / 2**30:.1f} GiB of temporaries; "
+                          f"{free / 2**30:.1f} GiB are free")
     t0 = time.perf_counter()
     gen.generate(prompts, 2)                                     # compile prefill + decode
     t_compile = time.perf_counter() - t0
@@ -203,6 +210,34 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     return {"batch": batch, "compile_s": t_compile, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps,
             "step_ms": t_step * 1e3,
             "floor_ms": floor * 1e3, "moe_share": 1.0 - t_bare / t_step, "in_use": in_use, "peak": peak}
+
+
+def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int, *, show: int = 6) -> int:
+    """Compile the prefill program for ``[batch, bucket]`` prompts (nothing runs) and return its
+    temporary bytes (XLA's memory analysis); prints them and the largest arrays of the compiled
+    program when they pass 1 GiB, so a program that would run out of memory is seen before it runs."""
+    progs, leaves = G.programs(model)
+    tokens = jnp.zeros((batch, bucket), jnp.int32)
+    lengths = jnp.full((batch,), bucket, jnp.int32)
+    compiled = progs.prefill.lower(leaves, tokens, lengths, jax.random.key(0), jnp.float32(0), jnp.float32(1),
+                                   max_len=max_len, sample=False).compile()
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    print(f"#   prefill [{batch}, {bucket}]: {temp / 2**30:.2f} GiB of temporaries", flush=True)
+    if temp > 2**30:
+        sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+        seen = {}
+        for dt, dims in re.findall(r"\b(f32|bf16|f16|s32|u32|s8|u8|pred)\[([0-9,]+)\]", compiled.as_text()):
+            seen[f"{dt}[{dims}]"] = sizes[dt] * math.prod(int(d) for d in dims.split(","))
+        for shape, nbytes in sorted(seen.items(), key=lambda kv: -kv[1])[:show]:
+            print(f"#     {nbytes / 2**30:8.2f} GiB  {shape}", flush=True)
+    return temp
+
+
+def _free_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 def print_step_profile(progs, leaves, cache, tok, pos, key, zero, one, batch: int) -> None:
@@ -301,9 +336,17 @@ def main(argv=None) -> int:
                 print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
                 batches = args.batch if variant == "GPTQ int4" or not args.bf16_batch else args.bf16_batch
                 for b in batches:
-                    r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
-                                    bandwidth=bandwidth, profile=args.profile and b == batches[0],
-                                    moe_share=not args.no_moe_share)
+                    try:
+                        r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
+                                        bandwidth=bandwidth, profile=args.profile and b == batches[0],
+                                        moe_share=not args.no_moe_share)
+                    except Exception as ex:  # noqa: BLE001 - out of memory: report the row, go on
+                        if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
+                            raise
+                        line = f"| {label} | {variant} | {b} | out of memory: {str(ex).splitlines()[0][:160]} |"
+                        print(line, flush=True)
+                        table.append(line)
+                        continue
                     line = row_md(label, variant, r)
                     print(line, flush=True)
                     table.append(line)

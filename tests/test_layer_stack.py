@@ -20,6 +20,7 @@ from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
 from pallas_kernels.wgmma_layer import fused_moe_wgmma
 from wna16_jax import fused_moe
 from wna16_jax.convert.wgmma import convert_wgmma
+from wna16_jax.models.decoder import _dense_experts
 from wna16_jax.models.linear import _wgmma_matmul, quantized_matmul, to_engine_linear
 from wna16_jax.weights import LayerStack, at_layer
 
@@ -77,22 +78,34 @@ def test_wgmma_layer_stack_arguments_are_checked():
         fused_moe_wgmma(x, tw, ids, w13, w2, kernels="reference", num_experts=6)
 
 
-def test_fused_moe_on_a_stack_reads_the_layer_cpu():
-    """``fused_moe`` on a stack of checkpoint-layout layers (the XLA executor: ``at_layer()``) is the
-    one layer's ``fused_moe``, and ``at_layer`` leaves other weights alone."""
+@pytest.mark.parametrize("formulation", ["gather", "dense", "blocked"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_fused_moe_on_a_stack_reads_the_layer_cpu(formulation, dense):
+    """``fused_moe`` on a stack of layers (the XLA executor; checkpoint-layout or bf16 dense
+    experts) is exactly the one layer's ``fused_moe`` in every formulation (gather and blocked
+    read the stack's experts in place, dense reads ``at_layer()``), with routed ids of -1 giving
+    NaN rows as on one layer; ``at_layer`` leaves other weights alone."""
     rng = np.random.default_rng()
     cases = [layer_case(rng, WGMMA_SCHEMES["gptq4_g128_actorder"], 6, 256, 128, 5, 2, bias=True)
              for _ in range(LAYERS)]
     ws = [c[0].to_jax() for c in cases]
+    if dense:
+        ws = [_dense_experts(w, jnp.bfloat16) for w in ws]
     stacked = _stack(ws)
     assert at_layer(ws[0]) is ws[0]
-    f = jax.jit(lambda x, tw, ids, s: fused_moe(x, tw, ids, s, compute_dtype=jnp.float32))
-    g = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))
+    opts = dict(compute_dtype=jnp.float32, formulation=formulation)
+    f = jax.jit(lambda x, tw, ids, s: fused_moe(x, tw, ids, s, **opts))
+    g = jax.jit(lambda x, tw, ids, w: fused_moe(x, tw, ids, w, **opts))
     for layer, (w, x, tw, ids, _) in enumerate(cases):
+        if layer == LAYERS - 1:
+            ids = ids.at[2, 1].set(-1)                  # an invalid routed id: that row is NaN on both
         got = np.asarray(f(x, tw, ids, LayerStack(stacked, jnp.int32(layer))), np.float32)
         want = np.asarray(g(x, tw, ids, ws[layer]), np.float32)
-        assert np.isfinite(got).all()
+        ok = np.arange(len(got)) != (2 if layer == LAYERS - 1 else -1)
+        assert np.isfinite(got[ok]).all()
         np.testing.assert_array_equal(got, want)
+        if not dense:
+            layer_close(got[ok], reference(w, x, tw, ids, None)[ok], what=f"layer {layer}")
 
 
 @pytest.mark.parametrize("name", sorted(LINEAR_SCHEMES))

@@ -54,7 +54,7 @@ from pallas_kernels.align import vllm_block_m as default_block_m
 from . import executors
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError, check_dtype
 from .routing import moe_align_block_size
-from .weights import at_layer
+from .weights import LayerStack, at_layer
 
 # --------------------------------------------------------------------------- activations
 
@@ -193,10 +193,10 @@ def choose_formulation(num_tokens: int, top_k: int, num_experts: int, platform: 
 # --------------------------------------------------------------------------- formulations
 
 
-def _gather(x, tw, local, valid, weights, act, on_input, cdt):
+def _gather(x, tw, local, valid, weights, act, on_input, cdt, offset=0):
     t, k = local.shape
     flat = jnp.where(valid, local, 0).reshape(-1)
-    w = weights.take_experts(flat)
+    w = weights.take_experts(flat + offset)
     w13, w2 = w.dequantize(cdt)                       # [T·k, 2I, H], [T·k, H, I]
     b13, b2 = expert_biases(w)
     xr = jnp.repeat(x.astype(cdt), k, axis=0)          # row t·k + j = x[t]
@@ -244,7 +244,7 @@ def _dense(x, tw, local, valid, weights, act, on_input, cdt):
     return jnp.einsum("teh,te->th", y, r, precision=_EXACT)
 
 
-def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_num_experts, block_m):
+def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_num_experts, block_m, offset=0):
     t, k = topk_ids.shape
     aligned = moe_align_block_size(topk_ids.astype(jnp.int32), block_m, global_num_experts,
                                    expert_map, ignore_invalid_experts=True)
@@ -258,7 +258,7 @@ def _blocked(x, tw, topk_ids, weights, act, on_input, cdt, expert_map, global_nu
     def block(args):
         xr, e, wr, ok = args
         live = (e >= 0).astype(jnp.float32)
-        h, w2, b2, _ = expert_gemm1(weights, e, xr, cdt)
+        h, w2, b2, _ = expert_gemm1(weights, jnp.maximum(e, 0) + offset, xr, cdt)
         if on_input:
             h = h * wr[:, None]
         y = expert_gemm2(act(h), w2, b2, cdt)
@@ -332,28 +332,36 @@ def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, 
     gne = global_num_experts
     t, k = topk_ids.shape
     ex = executors.BY_NAME[executor]
-    if not ex.reads_stacks:
-        weights = at_layer(weights)
     if executor != "xla":
-        return ex.run(hidden_states, topk_weights, topk_ids, weights, expert_map, activation=activation,
+        return ex.run(hidden_states, topk_weights, topk_ids, weights if ex.reads_stacks else at_layer(weights),
+                      expert_map, activation=activation,
                       apply_router_weight_on_input=apply_router_weight_on_input, global_num_experts=gne,
                       block_m=block_m)
+    num_experts = at_layer(weights).num_experts          # static: no slice is traced for it
     if formulation is None:
-        formulation = choose_formulation(t, k, weights.num_experts)
+        formulation = choose_formulation(t, k, num_experts)
+    # The gather and blocked formulations take their experts straight from a stack of layers
+    # (layer l's expert e is expert l·E + e of the stack seen as L·E experts): slicing the layer
+    # out first would give XLA a whole layer to hoist out of the scan, or widen, for every layer.
+    offset = 0
+    if isinstance(weights, LayerStack) and formulation != "dense" and weights.has_expert_axis():
+        weights, _, offset = weights.as_experts()
+    else:
+        weights = at_layer(weights)
     cdt = jnp.dtype(compute_dtype or jnp.float32)
     if t == 0:
         return jnp.zeros_like(hidden_states)
     local, valid, bad = _local_ids(topk_ids, expert_map, gne)
     x = jnp.asarray(hidden_states)
     if formulation == "gather":
-        out = _gather(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
+        out = _gather(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt, offset)
     elif formulation == "dense":
         out = _dense(x, topk_weights, local, valid, weights, act, apply_router_weight_on_input, cdt)
     else:
-        bm = block_m or default_block_m(t, k, weights.num_experts)
+        bm = block_m or default_block_m(t, k, num_experts)
         ids = jnp.where(bad, 0, topk_ids.astype(jnp.int32))
         out = _blocked(x, topk_weights, ids, weights, act, apply_router_weight_on_input, cdt,
-                       expert_map, gne, bm)
+                       expert_map, gne, bm, offset)
     out = jnp.where(bad.any(axis=1)[:, None], jnp.nan, out)
     return out.astype(hidden_states.dtype)
 

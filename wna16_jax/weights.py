@@ -550,9 +550,18 @@ class LayerStack:
         i = jnp.asarray(self.index, jnp.int32)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.stacked)
 
+    def has_expert_axis(self) -> bool:
+        """Whether every array is ``[L, E, ...]`` with one ``E`` (an experts pytree without
+        per-tensor leaves such as a global scale), so that :meth:`as_experts` applies."""
+        leaves = jax.tree.leaves(self.stacked)
+        return all(a.ndim >= 2 for a in leaves) and len({int(a.shape[1]) for a in leaves}) == 1
+
     def as_experts(self) -> tuple[Any, int, Any]:
         """``(weights, E, offset)``: an experts pytree ``[L, E, ...]`` seen as one layer of ``L·E``
         experts (a reshape, no copy), the layer's ``E``, and the stack index of its expert 0."""
+        if not self.has_expert_axis():
+            raise ShapeError("stacked: as_experts needs every array to be [L, E, ...] with one E; got shapes "
+                             f"{[tuple(a.shape) for a in jax.tree.leaves(self.stacked)]}")
         e = int(jax.tree.leaves(self.stacked)[0].shape[1])
         flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), self.stacked)
         return flat, e, jnp.asarray(self.index, jnp.int32) * e
