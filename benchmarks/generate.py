@@ -156,12 +156,12 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
     max_len = prompt + new
     gen = G.Generator(model, batch_size=batch, max_len=max_len)
+    t0 = time.perf_counter()                                     # first call: compiling included
     temp = prefill_temp_bytes(model, batch, gen.bucket(prompt), max_len)
     free = _free_bytes()
     if free is not None and temp > free:
         raise MemoryError(f"the prefill program needs {temp / 2**30:.1f} GiB of temporaries; "
                           f"{free / 2**30:.1f} GiB are free")
-    t0 = time.perf_counter()
     gen.generate(prompts, 2)                                     # compile prefill + decode
     t_compile = time.perf_counter() - t0
     progs, leaves = G.programs(model)
@@ -343,6 +343,9 @@ def main(argv=None) -> int:
                     except Exception as ex:  # noqa: BLE001 - out of memory: report the row, go on
                         if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
                             raise
+                        stats = jax.devices()[0].memory_stats() or {}
+                        print("# memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in stats.items()
+                                                             if k.endswith("bytes") or "bytes_" in k), flush=True)
                         line = f"| {label} | {variant} | {b} | out of memory: {str(ex).splitlines()[0][:160]} |"
                         print(line, flush=True)
                         table.append(line)

@@ -150,32 +150,71 @@ def test_engine_reads_a_stack_in_place_gpu(t):
         np.testing.assert_array_equal(got, np.asarray(mm(x, ews[layer]).astype(jnp.float32)))
 
 
+def _scanned_model_matches_float32(path, check_engine: bool):
+    """A scanned bf16 model's prefill logits and greedy tokens against the same checkpoint's
+    unrolled float32 model (the reference), over 24 prompts of random lengths.
+
+    Tolerances. bf16 activations put a row's last-token logits typically 0.4–1.5% of its largest
+    reference logit away. A router near-tie that bf16 rounding tips the other way moves a row by
+    anything up to order one (3–75% seen on the CPU, 6 random models × 12 prompts: 4 of 72 rows of
+    the scanned model and 5 of 72 of the unrolled one beyond 3%), so no bound holds for every
+    row and the two bf16 models are not compared with each other. Instead, at least two thirds
+    of the rows must be within 3%: a layer that reads another layer's weights, or a cache row
+    written to the wrong layer, moves every row by order one. Greedy tokens: at least 75% of the
+    tokens the scanned model picks must be within 5% (of the row's largest logit) of the
+    reference's best logit for the same prefix (a wrong model picks such a token by chance
+    rarely: a few of 512 tokens)."""
+    from wna16_jax.convert.wgmma import WgmmaWeights
+    from wna16_jax.models import Generator, load_model
+    from wna16_jax.models.linear import WgmmaLinearWeights
+
+    scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
+    reference_model = load_model(path, dtype=jnp.float32, scan_layers=False)
+    if check_engine:
+        layer = scanned.layer_modules()[1]
+        assert isinstance(layer.mlp.expert_weights(), WgmmaWeights)
+        assert isinstance(layer.self_attn.q_proj.weight.get_value(), WgmmaLinearWeights)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 512, n).tolist() for n in rng.integers(3, 21, 24)]
+    ref = Generator(reference_model, batch_size=len(prompts), max_len=64).prefill_logits(prompts)
+    got = Generator(scanned, batch_size=len(prompts), max_len=64).prefill_logits(prompts)
+    assert np.isfinite(got).all()
+    err = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
+    assert (err <= 3e-2).mean() >= 2 / 3, err
+    new = 8
+    tokens = Generator(scanned, batch_size=len(prompts), max_len=64).generate(prompts, new)
+    assert all(len(t) == new for t in tokens)
+    prefixes = [p + t[:j] for p, t in zip(prompts, tokens) for j in range(new)]
+    ref_next = Generator(reference_model, batch_size=len(prefixes), max_len=64).prefill_logits(prefixes)
+    chosen = np.array([t[j] for t in tokens for j in range(new)])
+    gap = ref_next.max(axis=1) - ref_next[np.arange(len(chosen)), chosen]
+    near = gap <= 5e-2 * np.abs(ref_next).max(axis=1)
+    assert near.mean() >= 0.75, (near.mean(), gap.max())
+
+
+def _tiny_qwen3(path):
+    from wna16_jax.models import write_random_model
+    from wna16_jax.schemes import QuantScheme
+
+    write_random_model(path, model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False), vocab_size=512,
+                       hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8,
+                       top_k=2, moe_intermediate_size=128, intermediate_size=256,
+                       seed=int(np.random.default_rng().integers(1 << 30)))
+    return path
+
+
+def test_scanned_model_matches_float32_cpu(tmp_path):
+    """The scanned model on the XLA executor, against the unrolled float32 model."""
+    _scanned_model_matches_float32(_tiny_qwen3(str(tmp_path / "m")), check_engine=False)
+
+
 @gpu
 @needs_hopper
 def test_scanned_model_on_the_engine_gpu(tmp_path):
     """A Qwen3-MoE-shaped model (GPTQ int4 g128) on Hopper, its layers scanned: the attention
-    projections and experts stay in the wgmma layout, read in place from the stacks, and the
-    logits and greedy tokens are the unrolled model's."""
-    from wna16_jax.convert.wgmma import WgmmaWeights
-    from wna16_jax.models import Generator, load_model, write_random_model
-    from wna16_jax.models.linear import WgmmaLinearWeights
-    from wna16_jax.schemes import QuantScheme
-
-    path = str(tmp_path / "m")
-    write_random_model(path, model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False), vocab_size=512,
-                       hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8,
-                       top_k=2, moe_intermediate_size=128, intermediate_size=256, seed=int(np.random.default_rng().integers(1 << 30)))
-    unrolled = load_model(path, dtype=jnp.bfloat16)
-    scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
-    layer = scanned.layer_modules()[1]
-    assert isinstance(layer.mlp.expert_weights(), WgmmaWeights)
-    assert isinstance(layer.self_attn.q_proj.weight.get_value(), WgmmaLinearWeights)
-    prompts = [[5, 17, 3, 88, 41, 9, 60, 2], [7, 300, 11]]
-    a = Generator(unrolled, batch_size=2, max_len=64).prefill_logits(prompts)
-    b = Generator(scanned, batch_size=2, max_len=64).prefill_logits(prompts)
-    assert np.isfinite(b).all() and np.abs(a - b).max() <= 2e-2 * np.abs(a).max(), np.abs(a - b).max()
-    want = Generator(unrolled, batch_size=2, max_len=64).generate(prompts, 16)
-    assert Generator(scanned, batch_size=2, max_len=64).generate(prompts, 16) == want
+    projections and experts stay in the wgmma layout, read in place from the stacks, and its
+    logits and greedy tokens agree with the unrolled float32 model's."""
+    _scanned_model_matches_float32(_tiny_qwen3(str(tmp_path / "m")), check_engine=True)
 
 
 def test_layer_index_is_checked_where_concrete():
