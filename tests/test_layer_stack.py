@@ -3,8 +3,9 @@
 The wgmma kernels read a stack in place (layer ``l``'s expert ``e`` is expert ``l·E + e``; a
 dense linear's row blocks all name expert ``l``), so the result must be exactly the one layer's:
 the same GEMMs on the same values, only the expert indices moved. On the CPU the kernels are
-replaced by their jnp references; on a Hopper GPU the kernels run. Every other executor reads
-``at_layer()``. Fresh random weights and routing per test, the layer index traced."""
+replaced by their jnp references; on a Hopper GPU the kernels run. The XLA executor reads the
+stack's experts by the same index (gather, blocked) or ``at_layer()`` (dense), with the same
+result as on the one layer. Fresh random weights and routing per test, the layer index traced."""
 
 import functools
 

@@ -539,7 +539,8 @@ class LayerStack:
     the layers). :meth:`at_layer` is the one layer's weights. The wgmma engine reads the stack
     itself (layer ``l``'s expert ``e`` is expert ``l·E + e`` of the stack seen as ``L·E``
     experts), so a scanned decoder's kernels read the weights where they lie instead of a copy
-    of the layer's slice; every other executor takes :meth:`at_layer`, which XLA fuses into the
+    of the layer's slice, and so do the XLA executor's gather and blocked formulations
+    (:meth:`as_experts`); the rest take :meth:`at_layer`, which XLA fuses into the
     dequantization that reads it."""
 
     stacked: Any
