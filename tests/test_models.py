@@ -525,6 +525,60 @@ def test_deep_uniform_models_are_scanned_by_default(tmp_path):
     assert not _quiet_load(mixed, dtype=jnp.float32).scan_layers
 
 
+def test_scanned_load_stacks_layer_by_layer(tmp_path, monkeypatch):
+    """A scanned model is stacked while it loads: after each layer is written into the stacks,
+    the live arrays are the stacks plus about one layer (not every layer held until the end),
+    and the stacked state is exactly what stacking the unrolled model's layers gives (values,
+    dtypes and the ``"layers"`` sharding name). A layer that turns out different falls back to
+    the unrolled model under ``scan_layers=None`` and is refused under ``scan_layers=True``."""
+    from wna16_jax.models import decoder as D
+
+    path = str(tmp_path / "deep")
+    write_random_model(path, model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=D.SCAN_MIN_LAYERS,
+                       seed=int(np.random.default_rng().integers(1 << 30)), **TINY)
+    unrolled = _quiet_load(path, dtype=jnp.float32, scan_layers=False)
+    layer_bytes = sum(a.nbytes for a in jax.tree.leaves(nnx.state(unrolled.layers[0])))
+    stack_bytes = D.SCAN_MIN_LAYERS * layer_bytes
+    del unrolled
+    seen, add = [], D._LayerStacker.add
+
+    def recording_add(self, layer):
+        ok = add(self, layer)
+        seen.append(sum(a.nbytes for a in jax.live_arrays()))
+        return ok
+
+    monkeypatch.setattr(D._LayerStacker, "add", recording_add)
+    base = sum(a.nbytes for a in jax.live_arrays())
+    scanned = _quiet_load(path, dtype=jnp.float32)
+    assert scanned.scan_layers and len(seen) == D.SCAN_MIN_LAYERS
+    grown = np.array(seen) - base
+    assert (grown <= stack_bytes + 3 * layer_bytes).all(), (grown, stack_bytes, layer_bytes)
+    monkeypatch.setattr(D._LayerStacker, "add", add)
+
+    unrolled = _quiet_load(path, dtype=jnp.float32, scan_layers=False)
+    graph, want = D._stacked_layers(list(unrolled.layers))
+    got_leaves, want_leaves = jax.tree.leaves(scanned.stacked_layers), jax.tree.leaves(want)
+    assert jax.tree.structure(scanned.stacked_layers) == jax.tree.structure(want)
+    for a, b in zip(got_leaves, want_leaves):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    specs = [v.get_metadata().get(D.SHARDING_KEY) for v in jax.tree.leaves(
+        scanned.stacked_layers, is_leaf=lambda v: isinstance(v, nnx.Variable)) if isinstance(v, nnx.Variable)]
+    named = [sp for sp in specs if sp is not None]
+    assert named and all(sp[0] == "layers" for sp in named)
+
+    def refuse_fourth(self, layer):
+        return False if self.count == 3 else add(self, layer)
+
+    monkeypatch.setattr(D._LayerStacker, "add", refuse_fourth)
+    fallback = _quiet_load(path, dtype=jnp.float32)
+    assert not fallback.scan_layers and len(fallback.layers) == D.SCAN_MIN_LAYERS
+    for a, b in zip(jax.tree.leaves(nnx.state(fallback.layers)), jax.tree.leaves(nnx.state(unrolled.layers))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ConfigError, match="scan_layers: decoder layer 3 differs"):
+        _quiet_load(path, dtype=jnp.float32, scan_layers=True)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -206,7 +206,8 @@ class MoEDecoder(nnx.Module):
         self.lm_head = lm_head
         self.scan_layers = bool(scan_layers)
         if self.scan_layers:
-            self.layer_graph, stacked = _stacked_layers(list(layers))
+            self.layer_graph, stacked = (layers.finish() if isinstance(layers, _LayerStacker)
+                                         else _stacked_layers(list(layers)))
             self.stacked_layers = nnx.data(stacked)
             self.layers = nnx.List([])
         else:
@@ -288,43 +289,77 @@ class MoEDecoder(nnx.Module):
 SCAN_MIN_LAYERS = 8
 
 
-def _first_different_layer(layers: list) -> int | None:
-    """The first layer whose graph, state tree, shapes or dtypes differ from layer 0's (None: all
-    alike, so they stack)."""
-    graph, first = nnx.split(layers[0])
-    leaves0 = jax.tree.leaves(first)
-    for i, layer in enumerate(layers[1:], 1):
-        g, st = nnx.split(layer)
-        leaves = jax.tree.leaves(st)
-        if g != graph or jax.tree.structure(st) != jax.tree.structure(first) or any(
-                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, leaves0)):
-            return i
-    return None
+def _write_layer(stack, x, i):
+    return jax.lax.dynamic_update_index_in_dim(stack, jnp.asarray(x, stack.dtype), i, 0)
+
+
+_write_layer_jit = jax.jit(_write_layer, donate_argnums=0)
+
+
+class _LayerStacker:
+    """Alike decoder layers stacked as they are built: each layer's arrays are written in place
+    into stacks ``[L, ...]`` allocated at the first layer, and the layer can then be dropped, so
+    loading a scanned model holds the stacks and one layer rather than every layer twice."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = int(num_layers)
+        self.count = 0
+        self.graph = self.treedef = None
+        self.stacks: list = []
+
+    def add(self, layer) -> bool:
+        """Write ``layer`` into the stacks; False (nothing written) when its graph, state tree,
+        shapes or dtypes differ from the first layer's."""
+        graph, state = nnx.split(layer)
+        leaves, treedef = jax.tree.flatten(state)
+        if self.count == 0:
+            self.graph, self.treedef = graph, treedef
+            self.stacks = [jnp.zeros((self.num_layers,) + tuple(a.shape), a.dtype) for a in leaves]
+        elif graph != self.graph or treedef != self.treedef or any(
+                s.shape[1:] != tuple(a.shape) or s.dtype != a.dtype for s, a in zip(self.stacks, leaves)):
+            return False
+        if self.count >= self.num_layers:
+            raise ConfigError(f"scan_layers: more than the {self.num_layers} layers the stacks were made for")
+        i = jnp.int32(self.count)
+        with warnings.catch_warnings():          # backends that cannot donate copy instead
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            self.stacks = [_write_layer_jit(s, a, i) for s, a in zip(self.stacks, leaves)]
+        self.count += 1
+        return True
+
+    def layers(self) -> list:
+        """The layers written so far as modules (each rebuilt from its slice of the stacks)."""
+        return [nnx.merge(self.graph, jax.tree.unflatten(self.treedef, [s[i] for s in self.stacks]))
+                for i in range(self.count)]
+
+    def finish(self) -> tuple[Any, Any]:
+        """``(graphdef, state)`` of the stacked layers (partition metadata gains a leading
+        ``"layers"`` name)."""
+        if self.count != self.num_layers:
+            raise ConfigError(f"scan_layers: {self.count} of {self.num_layers} layers were stacked")
+
+        def relabel(v):
+            if not isinstance(v, nnx.Variable):
+                return v
+            meta = dict(v.get_metadata())
+            if meta.get(SHARDING_KEY) is not None:
+                meta[SHARDING_KEY] = ("layers",) + tuple(meta[SHARDING_KEY])
+            return type(v)(v.get_value(), **meta)
+
+        state = jax.tree.unflatten(self.treedef, self.stacks)
+        return self.graph, jax.tree.map(relabel, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 def _stacked_layers(layers: list) -> tuple[Any, Any]:
     """``(graphdef, state)`` of identical decoder layers with every array stacked on a new leading
     axis (the layer axis; partition metadata gains a leading ``"layers"`` name)."""
-    graph, first = nnx.split(layers[0])
-    states = [first]
-    i = _first_different_layer(layers)
-    if i is not None:
-        raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes or "
-                          "dtypes (dense and sparse layers mixed, or layers of different layouts); "
-                          "load with scan_layers=False")
-    states += [nnx.split(layer)[1] for layer in layers[1:]]
-
-    def stack(*vs):
-        if isinstance(vs[0], nnx.Variable):
-            meta = dict(vs[0].get_metadata())
-            if meta.get(SHARDING_KEY) is not None:
-                meta[SHARDING_KEY] = ("layers",) + tuple(meta[SHARDING_KEY])
-            value = jax.tree.map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *[v.get_value() for v in vs])
-            return type(vs[0])(value, **meta)
-        return jnp.stack([jnp.asarray(v) for v in vs])
-
-    stacked = jax.tree.map(stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return graph, stacked
+    stacker = _LayerStacker(len(layers))
+    for i, layer in enumerate(layers):
+        if not stacker.add(layer):
+            raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes or "
+                              "dtypes (dense and sparse layers mixed, or layers of different layouts); "
+                              "load with scan_layers=False")
+    return stacker.finish()
 
 
 # --------------------------------------------------------------------------- loading
@@ -411,6 +446,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     minute), the quantized weights read in place from the stacks, the KV cache one ``(k, v)`` pair stacked per
     layer; every layer must have the same structure (not configs that mix dense and sparse
     layers), and ``model.layers`` is then empty (:meth:`MoEDecoder.layer_modules` rebuilds them).
+    The stacks are filled as the layers load, so the load holds the stacks and about one layer.
     ``None`` (default): scanned when there are at least :data:`SCAN_MIN_LAYERS` layers and all
     have the same structure, unrolled otherwise.
 
@@ -446,8 +482,13 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     def norm(name, size):
         return RMSNorm(tensors.float_tensor(name, (size,)), c.rms_norm_eps, param_dtype=param_dtype)
 
-    layers = []
+    layers: list = []
     fallback: list[str] = []
+    # Scanned models are stacked as their layers are built (the load then holds the stacks and one
+    # layer); scan_layers=None tries it when the config makes every layer alike.
+    alike = len(set(c.sparse_layers)) == 1
+    stacker = (_LayerStacker(c.num_layers) if scan_layers or (scan_layers is None and alike
+                                                              and c.num_layers >= SCAN_MIN_LAYERS) else None)
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         attn = Attention(
@@ -470,8 +511,17 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
             inter = c.intermediate_size
             mlp = GatedMLP(lin(f"{p}.mlp.gate_proj", inter, h), lin(f"{p}.mlp.up_proj", inter, h),
                            lin(f"{p}.mlp.down_proj", h, inter))
-        layers.append(DecoderLayer(norm(f"{p}.input_layernorm.weight", h), attn,
-                                   norm(f"{p}.post_attention_layernorm.weight", h), mlp))
+        layer = DecoderLayer(norm(f"{p}.input_layernorm.weight", h), attn,
+                             norm(f"{p}.post_attention_layernorm.weight", h), mlp)
+        if stacker is not None:
+            if stacker.add(layer):
+                continue
+            if scan_layers:
+                raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes "
+                                  "or dtypes (dense and sparse layers mixed, or layers of different layouts); "
+                                  "load with scan_layers=False")
+            layers, stacker = stacker.layers(), None          # not alike after all: unrolled
+        layers.append(layer)
     embed = tensors.float_tensor("model.embed_tokens.weight", (c.vocab_size, h))
     if param_dtype is not None:
         embed = embed.astype(param_dtype)
@@ -480,10 +530,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         lm_head = lin("lm_head", c.vocab_size, h)
     if fallback:
         warnings.warn(f"{len(fallback)} MoE layer(s): {fallback[0]}", stacklevel=2)
-    if scan_layers is None:
-        scan_layers = len(layers) >= SCAN_MIN_LAYERS and _first_different_layer(layers) is None
-    return MoEDecoder(c, jnp.asarray(embed), layers, norm("model.norm.weight", h), lm_head, dtype=dtype,
-                      scan_layers=scan_layers)
+    return MoEDecoder(c, jnp.asarray(embed), layers if stacker is None else stacker, norm("model.norm.weight", h),
+                      lm_head, dtype=dtype, scan_layers=stacker is not None)
 
 
 __all__ = ["MoEDecoder", "DecoderLayer", "Attention", "GatedMLP", "RMSNorm", "load_model", "apply_rope",
