@@ -5,11 +5,11 @@
 
 ``DIR`` is a source tree (``wna16_jax/``, ``pallas_kernels/``, ``benchmarks/``), e.g. an older
 commit unpacked with ``git archive TAG | tar -x -C DIR``. The two trees cannot share one Python
-process (they are the same packages), so each runs in its own worker process, with that tree
-first on its path; both build and compile a row's programs at the same time, then this process
-asks them for timed runs in turn — one differential pair of the before tree, one of the after
-tree, alternating which goes first — so the GPU is never shared while a run is timed and a drift
-of its clocks touches both columns alike. Each worker builds the layer exactly as that tree's
+process (they are the same packages), so each tree runs in worker processes with that tree first
+on their path, one per layer timed (AWQ, GPTQ): the four build and compile a row's programs at
+the same time, then this process asks them for timed runs in turn — one differential pair of the
+before tree, one of the after tree, alternating which goes first — so the GPU is never shared
+while a run is timed and a drift of its clocks touches both columns alike. Each worker builds the layer exactly as that tree's
 ``benchmarks/moe_engine.py`` does (same seed, same weights, same routings; W4A16 group 128, AWQ
 with zero points and GPTQ symmetric, bf16 activations) and checks its output against a float32
 XLA evaluation before timing. µs per layer = median over ``--samples`` pairs of
@@ -32,7 +32,7 @@ ALTS = ("wgmma AWQ", "wgmma GPTQ")
 
 # --------------------------------------------------------------------------- worker (one tree)
 
-def _worker(interpret=False):
+def _worker(alt, interpret=False):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -60,28 +60,31 @@ def _worker(interpret=False):
                 if key not in weights:
                     weights.clear()
                     built.clear()
-                    tiles = jax.jit(me.convert_tiles)(me.random_checkpoint_weights(rng, me.AWQ, e, h, i).to_jax())
-                    gtiles = jax.jit(me.convert_tiles)(me.random_checkpoint_weights(rng, me.GPTQ, e, h, i).to_jax())
-                    wg = (lambda w: w) if interpret else jax.jit(convert_wgmma)
-                    weights[key] = {"wgmma AWQ": (tiles, wg(tiles)), "wgmma GPTQ": (gtiles, wg(gtiles))}
+                    # both layers' weights drawn, in moe_engine.py's order, so every worker holds
+                    # the same data; this worker lays out and times its own
+                    drawn = {"wgmma AWQ": me.random_checkpoint_weights(rng, me.AWQ, e, h, i)}
+                    drawn["wgmma GPTQ"] = me.random_checkpoint_weights(rng, me.GPTQ, e, h, i)
+                    ckpt = drawn.pop(alt)
+                    del drawn
+                    tl = jax.jit(me.convert_tiles)(ckpt.to_jax())
+                    weights[key] = (tl, tl if interpret else jax.jit(convert_wgmma)(tl))
                 x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
                 routed = [me.routing.fused_topk(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k,
                                                 renormalize=True) for _ in range(reps)]
                 tw_all = jnp.stack([r[0] for r in routed])
                 ids_all = jnp.stack([r[1] for r in routed])
-                errs, t0 = {}, time.perf_counter()
-                for alt, (tl, wg) in weights[key].items():
-                    fn = me.engine() if interpret else me.engine(kernel="wgmma")
-                    wg = tl if interpret else wg
-                    ref = jax.jit(lambda x, tw, ids, w: me.fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))(
-                        x.astype(jnp.float32), tw_all[0], ids_all[0], tl)
-                    got = jax.jit(fn)(x, tw_all[0], ids_all[0], wg).astype(jnp.float32)
-                    errs[alt] = float(jnp.abs(got - ref).max()) / float(jnp.abs(ref).max())
-                    built[(key, t, alt)] = me.runner(fn, x, tw_all, ids_all, (wg,), reps)
-                reply({"ok": True, "errs": errs, "build_s": time.perf_counter() - t0,
+                t0 = time.perf_counter()
+                tl, wg = weights[key]
+                fn = me.engine() if interpret else me.engine(kernel="wgmma")
+                ref = jax.jit(lambda x, tw, ids, w: me.fused_moe(x, tw, ids, w, compute_dtype=jnp.float32))(
+                    x.astype(jnp.float32), tw_all[0], ids_all[0], tl)
+                got = jax.jit(fn)(x, tw_all[0], ids_all[0], wg).astype(jnp.float32)
+                err = float(jnp.abs(got - ref).max()) / float(jnp.abs(ref).max())
+                built[(key, t)] = me.runner(fn, x, tw_all, ids_all, (wg,), reps)
+                reply({"ok": True, "err": err, "build_s": time.perf_counter() - t0,
                        "floor_us": me.floor_us(ids_all, h, i, t, k)})
             elif cmd["op"] == "time":
-                reply({"ok": True, "s": built[(cmd["key"], cmd["tokens"], cmd["alt"])]()})
+                reply({"ok": True, "s": built[(cmd["key"], cmd["tokens"])]()})
             elif cmd["op"] == "quit":
                 return
         except Exception as ex:  # noqa: BLE001 - reported to the parent, which prints it
@@ -91,10 +94,12 @@ def _worker(interpret=False):
 # --------------------------------------------------------------------------- parent
 
 class Tree:
-    def __init__(self, name, path, interpret=False):
+    """One worker process: one source tree, one of :data:`ALTS`."""
+
+    def __init__(self, name, path, alt, interpret=False):
         env = dict(os.environ, PYTHONPATH=os.path.abspath(path), PYTHONUNBUFFERED="1")
-        self.name = name
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"]
+        self.name, self.alt = name, alt
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", alt]
                                      + (["interpret"] if interpret else []), env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -105,7 +110,7 @@ class Tree:
     def recv(self):
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{self.name} worker exited (rc {self.proc.wait()})")
+            raise RuntimeError(f"{self.name} {self.alt} worker exited (rc {self.proc.wait()})")
         return json.loads(line)
 
     def ask(self, **cmd):
@@ -135,40 +140,43 @@ def main(argv=None):
         if key not in defaults:
             raise SystemExit(f"--rows: unknown shape {key!r} (have {sorted(defaults)})")
         rows += [(key, int(t)) for t in (toks.split(",") if toks else defaults[key])]
-    trees = [Tree("before", args.before, args.interpret), Tree("after", args.after, args.interpret)]
+    # four workers (two trees × AWQ / GPTQ) compile each row at once; their timed runs take turns
+    workers = {(name, alt): Tree(name, path, alt, args.interpret)
+               for alt in ALTS for name, path in (("before", args.before), ("after", args.after))}
     header = ("| row | tokens | floor µs | before AWQ µs | after AWQ µs | AWQ after / before | before GPTQ µs "
               "| after GPTQ µs | GPTQ after / before | rel err before / after |")
     lines = [header, "|" + "---|" * 10]
     print(header, flush=True)
     for key, t in rows:
         reps = args.reps if t <= 64 else max(3, args.reps // 4)
-        for tr in trees:                                     # both compile at once
-            tr.send(op="build", key=key, tokens=t, reps=reps)
-        built = [tr.recv() for tr in trees]
-        bad = [f"{tr.name}: {b['error']}" for tr, b in zip(trees, built) if not b["ok"]]
+        for w in workers.values():                           # all compile at once
+            w.send(op="build", key=key, tokens=t, reps=reps)
+        built = {kw: w.recv() for kw, w in workers.items()}
+        bad = [f"{n} {a}: {b['error']}" for (n, a), b in built.items() if not b["ok"]]
         if bad:
             print(f"# {key} {t}: " + "; ".join(bad), flush=True)
             continue
-        samples = {(tr.name, alt): [] for tr in trees for alt in ALTS}
+        samples = {kw: [] for kw in workers}
         for s in range(args.samples):
             for alt in ALTS:
-                for tr in (trees if s % 2 == 0 else trees[::-1]):
-                    r = tr.ask(op="time", key=key, tokens=t, alt=alt)
+                for name in (("before", "after") if s % 2 == 0 else ("after", "before")):
+                    r = workers[(name, alt)].ask(op="time", key=key, tokens=t)
                     if not r["ok"]:
-                        raise SystemExit(f"{tr.name} {key} {t} {alt}: {r['error']}")
-                    samples[(tr.name, alt)].append(r["s"])
-        us = {k: statistics.median(v) / reps * 1e6 for k, v in samples.items()}
-        errs = " / ".join(f"{max(b['errs'].values()):.1e}" for b in built)
+                        raise SystemExit(f"{name} {key} {t} {alt}: {r['error']}")
+                    samples[(name, alt)].append(r["s"])
+        us = {kw: statistics.median(v) / reps * 1e6 for kw, v in samples.items()}
+        errs = " / ".join(f"{max(built[(n, a)]['err'] for a in ALTS):.1e}" for n in ("before", "after"))
         cells = []
         for alt in ALTS:
             b, a = us[("before", alt)], us[("after", alt)]
             cells += [f"{b:.1f}", f"{a:.1f}", f"{a / b:.3f}"]
-        line = f"| {key} | {t} | {built[1]['floor_us']:.1f} | " + " | ".join(cells) + f" | {errs} |"
+        floor = built[("after", ALTS[0])]["floor_us"]
+        line = f"| {key} | {t} | {floor:.1f} | " + " | ".join(cells) + f" | {errs} |"
         lines.append(line)
-        print(line + f"   (build {built[0]['build_s']:.0f} / {built[1]['build_s']:.0f} s)", flush=True)
-    for tr in trees:
-        tr.send(op="quit")
-        tr.proc.wait(timeout=60)
+        print(line + f"   (build {max(b['build_s'] for b in built.values()):.0f} s)", flush=True)
+    for w in workers.values():
+        w.send(op="quit")
+        w.proc.wait(timeout=60)
     if args.append:
         import jax
 
@@ -181,6 +189,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        _worker(interpret=sys.argv[2:] == ["interpret"])
+        _worker(sys.argv[2], interpret=sys.argv[3:] == ["interpret"])
     else:
         main()
