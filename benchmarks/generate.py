@@ -207,6 +207,9 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     t_bare = step_time(*G.programs(without_moe(model))) if moe_share else float("nan")
     floor = touched_bytes(model, batch) / bandwidth
     in_use, peak = _memory()
+    if in_use is not None and in_use > 1.05 * _nbytes(nnx.state(model)) + 2**30:
+        print_live_arrays(f"batch {batch}: {in_use / 2**30:.1f} GiB in use, "
+                          f"{_nbytes(nnx.state(model)) / 2**30:.1f} GiB of it the model's")
     return {"batch": batch, "compile_s": t_compile, "prefill_ms": t_prefill * 1e3, "decode_tps": decode_tps,
             "step_ms": t_step * 1e3,
             "floor_ms": floor * 1e3, "moe_share": 1.0 - t_bare / t_step, "in_use": in_use, "peak": peak}
@@ -231,6 +234,13 @@ def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int,
         for shape, nbytes in sorted(seen.items(), key=lambda kv: -kv[1])[:show]:
             print(f"#     {nbytes / 2**30:8.2f} GiB  {shape}", flush=True)
     return temp
+
+
+def print_live_arrays(title: str, show: int = 6) -> None:
+    """The largest arrays alive in this process (what holds device memory beyond the model)."""
+    live = sorted(jax.live_arrays(), key=lambda a: -a.nbytes)[:show]
+    print(f"# {title}; largest live arrays: " + ", ".join(
+        f"{a.dtype}{list(a.shape)} {a.nbytes / 2**30:.2f} GiB" for a in live), flush=True)
 
 
 def _free_bytes() -> int | None:
@@ -343,6 +353,7 @@ def main(argv=None) -> int:
                     except Exception as ex:  # noqa: BLE001 - out of memory: report the row, go on
                         if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
                             raise
+                        print_live_arrays("out of memory")
                         stats = jax.devices()[0].memory_stats() or {}
                         print("# memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in stats.items()
                                                              if k.endswith("bytes") or "bytes_" in k), flush=True)
