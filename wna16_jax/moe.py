@@ -337,7 +337,7 @@ def _fused_moe_body(hidden_states, topk_weights, topk_ids, weights, expert_map, 
                       expert_map, activation=activation,
                       apply_router_weight_on_input=apply_router_weight_on_input, global_num_experts=gne,
                       block_m=block_m)
-    num_experts = at_layer(weights).num_experts          # static: no slice is traced for it
+    num_experts = jax.eval_shape(at_layer, weights).num_experts      # the layer's E, from shapes only
     if formulation is None:
         formulation = choose_formulation(t, k, num_experts)
     # The gather and blocked formulations take their experts straight from a stack of layers
