@@ -256,3 +256,20 @@ def test_sharding_benchmark_tiny_on_two_cpu_devices(tmp_path):
         assert c["executor"] == "xla" and c["us"] > 0 and c["err"] <= 2.0 ** -8, (design, c)
         assert (c["comm"] is None) == (design == "one GPU"), (design, c)
     assert "| tiny | 5 |" in (tmp_path / "R.md").read_text()
+
+
+def test_before_after_on_cpu(tmp_path):
+    """benchmarks/before_after.py with this tree as both sides (interpret mode, the tiny shape):
+    four workers build the same layers from the same data (equal errors, within the engine's
+    check), and the table is appended."""
+    import os
+
+    from benchmarks import before_after
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(before_after.__file__)))
+    out_md = tmp_path / "RESULTS.md"
+    before_after.main(["--before", root, "--after", root, "--rows", "tiny:1", "--interpret", "--reps", "2",
+                       "--samples", "1", "--append", str(out_md)])
+    row = next(line for line in out_md.read_text().splitlines() if line.startswith("| tiny"))
+    before, after = (float(v) for v in row.rstrip(" |").rsplit("|", 1)[1].split("/"))
+    assert before == after and before < 2e-2, row
