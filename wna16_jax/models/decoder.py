@@ -312,11 +312,12 @@ class _LayerStacker:
         shapes or dtypes differ from the first layer's."""
         graph, state = nnx.split(layer)
         leaves, treedef = jax.tree.flatten(state)
+        dtypes = [jax.dtypes.canonicalize_dtype(a.dtype) for a in leaves]     # as jnp.asarray stores them
         if self.count == 0:
             self.graph, self.treedef = graph, treedef
-            self.stacks = [jnp.zeros((self.num_layers,) + tuple(a.shape), a.dtype) for a in leaves]
+            self.stacks = [jnp.zeros((self.num_layers,) + tuple(a.shape), d) for a, d in zip(leaves, dtypes)]
         elif graph != self.graph or treedef != self.treedef or any(
-                s.shape[1:] != tuple(a.shape) or s.dtype != a.dtype for s, a in zip(self.stacks, leaves)):
+                s.shape[1:] != tuple(a.shape) or s.dtype != d for s, a, d in zip(self.stacks, leaves, dtypes)):
             return False
         if self.count >= self.num_layers:
             raise ConfigError(f"scan_layers: more than the {self.num_layers} layers the stacks were made for")
