@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -139,13 +137,16 @@ def _median_s(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _memory() -> tuple[int | None, int | None]:
+def _stats() -> dict:
+    """The device's memory statistics (empty where the platform keeps none)."""
     try:
-        stats = jax.devices()[0].memory_stats()
+        return jax.devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - platforms without stats
-        stats = None
-    if not stats:
-        return None, None
+        return {}
+
+
+def _memory() -> tuple[int | None, int | None]:
+    stats = _stats()
     return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
 
 
@@ -215,10 +216,10 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
             "floor_ms": floor * 1e3, "moe_share": 1.0 - t_bare / t_step, "in_use": in_use, "peak": peak}
 
 
-def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int, *, show: int = 6) -> int:
-    """Compile the prefill program for ``[batch, bucket]`` prompts (nothing runs) and return its
-    temporary bytes (XLA's memory analysis); prints them and the largest arrays of the compiled
-    program when they pass 1 GiB, so a program that would run out of memory is seen before it runs."""
+def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int) -> int:
+    """Compile the prefill program for ``[batch, bucket]`` prompts (nothing runs), print and
+    return its temporary bytes (XLA's memory analysis), so a program whose own buffers would not
+    fit is refused before it runs."""
     progs, leaves = G.programs(model)
     tokens = jnp.zeros((batch, bucket), jnp.int32)
     lengths = jnp.full((batch,), bucket, jnp.int32)
@@ -226,13 +227,6 @@ def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int,
                                    max_len=max_len, sample=False).compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)
     print(f"#   prefill [{batch}, {bucket}]: {temp / 2**30:.2f} GiB of temporaries", flush=True)
-    if temp > 2**30:
-        sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
-        seen = {}
-        for dt, dims in re.findall(r"\b(f32|bf16|f16|s32|u32|s8|u8|pred)\[([0-9,]+)\]", compiled.as_text()):
-            seen[f"{dt}[{dims}]"] = sizes[dt] * math.prod(int(d) for d in dims.split(","))
-        for shape, nbytes in sorted(seen.items(), key=lambda kv: -kv[1])[:show]:
-            print(f"#     {nbytes / 2**30:8.2f} GiB  {shape}", flush=True)
     return temp
 
 
@@ -244,7 +238,7 @@ def print_live_arrays(title: str, show: int = 6) -> None:
 
 
 def _free_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = _stats()
     if "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
@@ -354,9 +348,8 @@ def main(argv=None) -> int:
                         if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
                             raise
                         print_live_arrays("out of memory")
-                        stats = jax.devices()[0].memory_stats() or {}
-                        print("# memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in stats.items()
-                                                             if k.endswith("bytes") or "bytes_" in k), flush=True)
+                        print("# memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in _stats().items()
+                                                             if "bytes" in k), flush=True)
                         line = f"| {label} | {variant} | {b} | out of memory: {str(ex).splitlines()[0][:160]} |"
                         print(line, flush=True)
                         table.append(line)
