@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_conv.add_argument("--tp-size", type=int, default=1)
     p_conv.add_argument("--tp-rank", type=int, default=0)
     p_gen = sub.add_parser("generate", help="generate text with the whole quantized model (Qwen3-MoE, Qwen2-MoE, "
-                                            "Mixtral), streaming the new tokens")
+                                            "Mixtral, DeepSeek-V2 / V3), streaming the new tokens")
     p_gen.add_argument("path")
     p_gen.add_argument("--prompt", default=None, help="prompt text (needs the checkpoint's tokenizer.json and the "
                                                       "'tokenizers' package)")

@@ -1,4 +1,4 @@
-"""Whole quantized MoE decoders (Qwen3-MoE, Qwen2-MoE, Mixtral) in Flax NNX, and generation.
+"""Whole quantized MoE decoders (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2 / V3) in Flax NNX, and generation.
 
 ::
 

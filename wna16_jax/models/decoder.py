@@ -1,13 +1,15 @@
 """Whole quantized MoE decoders in Flax NNX: :class:`MoEDecoder` and :func:`load_model`.
 
-One decoder class covers the Qwen3-MoE, Qwen2-MoE and Mixtral families; :class:`DecoderConfig`
-(from ``config.json``) switches the family's details on and off:
+One decoder class covers the Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V2 / V3 families;
+:class:`DecoderConfig` (from ``config.json``) switches the family's details on and off:
 
-* attention: grouped-query attention with rotary embeddings (``rope_theta``, linear scaling),
-  queries / keys normed per head (Qwen3), q/k/v biases (Qwen2), Mixtral's sliding window;
-* MLPs: :class:`wna16_jax.nn.QuantizedMoE` on the MoE layers (router, top-k, shared expert and
-  its sigmoid gate as the checkpoint has them), a gated SiLU MLP on the dense ones
-  (``decoder_sparse_step`` / ``mlp_only_layers``);
+* attention: grouped-query attention with rotary embeddings (``rope_theta``, linear or YaRN
+  scaling), queries / keys normed per head (Qwen3), q/k/v biases (Qwen2), Mixtral's sliding
+  window; DeepSeek's multi-head latent attention (:class:`LatentAttention`, a latent KV cache);
+* MLPs: :class:`wna16_jax.nn.QuantizedMoE` on the MoE layers (router, top-k, shared experts and
+  Qwen2's sigmoid gate as the checkpoint has them, DeepSeek's grouped top-k with its
+  score-correction bias), a gated SiLU MLP on the dense ones (``decoder_sparse_step`` /
+  ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``);
 * every linear layer the checkpoint quantizes is a :class:`~wna16_jax.models.linear.QuantizedLinear`
   (packed as stored); the rest (embeddings, ``lm_head``, norms, routers) stays 16-bit;
   ``lm_head`` is the embedding matrix when ``tie_word_embeddings``.
@@ -36,6 +38,7 @@ from ..checkpoint import Checkpoint, DenseWeights
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
 from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE
 from ..safetensors_io import load_json
+from ..weights import layer_stack
 from .config import DecoderConfig
 from .linear import (QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, QuantizedWeight, quantized_matmul,
                      read_quantized_linear)
@@ -70,12 +73,50 @@ def rope_inverse_frequencies(head_dim: int, theta: float, factor: float = 1.0) -
     return (np.float32(1.0) / (np.float32(theta) ** exps) / np.float32(factor)).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate ``x [B, S, n, d]`` by ``positions [B, S]`` (the two halves of each head are the
-    pairs, as Hugging Face's ``rotate_half``)."""
+def yarn_inverse_frequencies(dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
+                             original_max_positions: int) -> np.ndarray:
+    """YaRN's blend of the original frequencies (dimensions that turn fast within the original
+    context, above ``beta_fast`` turns) and the frequencies divided by ``factor`` (those below
+    ``beta_slow`` turns), with a linear ramp between (float32)."""
+    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+    def dim_at(turns):                      # the dimension whose wavelength fits `turns` times
+        return dim * np.log(original_max_positions / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(np.floor(dim_at(beta_fast)), 0.0), min(np.ceil(dim_at(beta_slow)), dim - 1.0)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp                       # 1: the original frequency, 0: the interpolated one
+    return (1.0 / base * keep + 1.0 / (factor * base) * (1.0 - keep)).astype(np.float32)
+
+
+def rope_frequencies(config: DecoderConfig) -> tuple[tuple[float, ...], float]:
+    """The rotary inverse frequencies over ``config.rope_dim`` dimensions and the factor the
+    cos / sin tables are multiplied by (YaRN's attention factor; 1 otherwise)."""
+    d = config.rope_dim
+    if config.rope_type == "yarn":
+        beta_fast, beta_slow, orig, attn = config.rope_yarn
+        inv = yarn_inverse_frequencies(d, config.rope_theta, config.rope_factor, beta_fast, beta_slow, orig)
+        return tuple(float(f) for f in inv), float(attn)
+    factor = config.rope_factor if config.rope_type == "linear" else 1.0
+    return tuple(float(f) for f in rope_inverse_frequencies(d, config.rope_theta, factor)), 1.0
+
+
+def apply_rope(x, positions, inv_freq, *, interleaved: bool = False, attention_factor: float = 1.0):
+    """Rotate ``x [B, S, n, d]`` by ``positions [B, S]``. The rotated pairs are the two halves of
+    each head (Hugging Face's ``rotate_half``), or with ``interleaved`` the adjacent dimensions
+    ``(2j, 2j+1)`` (DeepSeek's complex-number form); cos and sin are scaled by ``attention_factor``."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos = (jnp.cos(freqs) * attention_factor)[:, :, None, :]
+    sin = (jnp.sin(freqs) * attention_factor)[:, :, None, :]
+    if interleaved:
+        pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        return jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
+    cos = jnp.concatenate([cos, cos], axis=-1).astype(x.dtype)
+    sin = jnp.concatenate([sin, sin], axis=-1).astype(x.dtype)
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rot * sin
@@ -106,6 +147,34 @@ def _write_rows(cache, new, start, layer=None):
                     in_axes=(1, 0, 0), out_axes=1)(cache, new, start)
 
 
+def _cached(k, v, positions, cache, kv_len, layer, dtype):
+    """The keys / values attention reads and the updated cache. ``k``, ``v`` ``[B, n, S, d]`` are
+    the new rows; without a cache they are all there is (key positions = ``positions``); with one
+    (a scanned decoder, ``layer`` given, passes every layer's ``[L, B, n, T, d]``) they are written
+    at their positions and the first ``kv_len`` slots are read (key position = slot)."""
+    if cache is None:
+        return (k, v, positions), None
+    b = k.shape[0]
+    ck, cv = cache
+    ck, cv = _write_rows(ck, k, positions[:, 0], layer), _write_rows(cv, v, positions[:, 0], layer)
+    cache = (ck, cv)
+    if layer is not None:
+        ck, cv = (jax.lax.dynamic_index_in_dim(c, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+                  for c in (ck, cv))
+    t = kv_len or ck.shape[2]
+    kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    return (ck[:, :, :t].astype(dtype), cv[:, :, :t].astype(dtype), kpos), cache
+
+
+def _mask(positions, kpos, sliding_window=None):
+    """``[B, S, T]``: key ``t`` is visible from query ``s`` (causal, optionally windowed)."""
+    qp, kp = positions[:, :, None], kpos[:, None, :]
+    mask = kp <= qp
+    if sliding_window is not None:
+        mask = mask & (qp - kp < sliding_window)
+    return mask
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with rotary embeddings; optional per-head q/k RMS norms and a
     sliding window. With a cache, the new keys / values are written at their positions (cache
@@ -114,8 +183,8 @@ class Attention(nnx.Module):
     def __init__(self, config: DecoderConfig, q_proj, k_proj, v_proj, o_proj, q_norm=None, k_norm=None):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.sliding_window = config.sliding_window
-        self.inv_freq = tuple(float(f) for f in rope_inverse_frequencies(
-            config.head_dim, config.rope_theta, config.rope_factor if config.rope_type == "linear" else 1.0))
+        self.inv_freq, self.rope_scale = rope_frequencies(config)
+        self.softmax_scale = float(config.scale)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
@@ -128,21 +197,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
-        q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+        q, k = (apply_rope(t, positions, inv, attention_factor=self.rope_scale) for t in (q, k))
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
-        if cache is None:
-            keys, vals, kpos = k, v, positions
-        else:
-            # a scanned decoder (``layer`` given) passes every layer's cache [L, B, n_kv, T, d]
-            ck, cv = cache
-            ck, cv = _write_rows(ck, k, positions[:, 0], layer), _write_rows(cv, v, positions[:, 0], layer)
-            cache = (ck, cv)
-            if layer is not None:
-                ck, cv = (jax.lax.dynamic_index_in_dim(c, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
-                          for c in (ck, cv))
-            t = kv_len or ck.shape[2]
-            keys, vals = ck[:, :, :t].astype(x.dtype), cv[:, :, :t].astype(x.dtype)
-            kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        (keys, vals, kpos), cache = _cached(k, v, positions, cache, kv_len, layer, x.dtype)
         g = nh // nkv
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         if x.dtype != jnp.float32 and jax.default_backend() == "cpu":
@@ -150,16 +207,83 @@ class Attention(nnx.Module):
             # UNIMPLEMENTED); widened first, the products are the same (exact in float32)
             q, keys, vals = q.astype(jnp.float32), keys.astype(jnp.float32), vals.astype(jnp.float32)
         scores = jnp.einsum("bsngd,bntd->bngst", q.reshape(b, s, nkv, g, hd), keys, precision=prec,
-                            preferred_element_type=jnp.float32) * np.float32(hd ** -0.5)
-        qp, kp = positions[:, :, None], kpos[:, None, :]
-        mask = kp <= qp
-        if self.sliding_window is not None:
-            mask = mask & (qp - kp < self.sliding_window)
-        scores = jnp.where(mask[:, None, None], scores, _MASKED)
+                            preferred_element_type=jnp.float32) * np.float32(self.softmax_scale)
+        scores = jnp.where(_mask(positions, kpos, self.sliding_window)[:, None, None], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype).astype(vals.dtype)
         out = jnp.einsum("bngst,bntd->bsngd", probs, vals, precision=prec,
                          preferred_element_type=jnp.float32).astype(x.dtype)
         return _apply(self.o_proj, out.reshape(b, s, nh * hd), layer), cache
+
+
+def dense_weight(lin, dtype, layer=None):
+    """The ``[N, K]`` weight of linear ``lin`` in ``dtype``, dequantized inside the program when
+    ``lin`` is quantized (in a scanned decoder, ``layer``'s from the stack)."""
+    if isinstance(lin, QuantizedLinear):
+        w = lin.weight.get_value()
+        if layer is not None:
+            w = layer_stack(w, layer).at_layer()
+        return w.dequantize(dtype)
+    return lin.weight[...].astype(dtype)
+
+
+class LatentAttention(nnx.Module):
+    """DeepSeek's multi-head latent attention (MLA). Queries: ``q_proj``, or ``q_a_proj`` →
+    RMS norm → ``q_b_proj``; each head's query is ``qk_nope_head_dim`` plain dimensions and
+    ``qk_rope_head_dim`` rotated ones. ``kv_a_proj_with_mqa`` gives a latent of ``kv_lora_rank``
+    (RMS-normed) and one rotated key shared by every head; ``kv_b_proj`` would expand the latent
+    into each head's plain key and value.
+
+    The cache holds only the normed latent and the rotated shared key (``kv_lora_rank +
+    qk_rope_head_dim`` numbers per token and layer, against ``n_heads · (qk_head_dim + v_head_dim)``
+    for expanded keys and values), and ``kv_b_proj`` is absorbed: each query's plain part is
+    taken into latent space (``q · W_uk``), scores are ``q_lat · latent + q_rope · k_rope``, and
+    the attention-weighted latent is expanded by ``W_uv`` per head before ``o_proj``: the same
+    products, in another order."""
+
+    def __init__(self, config: DecoderConfig, q_proj, q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+                 kv_a_layernorm, kv_b_proj, o_proj):
+        m = config.mla
+        self.num_heads = config.num_heads
+        self.nope, self.rope, self.rank, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        self.inv_freq, self.rope_scale = rope_frequencies(config)
+        self.interleaved = bool(config.rope_interleaved)
+        self.softmax_scale = float(config.scale)
+        self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj = q_proj, q_a_proj, q_a_layernorm, q_b_proj
+        self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj = kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+        self.o_proj = o_proj
+
+    def __call__(self, x, positions, cache=None, kv_len: int | None = None, layer=None):
+        b, s, _ = x.shape
+        nh, nope, r = self.num_heads, self.nope, self.rank
+        if self.q_proj is not None:
+            q = _apply(self.q_proj, x, layer)
+        else:
+            q = _apply(self.q_b_proj, self.q_a_layernorm(_apply(self.q_a_proj, x, layer)), layer)
+        q = q.reshape(b, s, nh, nope + self.rope)
+        kva = _apply(self.kv_a_proj_with_mqa, x, layer)                  # [B, S, rank + rope]
+        latent = self.kv_a_layernorm(kva[..., :r])[:, None]              # [B, 1, S, rank]
+        inv = np.asarray(self.inv_freq, np.float32)
+        q_rope, k_rope = (apply_rope(t, positions, inv, interleaved=self.interleaved,
+                                     attention_factor=self.rope_scale)
+                          for t in (q[..., nope:], kva[..., None, r:]))
+        k_rope = jnp.swapaxes(k_rope, 1, 2)                               # [B, 1, S, rope]
+        (lat, kr, kpos), cache = _cached(latent, k_rope, positions, cache, kv_len, layer, x.dtype)
+        lat, kr = lat[:, 0], kr[:, 0]                                     # [B, T, rank], [B, T, rope]
+        cdt = x.dtype if x.dtype == jnp.float32 or jax.default_backend() != "cpu" else jnp.float32
+        prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+        w = dense_weight(self.kv_b_proj, cdt, layer).reshape(nh, nope + self.v_dim, r)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]
+
+        def dot(spec, a, c):
+            return jnp.einsum(spec, a.astype(cdt), c.astype(cdt), precision=prec, preferred_element_type=jnp.float32)
+
+        q_lat = dot("bsnd,ndr->bsnr", q[..., :nope], w_uk).astype(cdt)
+        scores = (dot("bsnr,btr->bnst", q_lat, lat) + dot("bsnd,btd->bnst", q_rope, kr)) * np.float32(self.softmax_scale)
+        scores = jnp.where(_mask(positions, kpos)[:, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        o_lat = dot("bnst,btr->bsnr", probs, lat).astype(x.dtype)
+        out = dot("bsnr,nvr->bsnv", o_lat, w_uv).astype(x.dtype)
+        return _apply(self.o_proj, out.reshape(b, s, nh * self.v_dim), layer), cache
 
 
 class GatedMLP(nnx.Module):
@@ -276,13 +400,19 @@ class MoEDecoder(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None):
         """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, n_kv, max_len, d]`` (heads
-        before positions, the order attention reads them in)."""
+        before positions, the order attention reads them in). For latent attention (DeepSeek)
+        the pair is the normed latent ``[batch_size, 1, max_len, kv_lora_rank]`` and the rotated
+        shared key ``[batch_size, 1, max_len, qk_rope_head_dim]``."""
         c = self.config
-        shape = (int(batch_size), c.num_kv_heads, int(max_len), c.head_dim)
+        b, t = int(batch_size), int(max_len)
+        if c.mla is not None:
+            shapes = ((b, 1, t, c.mla.kv_lora_rank), (b, 1, t, c.mla.qk_rope_head_dim))
+        else:
+            shapes = ((b, c.num_kv_heads, t, c.head_dim),) * 2
         dt = dtype or self.dtype
         if self.scan_layers:          # the layers' caches stacked, as the scan reads them
-            return jnp.zeros((c.num_layers,) + shape, dt), jnp.zeros((c.num_layers,) + shape, dt)
-        return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_layers))
+            return tuple(jnp.zeros((c.num_layers,) + sh, dt) for sh in shapes)
+        return tuple(tuple(jnp.zeros(sh, dt) for sh in shapes) for _ in range(c.num_layers))
 
 
 #: ``load_model(scan_layers=None)`` scans models of at least this many identical layers
@@ -433,6 +563,27 @@ def _dense_experts(w, dtype):
                         hidden_size=int(w13.shape[2]), intermediate_size=int(w13.shape[1]) // 2)
 
 
+#: the epsilon of DeepSeek's ``q_a_layernorm`` / ``kv_a_layernorm`` (their modules' default, not
+#: ``rms_norm_eps``)
+LATENT_NORM_EPS = 1e-6
+
+
+def _latent_attention(c: DecoderConfig, p: str, lin, norm) -> LatentAttention:
+    """The :class:`LatentAttention` of module prefix ``p`` (``model.layers.{i}.self_attn``)."""
+    m, h, nh = c.mla, c.hidden_size, c.num_heads
+    if m.q_lora_rank is None:
+        q = (lin(f"{p}.q_proj", nh * m.qk_head_dim, h), None, None, None)
+    else:
+        q = (None, lin(f"{p}.q_a_proj", m.q_lora_rank, h, m.attention_bias),
+             norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS),
+             lin(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank))
+    return LatentAttention(
+        c, *q, lin(f"{p}.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h, m.attention_bias),
+        norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
+        lin(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        lin(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
+
+
 def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
                dequantized: bool = False, scan_layers: bool | None = None) -> MoEDecoder:
     """Build the :class:`MoEDecoder` of checkpoint folder ``path`` (``config.json`` + safetensors).
@@ -468,10 +619,16 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     dtype = jnp.dtype(dtype or default_dtype())
     if ckpt.model_config.hidden_size != config.hidden_size:      # pragma: no cover - same field
         raise ConfigError("config.json: hidden_size read differently")
-    if list(ckpt.moe_layer_indices) != config.moe_layer_indices:
+    # DeepSeek-V3's multi-token-prediction modules are stored as layers after the last decoder
+    # layer (num_nextn_predict_layers); generation does not use them, they are not loaded
+    mtp = raw.get("num_nextn_predict_layers") if config.mla is not None else None
+    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0
+    found = [i for i in ckpt.moe_layer_indices if i < config.num_layers + mtp]
+    if [i for i in found if i < config.num_layers] != config.moe_layer_indices or len(found) != len(
+            ckpt.moe_layer_indices):
         raise ConfigError(f"config.json: puts MoE layers at {config.moe_layer_indices} "
-                          f"(decoder_sparse_step / mlp_only_layers), but the checkpoint has expert "
-                          f"tensors for layers {ckpt.moe_layer_indices}")
+                          f"(decoder_sparse_step / mlp_only_layers / first_k_dense_replace), but the checkpoint "
+                          f"has expert tensors for layers {ckpt.moe_layer_indices}")
     tensors = _Tensors(ckpt)
     c = config
     h, nh, nkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -480,8 +637,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         return _linear(tensors, module, n, k, bias=bias, dtype=dtype, param_dtype=param_dtype,
                        dequantized=dequantized)
 
-    def norm(name, size):
-        return RMSNorm(tensors.float_tensor(name, (size,)), c.rms_norm_eps, param_dtype=param_dtype)
+    def norm(name, size, eps=c.rms_norm_eps):
+        return RMSNorm(tensors.float_tensor(name, (size,)), eps, param_dtype=param_dtype)
 
     layers: list = []
     fallback: list[str] = []
@@ -492,11 +649,15 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
                                                               and c.num_layers >= SCAN_MIN_LAYERS) else None)
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        attn = Attention(
-            c, lin(f"{p}.self_attn.q_proj", nh * hd, h, c.qkv_bias), lin(f"{p}.self_attn.k_proj", nkv * hd, h, c.qkv_bias),
-            lin(f"{p}.self_attn.v_proj", nkv * hd, h, c.qkv_bias), lin(f"{p}.self_attn.o_proj", h, nh * hd, c.o_bias),
-            norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
-            norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
+        if c.mla is not None:
+            attn = _latent_attention(c, f"{p}.self_attn", lin, norm)
+        else:
+            attn = Attention(
+                c, lin(f"{p}.self_attn.q_proj", nh * hd, h, c.qkv_bias),
+                lin(f"{p}.self_attn.k_proj", nkv * hd, h, c.qkv_bias),
+                lin(f"{p}.self_attn.v_proj", nkv * hd, h, c.qkv_bias), lin(f"{p}.self_attn.o_proj", h, nh * hd, c.o_bias),
+                norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
+                norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
         if c.sparse_layers[i]:
             if dequantized:
                 moe_layer = ckpt.load_layer(i)
@@ -535,5 +696,6 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
                       lm_head, dtype=dtype, scan_layers=stacker is not None)
 
 
-__all__ = ["MoEDecoder", "DecoderLayer", "Attention", "GatedMLP", "RMSNorm", "load_model", "apply_rope",
+__all__ = ["MoEDecoder", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",
+           "rope_frequencies", "dense_weight", "RMSNorm", "load_model", "apply_rope",
            "rope_inverse_frequencies", "default_dtype"]

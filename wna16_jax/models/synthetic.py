@@ -2,8 +2,8 @@
 
 :func:`write_random_model` writes a Hugging Face checkpoint folder — ``config.json``, one
 safetensors shard per decoder layer plus one for the embeddings / head, and the index — for the
-Qwen3-MoE, Qwen2-MoE or Mixtral family, with every attention projection, dense MLP and expert
-quantized in ``scheme`` and the embeddings, ``lm_head``, norms and routers in 16 bits, named as
+Qwen3-MoE, Qwen2-MoE, Mixtral or DeepSeek-V2 / V3 family, with every attention projection,
+dense MLP and expert quantized in ``scheme`` and the embeddings, ``lm_head``, norms and routers in 16 bits, named as
 the quantization tools name them. The packed words are random (every int32 word is a valid set
 of codes), the scales chosen so that each dequantized weight has a standard deviation of about
 ``1/sqrt(K)``; nothing is quantized from float weights, so a model-sized checkpoint is written
@@ -24,7 +24,10 @@ from ..schemes import QuantMethod, QuantScheme
 from .config import SUPPORTED_FAMILIES
 from .linear import expected_linear_tensors
 
-_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+         "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+#: the config.json fields of DeepSeek's latent attention (``mla=``)
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def random_linear_tensors(rng: np.random.Generator, scheme: QuantScheme, n: int, k: int, *,
@@ -67,7 +70,8 @@ def write_random_model(
     mlp_only_layers: Sequence[int] = (), tie_word_embeddings: bool = False, norm_topk_prob: bool | None = None,
     sliding_window: int | None = None, rope_theta: float = 10000.0, max_position_embeddings: int = 4096,
     quantize_lm_head: bool = False, seed: int = 0, extra_config: Mapping[str, Any] | None = None,
-    progress: bool = False,
+    progress: bool = False, mla: Mapping[str, int | None] | None = None, first_k_dense_replace: int = 0,
+    n_shared_experts: int = 0, routing: Mapping[str, Any] | None = None,
 ) -> str:
     """Write a random checkpoint of the given shape (see the module doc) and return its path.
     Qwen2-MoE gets q/k/v biases; Qwen3-MoE gets per-head q/k norms; a
@@ -84,8 +88,15 @@ def write_random_model(
     fdt = default_scale_dtype(scheme)
     h, nh, nkv, hd = hidden_size, num_heads, num_kv_heads, head_dim
     mixtral = model_type == "mixtral"
-    sparse = [mixtral or (i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0)
-              for i in range(num_layers)]
+    deepseek = model_type.startswith("deepseek")
+    if deepseek and (mla is None or set(mla) != set(MLA_FIELDS)):
+        raise ConfigError(f"mla: {model_type} needs the latent-attention sizes {MLA_FIELDS}, got {mla!r}")
+    routing = dict(routing or {})
+    if deepseek:
+        sparse = [i >= first_k_dense_replace for i in range(num_layers)]
+    else:
+        sparse = [mixtral or (i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0)
+                  for i in range(num_layers)]
     if not all(sparse) and not intermediate_size:
         raise ConfigError("intermediate_size: required when some layers are dense")
 
@@ -113,10 +124,23 @@ def write_random_model(
         t: dict[str, np.ndarray] = {}
         p = f"model.layers.{i}"
         qkv_bias = model_type == "qwen2_moe"
-        lin(t, f"{p}.self_attn.q_proj", nh * hd, h, qkv_bias)
-        lin(t, f"{p}.self_attn.k_proj", nkv * hd, h, qkv_bias)
-        lin(t, f"{p}.self_attn.v_proj", nkv * hd, h, qkv_bias)
-        lin(t, f"{p}.self_attn.o_proj", h, nh * hd)
+        if deepseek:
+            a, qk = f"{p}.self_attn", mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+            if mla["q_lora_rank"] is None:
+                lin(t, f"{a}.q_proj", nh * qk, h)
+            else:
+                lin(t, f"{a}.q_a_proj", mla["q_lora_rank"], h)
+                t[f"{a}.q_a_layernorm.weight"] = norm(mla["q_lora_rank"])
+                lin(t, f"{a}.q_b_proj", nh * qk, mla["q_lora_rank"])
+            lin(t, f"{a}.kv_a_proj_with_mqa", mla["kv_lora_rank"] + mla["qk_rope_head_dim"], h)
+            t[f"{a}.kv_a_layernorm.weight"] = norm(mla["kv_lora_rank"])
+            lin(t, f"{a}.kv_b_proj", nh * (mla["qk_nope_head_dim"] + mla["v_head_dim"]), mla["kv_lora_rank"])
+            lin(t, f"{a}.o_proj", h, nh * mla["v_head_dim"])
+        else:
+            lin(t, f"{p}.self_attn.q_proj", nh * hd, h, qkv_bias)
+            lin(t, f"{p}.self_attn.k_proj", nkv * hd, h, qkv_bias)
+            lin(t, f"{p}.self_attn.v_proj", nkv * hd, h, qkv_bias)
+            lin(t, f"{p}.self_attn.o_proj", h, nh * hd)
         if model_type == "qwen3_moe":
             t[f"{p}.self_attn.q_norm.weight"] = norm(hd)
             t[f"{p}.self_attn.k_norm.weight"] = norm(hd)
@@ -129,6 +153,11 @@ def write_random_model(
             for e in range(num_experts):
                 mlp(t, f"{p}.{block}.experts.{e}", names, i_moe)
             t[f"{p}.{block}.gate.weight"] = dense(num_experts, h)
+            if routing.get("topk_method") == "noaux_tc":
+                t[f"{p}.mlp.gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(num_experts)).astype(np.float32)
+            if n_shared_experts:
+                mlp(t, f"{p}.mlp.shared_experts", ("gate_proj", "up_proj", "down_proj"),
+                    n_shared_experts * moe_intermediate_size)
             if shared_expert_intermediate_size:
                 mlp(t, f"{p}.mlp.shared_expert", ("gate_proj", "up_proj", "down_proj"),
                     shared_expert_intermediate_size)
@@ -167,6 +196,14 @@ def write_random_model(
     if mixtral:
         config.update(num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
                       sliding_window=sliding_window)
+    elif deepseek:
+        del config["head_dim"], config["num_key_value_heads"]
+        config.update(dict(mla), n_routed_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+                      intermediate_size=intermediate_size or moe_intermediate_size,
+                      first_k_dense_replace=first_k_dense_replace, moe_layer_freq=1,
+                      n_shared_experts=n_shared_experts or None, attention_bias=False,
+                      topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax")
+        config.update(routing)
     else:
         config.update(num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
                       intermediate_size=intermediate_size or moe_intermediate_size,

@@ -1,0 +1,422 @@
+"""DeepSeek-V2 / V3 decoders (multi-head latent attention, YaRN, grouped top-k routing) against a
+float64 numpy decoder written from the models' published semantics.
+
+The reference expands every head's keys and values (``kv_b_proj`` applied to the latent, the
+published form), rotates DeepSeek's interleaved pairs as complex numbers, derives YaRN's
+frequencies from the rotation counts, and routes with the group-limited / bias-corrected top-k;
+the library caches the latent and absorbs ``kv_b_proj`` into the queries and outputs. Both
+compute in float64 / float32 from the same dequantized weights, so they agree to float32
+rounding: the bound is 1e-5 of the largest logit (measured 2026-12-05 on the CPU: below 1e-6
+relative). A wrong rotary layout, a missing YaRN factor or a wrong routing rule moves the logits
+by 1e-2 or more of their scale (``test_reference_sees_real_mistakes``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from wna16_jax.errors import ConfigError, MissingTensorError, UnsupportedError
+from wna16_jax.models import load_model
+from wna16_jax.models.config import DecoderConfig
+from wna16_jax.models.decoder import LatentAttention, dense_weight
+from wna16_jax.models.generation import Generator
+from wna16_jax.models.synthetic import write_random_model
+from wna16_jax.schemes import QuantScheme
+
+TOL = 1e-5
+
+GPTQ_ACT = QuantScheme.from_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                                          "sym": True})
+AWQ = QuantScheme.from_quant_config({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemm"})
+TINY = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=24, num_experts=4, top_k=2,
+            moe_intermediate_size=32, intermediate_size=96)
+
+CASES = {
+    # V2-Lite's form: one q_proj, softmax greedy routing, two shared experts, YaRN (mscale !=
+    # mscale_all_dim, so both the cos/sin factor and the softmax-scale correction matter)
+    "v2-lite": dict(model_type="deepseek_v2", scheme=GPTQ_ACT, num_layers=3, first_k_dense_replace=1,
+                    n_shared_experts=2, seed=11,
+                    mla=dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16),
+                    extra_config={"rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8,
+                                                   "beta_fast": 4, "beta_slow": 1, "mscale": 1.0,
+                                                   "mscale_all_dim": 0.5}}),
+    # V2's grouped routing: group-limited greedy on softmax scores, scaled weights
+    "v2-grouped": dict(model_type="deepseek_v2", scheme=AWQ, num_layers=2, first_k_dense_replace=0,
+                       n_shared_experts=1, seed=12,
+                       mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                v_head_dim=16),
+                       routing=dict(topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                    routed_scaling_factor=1.5)),
+    # V3's form: q LoRA, sigmoid scores with the score-correction bias, noaux_tc groups,
+    # renormalized and scaled weights
+    "v3": dict(model_type="deepseek_v3", scheme=AWQ, num_layers=3, first_k_dense_replace=1, n_shared_experts=1,
+               seed=13,
+               mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+               routing=dict(topk_method="noaux_tc", n_group=2, topk_group=1, scoring_func="sigmoid",
+                            norm_topk_prob=True, routed_scaling_factor=2.5)),
+}
+
+
+def _quiet_load(path, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model(path, **kw)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("deepseek"))
+
+
+@functools.lru_cache(maxsize=None)
+def _written(root, name):
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+        write_random_model(path, **{**TINY, **CASES[name]})
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _model(root, name):
+    return _quiet_load(_written(root, name), dtype=jnp.float32)
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+# --------------------------------------------------------------------------- the float64 reference
+
+
+def _f64(a):
+    return np.asarray(a, np.float64)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _lin(lin, x):
+    return x @ _f64(dense_weight(lin, jnp.float32)).T
+
+
+def _yarn(dim, theta, factor, beta_fast, beta_slow, orig):
+    """Frequencies that turn more than ``beta_fast`` times over the original context keep their
+    value, fewer than ``beta_slow`` times are divided by ``factor``; between, a linear blend over
+    the dimension index (the boundaries rounded outwards)."""
+    freq = theta ** (-np.arange(0, dim, 2) / dim)
+    # the (fractional) pair index at which a frequency turns `rot` times over `orig` positions
+    index_at = lambda rot: np.log(orig / (2 * np.pi * rot)) / np.log(theta) * dim / 2  # noqa: E731
+    lo, hi = max(np.floor(index_at(beta_fast)), 0), min(np.ceil(index_at(beta_slow)), dim - 1)
+    t = np.clip((np.arange(dim // 2) - lo) / max(hi - lo, 1e-3), 0, 1)
+    return freq * (1 - t) + freq / factor * t
+
+
+def _rope_setup(raw):
+    rope_dim, theta = raw["qk_rope_head_dim"], raw.get("rope_theta", 10000.0)
+    qk = raw["qk_nope_head_dim"] + rope_dim
+    rs = raw.get("rope_scaling")
+    if not rs:
+        return theta ** (-np.arange(0, rope_dim, 2) / rope_dim), 1.0, qk ** -0.5
+    f = rs["factor"]
+    m = lambda s: 0.1 * s * np.log(f) + 1  # noqa: E731
+    inv = _yarn(rope_dim, theta, f, rs["beta_fast"], rs["beta_slow"], rs["original_max_position_embeddings"])
+    return inv, m(rs["mscale"]) / m(rs["mscale_all_dim"]), qk ** -0.5 * m(rs["mscale_all_dim"]) ** 2
+
+
+def _rotate(x, pos, inv, factor):
+    """Interleaved pairs as complex numbers times ``factor · e^{i·pos·inv}``; ``x [S, n, d]``."""
+    z = x[..., 0::2] + 1j * x[..., 1::2]
+    z = z * (factor * np.exp(1j * pos[:, None, None] * inv[None, None, :]))
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = z.real, z.imag
+    return out
+
+
+def _route(mlp, hx, raw):
+    logits = hx @ _f64(mlp.router[...]).T
+    if mlp.scoring_func == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+    else:
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    bias = None if mlp.e_score_correction_bias is None else _f64(mlp.e_score_correction_bias[...])
+    out = []
+    for sc in scores:
+        choice = sc + (0 if bias is None else bias)
+        if raw.get("topk_method") in ("group_limited_greedy", "noaux_tc"):
+            g = raw["n_group"]
+            groups = choice.reshape(g, -1)
+            gscore = np.sort(groups, -1)[:, -2:].sum(-1) if bias is not None else groups.max(-1)
+            keep = np.argsort(-gscore, kind="stable")[:raw["topk_group"]]
+            allowed = np.zeros(g, bool)
+            allowed[keep] = True
+            choice = np.where(np.repeat(allowed, groups.shape[1]), choice, -np.inf)
+        top = np.argsort(-choice, kind="stable")[:mlp.top_k]
+        w = sc[top]
+        if mlp.renormalize:
+            w = w / w.sum()
+        out.append((top, w * mlp.routed_scaling_factor))
+    return out
+
+
+def _swiglu(w13, w2, x):
+    hh = x @ w13.T
+    i = hh.shape[-1] // 2
+    return (hh[..., :i] / (1 + np.exp(-hh[..., :i])) * hh[..., i:]) @ w2.T
+
+
+def reference_logits(model, raw, tokens, *, rope=None, route=None):
+    """float64 logits of ``tokens`` (positions 0..S-1) from ``model``'s own weights."""
+    c = model.config
+    inv, factor, scale = rope or _rope_setup(raw)
+    route = route or _route
+    x = _f64(model.embed_tokens[...])[np.asarray(tokens)]
+    s = len(tokens)
+    pos = np.arange(s, dtype=np.float64)
+    nope, rd, r, vd = (raw[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim"))
+    nh = c.num_heads
+    for layer in model.layers:
+        a = layer.self_attn
+        hx = _rms(x, _f64(layer.input_layernorm.weight[...]), c.rms_norm_eps)
+        if a.q_proj is not None:
+            q = _lin(a.q_proj, hx)
+        else:
+            q = _lin(a.q_b_proj, _rms(_lin(a.q_a_proj, hx), _f64(a.q_a_layernorm.weight[...]), 1e-6))
+        q = q.reshape(s, nh, nope + rd)
+        kva = _lin(a.kv_a_proj_with_mqa, hx)
+        kv = _lin(a.kv_b_proj, _rms(kva[:, :r], _f64(a.kv_a_layernorm.weight[...]), 1e-6)).reshape(s, nh, nope + vd)
+        k_rope = _rotate(kva[:, None, r:], pos, inv, factor)
+        q = np.concatenate([q[..., :nope], _rotate(q[..., nope:], pos, inv, factor)], -1)
+        k = np.concatenate([kv[..., :nope], np.broadcast_to(k_rope, (s, nh, rd))], -1)
+        v = kv[..., nope:]
+        out = np.zeros((s, nh, vd))
+        for hd in range(nh):
+            sc = q[:, hd] @ k[:, hd].T * scale
+            sc = np.where(pos[None, :] <= pos[:, None], sc, -np.inf)
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            out[:, hd] = (p / p.sum(-1, keepdims=True)) @ v[:, hd]
+        x = x + _lin(a.o_proj, out.reshape(s, -1))
+        hx = _rms(x, _f64(layer.post_attention_layernorm.weight[...]), c.rms_norm_eps)
+        mlp = layer.mlp
+        if hasattr(mlp, "router"):
+            w13, w2 = (_f64(t) for t in mlp.expert_weights().dequantize(jnp.float32))
+            y = np.zeros_like(hx)
+            for t, (top, wts) in enumerate(route(mlp, hx, raw)):
+                for e, wt in zip(top, wts):
+                    y[t] += wt * _swiglu(w13[e], w2[e], hx[t])
+            if mlp.shared_experts is not None:
+                s13, s2 = (_f64(t)[0] for t in mlp.shared_expert_weights().dequantize(jnp.float32))
+                y = y + _swiglu(s13, s2, hx)
+        else:
+            g, u = _lin(mlp.gate_proj, hx), _lin(mlp.up_proj, hx)
+            y = _lin(mlp.down_proj, g / (1 + np.exp(-g)) * u)
+        x = x + y
+    x = _rms(x, _f64(model.norm.weight[...]), c.rms_norm_eps)
+    return x @ _f64(dense_weight(model.lm_head, jnp.float32)).T
+
+
+def _raw(root, name):
+    with open(os.path.join(_written(root, name), "config.json")) as f:
+        return json.load(f)
+
+
+TOKENS = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 50]
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deepseek_logits_and_cached_decode_match_reference(root, name):
+    """The compiled float32 decoder against the float64 reference over a 12-token prompt plus 8
+    greedy tokens, and every cached decode step's logits against the uncached forward."""
+    m, raw = _model(root, name), _raw(root, name)
+    c = m.config
+    assert c.mla is not None and all(isinstance(layer.self_attn, LatentAttention) for layer in m.layers)
+    assert c.sparse_layers == tuple(i >= CASES[name]["first_k_dense_replace"] for i in range(c.num_layers))
+    gen = Generator(m, batch_size=2, max_len=32)
+    prompts = [TOKENS, TOKENS[:3]]
+    steps = list(gen.stream(prompts, 8, with_logits=True))
+    cache = m.init_cache(2, 32)
+    assert cache[0][0].shape == (2, 1, 32, raw["kv_lora_rank"])         # the latent, not per-head keys
+    assert cache[0][1].shape == (2, 1, 32, raw["qk_rope_head_dim"])
+    seqs = [p + [int(t[i]) for t, _ in steps] for i, p in enumerate(prompts)]
+    width = max(len(q) for q in seqs)
+    full = np.asarray(_forward(m, jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)))
+    for i, p in enumerate(prompts):
+        for j, (toks, logits) in enumerate(steps):
+            want = full[i, len(p) - 1 + j]
+            assert np.isfinite(logits[i]).all()
+            assert float(np.abs(logits[i] - want).max()) <= TOL * max(float(np.abs(want).max()), 1.0), (i, j)
+            assert int(toks[i]) == int(np.argmax(want))
+    ref = reference_logits(m, raw, seqs[0])
+    got = full[0, :len(seqs[0])]
+    scale = float(np.abs(ref).max())
+    assert np.isfinite(got).all() and float(np.abs(got - ref).max()) <= TOL * max(scale, 1.0), \
+        (name, float(np.abs(got - ref).max()), scale)
+
+
+def test_reference_sees_real_mistakes(root):
+    """The comparison above would catch the mistakes a latent-attention port makes: each
+    perturbation of the reference moves the logits by far more than the tolerance."""
+    m, raw = _model(root, "v2-lite"), _raw(root, "v2-lite")
+    got = np.asarray(_forward(m, jnp.asarray([TOKENS], jnp.int32)))[0]
+    inv, factor, scale = _rope_setup(raw)
+    half = len(inv)
+    wrong = {
+        "no YaRN": (10000.0 ** (-np.arange(0, 2 * half, 2) / (2 * half)), 1.0, (raw["qk_nope_head_dim"] + 8) ** -0.5),
+        "no softmax-scale correction": (inv, factor, (raw["qk_nope_head_dim"] + 8) ** -0.5),
+        "no cos/sin factor": (inv, 1.0, scale),
+    }
+    errs = {k: float(np.abs(reference_logits(m, raw, TOKENS, rope=v) - got).max()) for k, v in wrong.items()}
+    scale_l = float(np.abs(got).max())
+    assert all(e > 100 * TOL * scale_l for e in errs.values()), (errs, scale_l)
+    v3, raw3 = _model(root, "v3"), _raw(root, "v3")
+    got3 = np.asarray(_forward(v3, jnp.asarray([TOKENS], jnp.int32)))[0]
+
+    def unbiased(mlp, hx, raw):                  # selection without the score-correction bias
+        bias = mlp.e_score_correction_bias
+        mlp.e_score_correction_bias = None
+        try:
+            return _route(mlp, hx, raw)
+        finally:
+            mlp.e_score_correction_bias = bias
+
+    err = float(np.abs(reference_logits(v3, raw3, TOKENS, route=unbiased) - got3).max())
+    assert err > 100 * TOL * float(np.abs(got3).max()), err
+    assert float(np.abs(reference_logits(v3, raw3, TOKENS) - got3).max()) <= TOL * float(np.abs(got3).max())
+
+
+def test_scanned_deepseek_is_the_same_model(root):
+    """All layers sparse (first_k_dense_replace=0): scanned by request, the same logits and
+    cached greedy tokens as the unrolled model, the latent cache stacked per layer."""
+    path = _written(root, "v2-grouped")
+    unrolled, scanned = _model(root, "v2-grouped"), _quiet_load(path, dtype=jnp.float32, scan_layers=True)
+    assert scanned.scan_layers and not unrolled.scan_layers
+    toks = jnp.asarray([TOKENS], jnp.int32)
+    a, b = np.asarray(_forward(unrolled, toks)), np.asarray(_forward(scanned, toks))
+    assert float(np.abs(a - b).max()) <= TOL * float(np.abs(a).max())
+    assert scanned.init_cache(1, 16)[0].shape == (2, 1, 1, 16, 32)
+    assert Generator(scanned, batch_size=1, max_len=32).generate([TOKENS], 6) == \
+        Generator(unrolled, batch_size=1, max_len=32).generate([TOKENS], 6)
+
+
+def test_bfloat16_deepseek_tracks_float32(root):
+    """bfloat16 activations (the accelerator default) through the same model: logits within
+    bfloat16 rounding of the float32 ones."""
+    path = _written(root, "v3")
+    f32 = np.asarray(_forward(_model(root, "v3"), jnp.asarray([TOKENS], jnp.int32)))
+    bf16 = np.asarray(_forward(_quiet_load(path, dtype=jnp.bfloat16), jnp.asarray([TOKENS], jnp.int32)))
+    assert np.isfinite(bf16).all()
+    assert float(np.abs(bf16 - f32).max()) <= 0.05 * float(np.abs(f32).max())
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _base_config():
+    return {"model_type": "deepseek_v2", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "intermediate_size": 96, "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (lambda c: c.pop("kv_lora_rank"), ConfigError, ["'kv_lora_rank'", "required", "deepseek_v2"]),
+    (lambda c: c.update(qk_rope_head_dim=7), ConfigError, ["qk_rope_head_dim", "even", "7"]),
+    (lambda c: c.update(q_lora_rank="big"), ConfigError, ["'q_lora_rank'", "'big'"]),
+    (lambda c: c.update(first_k_dense_replace=-1), ConfigError, ["first_k_dense_replace", "-1"]),
+    (lambda c: c.update(rope_scaling={"type": "yarn"}), ConfigError, ["rope_scaling.factor", "None"]),
+    (lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4, "truncate": False,
+                                     "original_max_position_embeddings": 64}), UnsupportedError,
+     ["truncate", "False"]),
+    (lambda c: c.update(rope_scaling={"type": "longrope", "factor": 4}), UnsupportedError,
+     ["'longrope'", "yarn"]),
+])
+def test_bad_deepseek_configs_are_named(change, error, words):
+    cfg = _base_config()
+    change(cfg)
+    with pytest.raises(error) as e:
+        DecoderConfig.from_hf_config(cfg)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_deepseek_config_fields():
+    c = DecoderConfig.from_hf_config({**_base_config(), "moe_layer_freq": 2, "num_hidden_layers": 5,
+                                      "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707,
+                                                       "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                                                       "original_max_position_embeddings": 4096}})
+    assert c.sparse_layers == (False, False, True, False, True)        # i >= 1 and i % 2 == 0
+    assert c.num_kv_heads == c.num_heads and c.head_dim == 24 and c.rope_dim == 8 and c.rope_interleaved
+    m = 0.1 * 0.707 * np.log(40) + 1
+    assert c.rope_yarn == (32.0, 1.0, 4096, pytest.approx(1.0))        # mscale == mscale_all_dim
+    assert c.scale == pytest.approx(24 ** -0.5 * m * m)
+    assert not DecoderConfig.from_hf_config({**_base_config(), "model_type": "deepseek_v3",
+                                             "rope_interleave": False}).rope_interleaved
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.kv_b_proj.qweight",
+                                  "model.layers.1.self_attn.kv_a_layernorm.weight"])
+def test_missing_latent_attention_tensor_is_named(root, tmp_path, name):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = _written(root, "v2-lite")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = dst / index["weight_map"][name]
+    t = load_file(str(shard))
+    before = {k: v.copy() for k, v in t.items()}
+    del t[name]
+    save_file(t, str(shard))
+    del index["weight_map"][name]
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(MissingTensorError) as e:
+        _quiet_load(str(dst))
+    assert name.rsplit(".", 1)[0] in str(e.value)
+    assert all(np.array_equal(before[k], load_file(os.path.join(src, index["weight_map"].get(k, shard.name)))[k])
+               for k in list(before)[:2])                              # the source is untouched
+
+
+def test_moe_layers_disagreeing_with_first_k_dense_replace_are_refused(root, tmp_path):
+    import shutil
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(_written(root, "v2-lite"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["first_k_dense_replace"] = 2
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"MoE layers at \[2\].*first_k_dense_replace.*layers \[1, 2\]"):
+        _quiet_load(str(dst))
+
+
+def test_yarn_on_a_grouped_query_model():
+    """YaRN on a Qwen3-MoE config (the whole head rotated, halves as pairs): the frequencies are
+    the blend above and the cos / sin factor is ``0.1 · ln(factor) + 1`` (no mscale fields)."""
+    from wna16_jax.models.decoder import rope_frequencies
+
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "rope_theta": 1e6,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    c = DecoderConfig.from_hf_config(cfg)
+    inv, factor = rope_frequencies(c)
+    want = _yarn(32, 1e6, 4.0, 32.0, 1.0, 32768)
+    assert not c.rope_interleaved and c.scale == pytest.approx(32 ** -0.5)
+    assert np.allclose(inv, want, rtol=1e-6, atol=0) and factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert not np.allclose(want, 1e6 ** (-np.arange(0, 32, 2) / 32), rtol=1e-3)   # the blend is not a no-op
