@@ -59,12 +59,24 @@ SHAPES = {
     "mixtral": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
                     num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336,
                     rope_theta=1e6, max_position_embeddings=32768),
+    # the first layer dense (first_k_dense_replace=1), the other 26 MoE with two shared experts;
+    # latent attention with the real sizes, YaRN as the released config has it
+    "dsv2lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16,
+                     num_kv_heads=16, head_dim=192, num_experts=64, top_k=6, moe_intermediate_size=1408,
+                     intermediate_size=10944, first_k_dense_replace=1, n_shared_experts=2,
+                     mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                              v_head_dim=128),
+                     rope_theta=10000.0, max_position_embeddings=163840,
+                     extra_config={"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                                    "mscale_all_dim": 0.707}}),
     # for CPU smoke tests of this script
     "tiny": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=128,
                  intermediate_size=256, max_position_embeddings=4096),
 }
-LABELS = {"qwen3": "Qwen3-30B-A3B shape", "mixtral": "Mixtral-8x7B shape", "tiny": "tiny Qwen3-MoE"}
+LABELS = {"qwen3": "Qwen3-30B-A3B shape", "mixtral": "Mixtral-8x7B shape", "dsv2lite": "DeepSeek-V2-Lite shape",
+          "tiny": "tiny Qwen3-MoE"}
 
 
 class _NoMLP(nnx.Module):
@@ -78,8 +90,9 @@ def without_moe(model: MoEDecoder) -> MoEDecoder:
     """The same model (sharing every array) with each MoE layer's MLP replaced by identity."""
     layers = [DecoderLayer(l.input_layernorm, l.self_attn, l.post_attention_layernorm,
                            _NoMLP() if isinstance(l.mlp, QuantizedMoE) else l.mlp) for l in model.layer_modules()]
-    return MoEDecoder(model.config, model.embed_tokens[...], layers, model.norm, model.lm_head, dtype=model.dtype,
-                      scan_layers=model.scan_layers)
+    head = len(model.layers) if model.scan_layers else 0          # unrolled ahead of a scan
+    return MoEDecoder(model.config, model.embed_tokens[...], layers[head:], model.norm, model.lm_head,
+                      dtype=model.dtype, scan_layers=model.scan_layers, head_layers=layers[:head])
 
 
 def _nbytes(tree) -> int:
@@ -103,6 +116,8 @@ def touched_bytes(model: MoEDecoder, batch: int) -> int:
             experts = _nbytes(moe.expert_weights())
             expected = e * (1.0 - (1.0 - k / e) ** batch)
             total += int(experts / e * expected)
+            if moe.shared_experts is not None:                  # every token runs them
+                total += _nbytes(moe.shared_expert_weights())
             rest = nnx.state(layer, nnx.Not(QuantizedExperts))
             total += _nbytes(rest)
         else:

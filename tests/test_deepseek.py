@@ -314,6 +314,24 @@ def test_scanned_deepseek_is_the_same_model(root):
         Generator(unrolled, batch_size=1, max_len=32).generate([TOKENS], 6)
 
 
+def test_leading_dense_layers_run_ahead_of_the_scan(root):
+    """first_k_dense_replace=1: the dense first layer runs unrolled, the MoE layers after it are
+    scanned; logits, cache layout and greedy tokens are the unrolled model's."""
+    path = _written(root, "v3")
+    unrolled, scanned = _model(root, "v3"), _quiet_load(path, dtype=jnp.float32, scan_layers=True)
+    assert scanned.scan_layers and len(scanned.layers) == 1 and scanned.num_scanned_layers == 2
+    assert [hasattr(layer.mlp, "router") for layer in scanned.layer_modules()] == [False, True, True]
+    head, stacked = scanned.init_cache(1, 16)
+    assert len(head) == 1 and head[0][0].shape == (1, 1, 16, 32) and stacked[0].shape == (2, 1, 1, 16, 32)
+    toks = jnp.asarray([TOKENS], jnp.int32)
+    a, b = np.asarray(_forward(unrolled, toks)), np.asarray(_forward(scanned, toks))
+    assert float(np.abs(a - b).max()) <= TOL * float(np.abs(a).max())
+    prompts = [TOKENS, TOKENS[:4]]
+    assert Generator(scanned, batch_size=2, max_len=32).generate(prompts, 6) == \
+        Generator(unrolled, batch_size=2, max_len=32).generate(prompts, 6)
+    assert not _quiet_load(path, dtype=jnp.float32).scan_layers          # default: fewer than 8 alike layers
+
+
 def test_bfloat16_deepseek_tracks_float32(root):
     """bfloat16 activations (the accelerator default) through the same model: logits within
     bfloat16 rounding of the float32 ones."""

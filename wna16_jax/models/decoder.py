@@ -322,7 +322,11 @@ class MoEDecoder(nnx.Module):
     """
 
     def __init__(self, config: DecoderConfig, embed_tokens, layers: Sequence[DecoderLayer], norm: RMSNorm,
-                 lm_head: DenseLinear | None, *, dtype=jnp.float32, scan_layers: bool = False):
+                 lm_head: DenseLinear | None, *, dtype=jnp.float32, scan_layers: bool = False,
+                 head_layers: Sequence[DecoderLayer] = ()):
+        """``scan_layers``: ``layers`` (alike) are stacked and scanned; ``head_layers`` (DeepSeek's
+        leading dense layers) run unrolled before them. Without ``scan_layers`` the decoder is
+        ``head_layers + layers``, unrolled."""
         self.config = config
         self.dtype = jnp.dtype(dtype).name
         self.embed_tokens = nnx.Param(embed_tokens)
@@ -333,26 +337,35 @@ class MoEDecoder(nnx.Module):
             self.layer_graph, stacked = (layers.finish() if isinstance(layers, _LayerStacker)
                                          else _stacked_layers(list(layers)))
             self.stacked_layers = nnx.data(stacked)
-            self.layers = nnx.List([])
+            self.layers = nnx.List(list(head_layers))        # run unrolled, before the scan
         else:
             self.layer_graph, self.stacked_layers = None, None
-            self.layers = nnx.List(list(layers))
+            self.layers = nnx.List(list(head_layers) + list(layers))
 
     # ------------------------------------------------------------------ pieces
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
 
     def hidden_states(self, tokens, positions, cache=None, kv_len: int | None = None):
-        """Final-normed hidden states ``[B, S, H]`` and the updated cache (a tuple of per-layer
-        ``(k, v)`` arrays ``[B, n_kv, T, d]``, or None)."""
+        """Final-normed hidden states ``[B, S, H]`` and the updated cache (as :meth:`init_cache`
+        makes it, or None)."""
         x = self.embed(tokens)
-        if self.scan_layers:
+        if self.scan_layers and not len(self.layers):
             return self._scanned(x, positions, cache, kv_len)
+        head_cache, scan_cache = (cache, None) if not self.scan_layers or cache is None else cache
         new = []
         for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions, None if cache is None else cache[i], kv_len)
+            x, c = layer(x, positions, None if head_cache is None else head_cache[i], kv_len)
             new.append(c)
-        return self.norm(x), (None if cache is None else tuple(new))
+        new = None if cache is None else tuple(new)
+        if not self.scan_layers:
+            return self.norm(x), new
+        h, scan_cache = self._scanned(x, positions, scan_cache, kv_len)
+        return h, None if cache is None else (new, scan_cache)
+
+    @property
+    def num_scanned_layers(self) -> int:
+        return self.config.num_layers - len(self.layers) if self.scan_layers else 0
 
     def _scanned(self, x, positions, cache, kv_len):
         """The layers as one ``lax.scan`` (one compiled layer body; the cache is then ``(k, v)``,
@@ -362,7 +375,7 @@ class MoEDecoder(nnx.Module):
         ahead of every kernel that reads them, more bytes than the layer's own step reads."""
         graph = self.layer_graph
         in_place, sliced = nnx.split_state(self.stacked_layers, nnx.Any(*STACKED_IN_PLACE), ...)
-        n = self.config.num_layers
+        n = self.num_scanned_layers
 
         def body(carry, xs):                   # the cache rides in the carry, written in place
             h, c = carry
@@ -395,14 +408,17 @@ class MoEDecoder(nnx.Module):
         the stacked state: for inspection, not for running)."""
         if not self.scan_layers:
             return list(self.layers)
-        n = self.config.num_layers
-        return [nnx.merge(self.layer_graph, jax.tree.map(lambda a: a[i], self.stacked_layers)) for i in range(n)]
+        n = self.num_scanned_layers
+        return list(self.layers) + [nnx.merge(self.layer_graph, jax.tree.map(lambda a: a[i], self.stacked_layers))
+                                    for i in range(n)]
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None):
         """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, n_kv, max_len, d]`` (heads
         before positions, the order attention reads them in). For latent attention (DeepSeek)
         the pair is the normed latent ``[batch_size, 1, max_len, kv_lora_rank]`` and the rotated
-        shared key ``[batch_size, 1, max_len, qk_rope_head_dim]``."""
+        shared key ``[batch_size, 1, max_len, qk_rope_head_dim]``. A scanned decoder stacks the
+        scanned layers' pairs (``[L, ...]`` each); with unrolled head layers (DeepSeek's leading
+        dense ones) its cache is ``(head layers' pairs, stacked pair)``."""
         c = self.config
         b, t = int(batch_size), int(max_len)
         if c.mla is not None:
@@ -410,9 +426,11 @@ class MoEDecoder(nnx.Module):
         else:
             shapes = ((b, c.num_kv_heads, t, c.head_dim),) * 2
         dt = dtype or self.dtype
-        if self.scan_layers:          # the layers' caches stacked, as the scan reads them
-            return tuple(jnp.zeros((c.num_layers,) + sh, dt) for sh in shapes)
-        return tuple(tuple(jnp.zeros(sh, dt) for sh in shapes) for _ in range(c.num_layers))
+        per_layer = tuple(tuple(jnp.zeros(sh, dt) for sh in shapes) for _ in range(len(self.layers)))
+        if not self.scan_layers:
+            return per_layer
+        stacked = tuple(jnp.zeros((self.num_scanned_layers,) + sh, dt) for sh in shapes)   # as the scan reads them
+        return (per_layer, stacked) if len(self.layers) else stacked
 
 
 #: ``load_model(scan_layers=None)`` scans models of at least this many identical layers
@@ -597,10 +615,12 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     layer instead of one per layer (a 48-layer model's prefill and decode compile in under a
     minute), the quantized weights read in place from the stacks, the KV cache one ``(k, v)`` pair stacked per
     layer; every layer must have the same structure (not configs that mix dense and sparse
-    layers), and ``model.layers`` is then empty (:meth:`MoEDecoder.layer_modules` rebuilds them).
+    layers), except leading dense layers before only MoE ones (DeepSeek's
+    ``first_k_dense_replace``), which run unrolled ahead of the scan and are then all that
+    ``model.layers`` holds (:meth:`MoEDecoder.layer_modules` rebuilds the rest).
     The stacks are filled as the layers load, so the load holds the stacks and about one layer.
-    ``None`` (default): scanned when there are at least :data:`SCAN_MIN_LAYERS` layers and all
-    have the same structure, unrolled otherwise.
+    ``None`` (default): scanned when at least :data:`SCAN_MIN_LAYERS` layers (after such a
+    dense head) have the same structure, unrolled otherwise.
 
     Refuses, before reading any weight data: an unsupported ``model_type`` (naming the supported
     families), rope types / sliding-window settings it would get wrong, MoE layers where the
@@ -645,8 +665,16 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     # Scanned models are stacked as their layers are built (the load then holds the stacks and one
     # layer); scan_layers=None tries it when the config makes every layer alike.
     alike = len(set(c.sparse_layers)) == 1
-    stacker = (_LayerStacker(c.num_layers) if scan_layers or (scan_layers is None and alike
-                                                              and c.num_layers >= SCAN_MIN_LAYERS) else None)
+    # DeepSeek's leading dense layers (first_k_dense_replace) before alike MoE layers: those run
+    # unrolled ahead of the scan
+    head = 0 if alike else next(i for i, sp in enumerate(c.sparse_layers) if sp)
+    if not all(c.sparse_layers[head:]):
+        head = 0
+    tail_alike = alike or head > 0
+    stacker = (_LayerStacker(c.num_layers - head)
+               if scan_layers or (scan_layers is None and tail_alike and c.num_layers - head >= SCAN_MIN_LAYERS)
+               else None)
+    head_layers: list = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         if c.mla is not None:
@@ -675,14 +703,18 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
                            lin(f"{p}.mlp.down_proj", h, inter))
         layer = DecoderLayer(norm(f"{p}.input_layernorm.weight", h), attn,
                              norm(f"{p}.post_attention_layernorm.weight", h), mlp)
+        if stacker is not None and i < head:
+            head_layers.append(layer)
+            continue
         if stacker is not None:
             if stacker.add(layer):
                 continue
             if scan_layers:
-                raise ConfigError(f"scan_layers: decoder layer {i} differs from layer 0 in structure, shapes "
+                raise ConfigError(f"scan_layers: decoder layer {i} differs from layer {head} in structure, shapes "
                                   "or dtypes (dense and sparse layers mixed, or layers of different layouts); "
                                   "load with scan_layers=False")
-            layers, stacker = stacker.layers(), None          # not alike after all: unrolled
+            layers, stacker = head_layers + stacker.layers(), None          # not alike after all: unrolled
+            head_layers = []
         layers.append(layer)
     embed = tensors.float_tensor("model.embed_tokens.weight", (c.vocab_size, h))
     if param_dtype is not None:
@@ -693,7 +725,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     if fallback:
         warnings.warn(f"{len(fallback)} MoE layer(s): {fallback[0]}", stacklevel=2)
     return MoEDecoder(c, jnp.asarray(embed), layers if stacker is None else stacker, norm("model.norm.weight", h),
-                      lm_head, dtype=dtype, scan_layers=stacker is not None)
+                      lm_head, dtype=dtype, scan_layers=stacker is not None, head_layers=head_layers)
 
 
 __all__ = ["MoEDecoder", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",
