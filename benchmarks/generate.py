@@ -61,11 +61,10 @@ SHAPES = {
                     rope_theta=1e6, max_position_embeddings=32768),
     # the first layer dense (first_k_dense_replace=1), the other 26 MoE with two shared experts;
     # latent attention with the real sizes, YaRN as the released config has it. The dense layer's
-    # intermediate size is 11008 (86 groups of 128), not the released 10944: the loader takes
-    # only whole groups
+    # down_proj has K = 10944 = 85.5 groups of 128 (its last group partial: the XLA path runs it)
     "dsv2lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16,
                      num_kv_heads=16, head_dim=192, num_experts=64, top_k=6, moe_intermediate_size=1408,
-                     intermediate_size=11008, first_k_dense_replace=1, n_shared_experts=2,
+                     intermediate_size=10944, first_k_dense_replace=1, n_shared_experts=2,
                      mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                               v_head_dim=128),
                      rope_theta=10000.0, max_position_embeddings=163840,

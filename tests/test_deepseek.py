@@ -438,3 +438,61 @@ def test_yarn_on_a_grouped_query_model():
     assert not c.rope_interleaved and c.scale == pytest.approx(32 ** -0.5)
     assert np.allclose(inv, want, rtol=1e-6, atol=0) and factor == pytest.approx(0.1 * np.log(4.0) + 1)
     assert not np.allclose(want, 1e6 ** (-np.arange(0, 32, 2) / 32), rtol=1e-3)   # the blend is not a no-op
+
+
+# --------------------------------------------------------------------------- partial last groups
+
+
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_linear_with_a_partial_last_group(method):
+    """K = 80 in groups of 32: three groups, the last of 16 rows, as GPTQ and compressed-tensors
+    store it (DeepSeek-V2-Lite's dense down_proj has K = 10944 = 85.5 groups of 128). The stored
+    words and scales, decoded here bit by bit in numpy, give the layer's weight and its matmul."""
+    from wna16_jax.models.linear import QuantizedLinearWeights, quantized_matmul
+    from wna16_jax.models.synthetic import random_linear_tensors
+
+    if method == "gptq":
+        scheme = QuantScheme.from_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                "desc_act": False, "sym": True})
+    else:
+        scheme = QuantScheme.from_quant_config({
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+                "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                   "strategy": "group", "group_size": 32}}}})
+    n, k = 64, 80
+    rng = np.random.default_rng()
+    t = random_linear_tensors(rng, scheme, n, k, float_dtype=np.float32)
+    words = t["qweight" if method == "gptq" else "weight_packed"].view(np.uint32)
+    if method == "gptq":                             # [K/8, N]: row k in word k // 8, nibble k % 8
+        codes = np.stack([(words[kk // 8] >> (4 * (kk % 8))) & 15 for kk in range(k)], axis=1)   # [N, K]
+        scales = t["scales"].T                                                                      # [N, 3]
+        zero = 8
+    else:                                            # [N, K/8]: column k in word k // 8
+        codes = np.stack([(words[:, kk // 8] >> (4 * (kk % 8))) & 15 for kk in range(k)], axis=1)
+        scales = t["weight_scale"]
+        zero = 8
+    assert scales.shape == (n, 3)
+    # (code - zero) · scale rounded once to float32, as the library computes it
+    want = ((codes.astype(np.float32) - zero) * scales[:, np.arange(k) // 32].astype(np.float32)).astype(np.float64)
+    suffix = {"gptq": ("qweight", "scales"), "compressed-tensors": ("weight_packed", "weight_scale")}[method]
+    w = QuantizedLinearWeights(qweight=jnp.asarray(t[suffix[0]]), scales=jnp.asarray(t[suffix[1]]), scheme=scheme,
+                               out_features=n, in_features=k)
+    got = np.asarray(jax.jit(lambda w: w.dequantize(jnp.float32))(w), np.float64)
+    assert np.array_equal(got, want)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = np.asarray(jax.jit(lambda x, w: quantized_matmul(x, w))(jnp.asarray(x), w), np.float64)
+    assert np.isfinite(y).all() and np.abs(y - x.astype(np.float64) @ want.T).max() <= 1e-5 * np.abs(y).max()
+
+
+def test_model_with_a_partial_group_dense_layer(root, tmp_path):
+    """A DeepSeek model whose dense layer's intermediate size (80) is 2.5 groups of 32 loads and
+    matches the float64 reference like the others."""
+    path = str(tmp_path / "partial")
+    write_random_model(path, **{**TINY, **CASES["v2-lite"], "intermediate_size": 80})
+    m = _quiet_load(path, dtype=jnp.float32)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    assert m.layers[0].mlp.down_proj.weight.get_value().scales.shape == (3, 64)     # GPTQ [groups, N]
+    got = np.asarray(_forward(m, jnp.asarray([TOKENS], jnp.int32)))[0]
+    ref = reference_logits(m, raw, TOKENS)
+    assert float(np.abs(got - ref).max()) <= TOL * float(np.abs(ref).max())

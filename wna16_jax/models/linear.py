@@ -121,11 +121,17 @@ jax.tree_util.register_dataclass(QuantizedLinearWeights,
                                  meta_fields=["scheme", "out_features", "in_features"])
 
 
+def linear_groups(scheme: QuantScheme, k: int) -> int:
+    """Scale groups along a linear's input size ``k``: ``ceil(k / group_size)`` (the last group
+    may be partial, as GPTQ and compressed-tensors store it), 1 when channelwise."""
+    return 1 if scheme.group_size == -1 else -(-int(k) // scheme.group_size)
+
+
 def expected_linear_tensors(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Checkpoint suffix → (shape, allowed safetensors dtypes) of a quantized ``[N, K]`` linear.
     Optional entries (``bias``; GPTQ's stored ``g_idx`` and symmetric ``qzeros``) included."""
     pf = scheme.pack_factor
-    groups = scheme.num_groups(k)
+    groups = linear_groups(scheme, k)
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
     m = scheme.method
     if m is QuantMethod.AWQ:
@@ -160,9 +166,6 @@ def read_quantized_linear(ckpt, module: str, tensors: Mapping[str, str], scheme:
     """
     s, n, k = scheme, int(out_features), int(in_features)
     suff = SUFFIXES[s.method]
-    if s.group_size != -1 and k % s.group_size:
-        raise ShapeError(f"{module}: input size {k} is not a multiple of group_size {s.group_size} "
-                         f"({s.describe()})")
     if s.method is QuantMethod.AWQ or s.method is QuantMethod.GPTQ:
         unit = s.pack_factor
         if (s.method is QuantMethod.AWQ and n % unit) or (s.method is QuantMethod.GPTQ and (k % unit or n % unit)):
@@ -204,7 +207,7 @@ def read_quantized_linear(ckpt, module: str, tensors: Mapping[str, str], scheme:
     gi_suffix = suff.get("g_idx")
     if gi_suffix in got:
         gi = got[gi_suffix]
-        ng = s.num_groups(k)
+        ng = linear_groups(s, k)
         if gi.size and (gi.min() < 0 or gi.max() >= ng):
             raise ValueRangeError(f"{tensors[gi_suffix]}: group indices must lie in [0, {ng}), got "
                                   f"[{gi.min()}, {gi.max()}]")
