@@ -197,8 +197,8 @@ def write_random_model(
         config.update(num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
                       sliding_window=sliding_window)
     elif deepseek:
-        del config["head_dim"], config["num_key_value_heads"]
-        config.update(dict(mla), n_routed_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+        del config["head_dim"]                             # DeepSeek's configs name the parts instead
+        config.update(dict(mla), num_key_value_heads=nh, n_routed_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
                       intermediate_size=intermediate_size or moe_intermediate_size,
                       first_k_dense_replace=first_k_dense_replace, moe_layer_freq=1,
                       n_shared_experts=n_shared_experts or None, attention_bias=False,
