@@ -530,3 +530,28 @@ def test_logits_and_greedy_tokens_match_transformers(case):
     gen = Generator(m, batch_size=1, max_len=64)
     out = gen.generate([ref["prompt_ids"].tolist()], len(ref["generated_ids"]))
     assert out[0] == ref["generated_ids"].tolist()
+
+
+def test_partial_group_with_too_few_scale_rows_is_named(root, tmp_path):
+    """A dense down_proj of K = 80 in groups of 32 stored with floor(K / 32) = 2 scale rows (a
+    writer that dropped the partial group): a ShapeError naming the tensor, expected and actual."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from wna16_jax.errors import ShapeError
+
+    path = tmp_path / "partial"
+    write_random_model(str(path), **{**TINY, **CASES["v2-lite"], "intermediate_size": 80})
+    name = "model.layers.0.mlp.down_proj.scales"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / index["weight_map"][name]
+    t = load_file(str(shard))
+    assert t[name].shape == (3, 64)
+    t[name] = np.ascontiguousarray(t[name][:2])
+    save_file(t, str(shard))
+    with pytest.raises(ShapeError) as e:
+        _quiet_load(str(path))
+    msg = str(e.value)
+    assert name in msg and "(3, 64)" in msg and "(2, 64)" in msg, msg
+    shutil.rmtree(path)
