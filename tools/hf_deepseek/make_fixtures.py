@@ -149,6 +149,7 @@ def reference() -> None:
 
     sys.path.insert(0, os.path.join(ROOT, "tools", "quantizer_fixtures"))
     import common  # the independent numpy decoder of the stored tensors
+    from make_references import greedy
 
     torch.set_num_threads(1)
     for name in CASES:
@@ -158,24 +159,16 @@ def reference() -> None:
         rng = np.random.default_rng(1000 + list(CASES).index(name))
         for attempt in range(50):
             ids = rng.integers(3, cfg["vocab_size"], PROMPT_LEN)
-            seq = torch.as_tensor(ids)[None]
-            margins = []
-            with torch.no_grad():
-                prompt_logits = model(input_ids=seq).logits[0].numpy()
-                for _ in range(GENERATE):
-                    last = model(input_ids=seq).logits[0, -1].double()
-                    top2 = torch.topk(last, 2).values
-                    margins.append(float(top2[0] - top2[1]))
-                    seq = torch.cat([seq, last.argmax().view(1, 1)], dim=1)
-            full = seq[0].numpy()
+            prompt_logits, gen, margins = greedy(model, ids, GENERATE)
+            full = np.concatenate([ids, gen])
             route = _route_margin(model, full)
-            if min(margins) >= MIN_MARGIN and route >= MIN_MARGIN:
+            if margins.min() >= MIN_MARGIN and route >= MIN_MARGIN:
                 break
         else:
             raise AssertionError(f"{name}: no prompt without near-ties in 50 tries")
         np.savez(os.path.join(path, "reference.npz"), prompt_ids=ids.astype(np.int32),
                  logits=prompt_logits.astype(np.float32), generated_ids=full[PROMPT_LEN:].astype(np.int32),
-                 greedy_margins=np.asarray(margins))
+                 greedy_margins=margins)
         with open(os.path.join(path, "reference.json"), "w") as f:
             json.dump({
                 "case": name, "model_class": type(model).__name__, "torch": torch.__version__,
@@ -185,10 +178,10 @@ def reference() -> None:
                 "logits": "float32 logits of the prompt (positions 0..S-1) from the transformers model "
                           "holding the dequantized weights in float32 (eager attention)",
                 "generated_ids": f"{GENERATE} greedy tokens continuing the prompt (full recompute each step)",
-                "min_greedy_margin": min(margins), "min_route_margin": route,
+                "min_greedy_margin": float(margins.min()), "min_route_margin": route,
                 "max_abs_logit": float(np.abs(prompt_logits).max()),
             }, f, indent=1)
-        print(f"{name}: attempt {attempt}, greedy margin {min(margins):.3g}, route margin {route:.3g}")
+        print(f"{name}: attempt {attempt}, greedy margin {margins.min():.3g}, route margin {route:.3g}")
 
 
 if __name__ == "__main__":
