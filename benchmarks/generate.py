@@ -68,9 +68,9 @@ SHAPES = {
                      mla=dict(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                               v_head_dim=128),
                      rope_theta=10000.0, max_position_embeddings=163840,
-                     extra_config={"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
-                                                    "mscale_all_dim": 0.707}}),
+                     extra_config={"rope_scaling": {"type": "yarn", "factor": 40,
+                                                    "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                                    "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}),
     # for CPU smoke tests of this script
     "tiny": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=128,

@@ -244,7 +244,8 @@ class LatentAttention(nnx.Module):
                  kv_a_layernorm, kv_b_proj, o_proj):
         m = config.mla
         self.num_heads = config.num_heads
-        self.nope, self.rope, self.rank, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        self.nope, self.rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.rank, self.v_dim = m.kv_lora_rank, m.v_head_dim
         self.inv_freq, self.rope_scale = rope_frequencies(config)
         self.interleaved = bool(config.rope_interleaved)
         self.softmax_scale = float(config.scale)
@@ -278,7 +279,8 @@ class LatentAttention(nnx.Module):
             return jnp.einsum(spec, a.astype(cdt), c.astype(cdt), precision=prec, preferred_element_type=jnp.float32)
 
         q_lat = dot("bsnd,ndr->bsnr", q[..., :nope], w_uk).astype(cdt)
-        scores = (dot("bsnr,btr->bnst", q_lat, lat) + dot("bsnd,btd->bnst", q_rope, kr)) * np.float32(self.softmax_scale)
+        scores = dot("bsnr,btr->bnst", q_lat, lat) + dot("bsnd,btd->bnst", q_rope, kr)
+        scores = scores * np.float32(self.softmax_scale)
         scores = jnp.where(_mask(positions, kpos)[:, None], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         o_lat = dot("bnst,btr->bsnr", probs, lat).astype(x.dtype)
@@ -683,7 +685,8 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
             attn = Attention(
                 c, lin(f"{p}.self_attn.q_proj", nh * hd, h, c.qkv_bias),
                 lin(f"{p}.self_attn.k_proj", nkv * hd, h, c.qkv_bias),
-                lin(f"{p}.self_attn.v_proj", nkv * hd, h, c.qkv_bias), lin(f"{p}.self_attn.o_proj", h, nh * hd, c.o_bias),
+                lin(f"{p}.self_attn.v_proj", nkv * hd, h, c.qkv_bias),
+                lin(f"{p}.self_attn.o_proj", h, nh * hd, c.o_bias),
                 norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
                 norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
         if c.sparse_layers[i]:

@@ -3,8 +3,8 @@
 :func:`write_random_model` writes a Hugging Face checkpoint folder — ``config.json``, one
 safetensors shard per decoder layer plus one for the embeddings / head, and the index — for the
 Qwen3-MoE, Qwen2-MoE, Mixtral or DeepSeek-V2 / V3 family, with every attention projection,
-dense MLP and expert quantized in ``scheme`` and the embeddings, ``lm_head``, norms and routers in 16 bits, named as
-the quantization tools name them. The packed words are random (every int32 word is a valid set
+dense MLP and expert quantized in ``scheme`` and the embeddings, ``lm_head``, norms and routers
+in 16 bits, named as the quantization tools name them. The packed words are random (every int32 word is a valid set
 of codes), the scales chosen so that each dequantized weight has a standard deviation of about
 ``1/sqrt(K)``; nothing is quantized from float weights, so a model-sized checkpoint is written
 at disk speed, one layer in memory at a time.
@@ -77,7 +77,13 @@ def write_random_model(
     Qwen2-MoE gets q/k/v biases; Qwen3-MoE gets per-head q/k norms; a
     ``shared_expert_intermediate_size`` gives each MoE layer a shared expert with its sigmoid gate
     (Qwen2-MoE); ``mlp_only_layers`` / ``decoder_sparse_step`` place dense MLPs
-    (``intermediate_size``) as Qwen's configs do; ``quantize_lm_head`` quantizes ``lm_head`` too."""
+    (``intermediate_size``) as Qwen's configs do; ``quantize_lm_head`` quantizes ``lm_head`` too.
+    DeepSeek (``deepseek_v2`` / ``deepseek_v3``): ``mla`` gives the latent-attention sizes
+    (:data:`MLA_FIELDS`; ``head_dim`` and ``num_kv_heads`` are then unused), the first
+    ``first_k_dense_replace`` layers are dense, each MoE layer has ``n_shared_experts`` shared
+    experts of ``moe_intermediate_size`` each, and ``routing`` holds the router's config fields
+    (``topk_method``, ``n_group``, ``topk_group``, ``scoring_func``, ``routed_scaling_factor``,
+    ``norm_topk_prob``); ``topk_method="noaux_tc"`` writes a score-correction bias per layer."""
     from safetensors.numpy import save_file
 
     if model_type not in SUPPORTED_FAMILIES:
@@ -198,7 +204,8 @@ def write_random_model(
                       sliding_window=sliding_window)
     elif deepseek:
         del config["head_dim"]                             # DeepSeek's configs name the parts instead
-        config.update(dict(mla), num_key_value_heads=nh, n_routed_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+        config.update(dict(mla), num_key_value_heads=nh, n_routed_experts=num_experts,
+                      moe_intermediate_size=moe_intermediate_size,
                       intermediate_size=intermediate_size or moe_intermediate_size,
                       first_k_dense_replace=first_k_dense_replace, moe_layer_freq=1,
                       n_shared_experts=n_shared_experts or None, attention_bias=False,
