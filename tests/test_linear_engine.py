@@ -120,3 +120,47 @@ def test_engine_linear_on_hopper(name, m):
                                                gemm=wgmma_grouped_gemm_reference))(x, ew), np.float64)
     assert np.isfinite(y).all()
     assert np.abs(y - ref).max() / np.abs(ref).max() < 8e-3        # the output's bf16 rounding, 2^-8
+
+
+def _engine_linear(lw, dtype=jnp.bfloat16):
+    """A QuantizedLinear holding ``lw`` in the wgmma layout, made on any backend (the constructor
+    converts only on a Hopper GPU)."""
+    return QuantizedLinear(None, compute_dtype=dtype,
+                           _engine_weights=(to_engine_linear(lw, dtype), lw.scheme, (lw.out_features,)))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_fused_linears_are_the_separate_ones(name):
+    """q, k and v (different N, one input) fused into one GEMM: each part of the fused output
+    is that linear's own output, biases included, and the weights are the same bytes. Bound:
+    the heuristics may split K differently for the wider GEMM, and an unsplit GEMM rounds its
+    output to bf16 once (2^-9), so the two agree within 2^-8 of the largest output; a part
+    read from another linear's columns is off by order one."""
+    from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
+
+    s = SCHEMES[name]
+    lws = [_linear(s, n, 512, seed=10 + i)[0] for i, n in enumerate((256, 64, 64))]
+    parts = [_engine_linear(lw) for lw in lws]
+    fused = QuantizedLinear.fused(parts)
+    assert fused.splits == (256, 64, 64) and fused.out_features == 384 and fused.in_features == 512
+    assert fused.weight.get_value().words.size == sum(p.weight.get_value().words.size for p in parts)
+    f = jax.jit(functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16, gemm=wgmma_grouped_gemm_reference))
+    x = jnp.asarray(np.random.default_rng().standard_normal((3, 512)), jnp.bfloat16)
+    got = fused.split(f(x, fused.weight.get_value()))
+    for g, p in zip(got, parts):
+        want = np.asarray(f(x, p.weight.get_value()), np.float64)
+        assert g.shape == want.shape and np.isfinite(np.asarray(g)).all()
+        assert np.abs(np.asarray(g, np.float64) - want).max() <= 2 ** -8 * np.abs(want).max()
+
+
+def test_linears_that_cannot_share_a_gemm_are_not_fused():
+    s = SCHEMES["gptq g128"]
+    a, b = _linear(s, 128, 512, seed=1)[0], _linear(s, 128, 512, seed=2, bias=False)[0]
+    c = _linear(SCHEMES["ct channel"], 128, 512, seed=3, bias=True)[0]
+    d = _linear(s, 128, 256, seed=4)[0]
+    assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(b)]) is None          # a bias on one only
+    assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(c)]) is None          # group 128 and channelwise
+    assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(d)]) is None          # different K
+    assert QuantizedLinear.fused([_engine_linear(a), QuantizedLinear(a)]) is None         # one not on the engine
+    assert QuantizedLinear.fused([_engine_linear(a)]) is None
+    assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(_linear(s, 64, 512, seed=5)[0])]) is not None

@@ -37,7 +37,7 @@ inside the compiled program, then one ``dot`` with float32 accumulation).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -400,12 +400,19 @@ class QuantizedLinear(nnx.Module):
     """
 
     def __init__(self, weights: QuantizedLinearWeights, *, compute_dtype=None, engine: bool | None = None,
-                 device=None):
+                 device=None, _engine_weights: tuple | None = None):
+        if _engine_weights is not None:               # QuantizedLinear.fused: (WgmmaLinearWeights, scheme, splits)
+            w, self._scheme, self.splits = _engine_weights
+            self.in_features, self.out_features = w.in_features, w.out_features
+            self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
+            self.weight = QuantizedWeight(w)
+            return
         if not isinstance(weights, QuantizedLinearWeights):
             raise ConfigError(f"weights: expected QuantizedLinearWeights, got {type(weights).__name__}")
         self.in_features, self.out_features = weights.in_features, weights.out_features
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
         self._scheme = weights.scheme
+        self.splits = (self.out_features,)
         w = jax.tree.map(jnp.asarray, weights)
         cdt = jnp.dtype(compute_dtype or jnp.bfloat16)
         if engine is None:        # on a Hopper GPU with 16-bit compute, the wgmma layout where it applies
@@ -419,6 +426,36 @@ class QuantizedLinear(nnx.Module):
     @property
     def scheme(self) -> QuantScheme:
         return self._scheme
+
+    @classmethod
+    def fused(cls, linears: Sequence["QuantizedLinear"]) -> "QuantizedLinear | None":
+        """One linear computing ``linears`` (which read the same input) as one GEMM: their
+        wgmma-layout weights concatenated along N (each output row is packed on its own, so this
+        is exact), ``splits`` their output sizes (split the result with :meth:`split`). None when
+        they cannot share one: not all in the wgmma layout, different input sizes, group sizes,
+        compute dtypes or scale dtypes, zero points or biases on some only."""
+        ws = [lin.weight.get_value() if isinstance(lin, QuantizedLinear) else None for lin in linears]
+        if len(ws) < 2 or not all(isinstance(w, WgmmaLinearWeights) for w in ws):
+            return None
+        first = ws[0]
+        if any(w.in_features != first.in_features or w.group_size != first.group_size
+               or w.scales.dtype != first.scales.dtype or (w.zeros is None) != (first.zeros is None)
+               or (w.bias is None) != (first.bias is None) for w in ws) or len(
+                {lin.compute_dtype for lin in linears}) != 1:
+            return None
+
+        def cat(field, axis):
+            return None if getattr(first, field) is None else jnp.concatenate([getattr(w, field) for w in ws], axis)
+
+        w = WgmmaLinearWeights(cat("words", 1), cat("scales", 2), cat("zeros", 2), cat("bias", 0),
+                               out_features=sum(w.out_features for w in ws), in_features=first.in_features,
+                               group_size=first.group_size)
+        return cls(None, compute_dtype=linears[0].compute_dtype,
+                   _engine_weights=(w, linears[0].scheme, tuple(lin.out_features for lin in linears)))
+
+    def split(self, y) -> tuple:
+        """The outputs of the fused linears (see :meth:`fused`) from this one's ``y [..., N]``."""
+        return tuple(jnp.split(y, np.cumsum(self.splits)[:-1], axis=-1))
 
     def dequantized(self, dtype=jnp.bfloat16) -> "DenseLinear":
         """The same layer with ``W`` (and the bias) dequantized into a 16-bit :class:`DenseLinear`."""
