@@ -151,7 +151,7 @@ def test_engine_reads_a_stack_in_place_gpu(t):
         np.testing.assert_array_equal(got, np.asarray(mm(x, ews[layer]).astype(jnp.float32)))
 
 
-def _scanned_model_matches_float32(path, check_engine: bool):
+def scanned_model_matches_float32(path, check_engine: bool, within: float = 3e-2):
     """A scanned bf16 model's prefill logits and greedy tokens against the same checkpoint's
     unrolled float32 model (the reference), over 24 prompts of random lengths.
 
@@ -160,8 +160,9 @@ def _scanned_model_matches_float32(path, check_engine: bool):
     anything up to order one (3–75% seen on the CPU, 6 random models × 12 prompts: 4 of 72 rows of
     the scanned model and 5 of 72 of the unrolled one beyond 3%), so no bound holds for every
     row and the two bf16 models are not compared with each other. Instead, at least two thirds
-    of the rows must be within 3%: a layer that reads another layer's weights, or a cache row
-    written to the wrong layer, moves every row by order one. Greedy tokens: at least 75% of the
+    of the rows must be ``within`` (3% unless the caller states why its model is noisier): a
+    layer that reads another layer's weights, or a cache row written to the wrong layer, moves
+    every row by order one. Greedy tokens: at least 75% of the
     tokens the scanned model picks must be within 5% (of the row's largest logit) of the
     reference's best logit for the same prefix (a wrong model picks such a token by chance
     rarely: a few of 512 tokens)."""
@@ -172,16 +173,18 @@ def _scanned_model_matches_float32(path, check_engine: bool):
     scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
     reference_model = load_model(path, dtype=jnp.float32, scan_layers=False)
     if check_engine:
-        layer = scanned.layer_modules()[1]
+        layer = scanned.layer_modules()[-1]
         assert isinstance(layer.mlp.expert_weights(), WgmmaWeights)
-        assert isinstance(layer.self_attn.q_proj.weight.get_value(), WgmmaLinearWeights)
+        assert isinstance(layer.self_attn.o_proj.weight.get_value(), WgmmaLinearWeights)
+        fused = getattr(layer.self_attn, "qkv_proj", None) or getattr(layer.self_attn, "x_proj", None)
+        assert isinstance(fused.weight.get_value(), WgmmaLinearWeights) and len(fused.splits) >= 2
     rng = np.random.default_rng()
     prompts = [rng.integers(3, 512, n).tolist() for n in rng.integers(3, 21, 24)]
     ref = Generator(reference_model, batch_size=len(prompts), max_len=64).prefill_logits(prompts)
     got = Generator(scanned, batch_size=len(prompts), max_len=64).prefill_logits(prompts)
     assert np.isfinite(got).all()
     err = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
-    assert (err <= 3e-2).mean() >= 2 / 3, err
+    assert (err <= within).mean() >= 2 / 3, err
     new = 8
     tokens = Generator(scanned, batch_size=len(prompts), max_len=64).generate(prompts, new)
     assert all(len(t) == new for t in tokens)
@@ -206,7 +209,7 @@ def _tiny_qwen3(path):
 
 def test_scanned_model_matches_float32_cpu(tmp_path):
     """The scanned model on the XLA executor, against the unrolled float32 model."""
-    _scanned_model_matches_float32(_tiny_qwen3(str(tmp_path / "m")), check_engine=False)
+    scanned_model_matches_float32(_tiny_qwen3(str(tmp_path / "m")), check_engine=False)
 
 
 @gpu
@@ -215,7 +218,7 @@ def test_scanned_model_on_the_engine_gpu(tmp_path):
     """A Qwen3-MoE-shaped model (GPTQ int4 g128) on Hopper, its layers scanned: the attention
     projections and experts stay in the wgmma layout, read in place from the stacks, and its
     logits and greedy tokens agree with the unrolled float32 model's."""
-    _scanned_model_matches_float32(_tiny_qwen3(str(tmp_path / "m")), check_engine=True)
+    scanned_model_matches_float32(_tiny_qwen3(str(tmp_path / "m")), check_engine=True)
 
 
 def test_layer_index_is_checked_where_concrete():

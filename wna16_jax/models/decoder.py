@@ -185,15 +185,21 @@ class Attention(nnx.Module):
         self.sliding_window = config.sliding_window
         self.inv_freq, self.rope_scale = rope_frequencies(config)
         self.softmax_scale = float(config.scale)
+        # on the wgmma kernels, q, k and v are one GEMM (``qkv_proj``; q/k/v_proj are then None)
+        self.qkv_proj = QuantizedLinear.fused([q_proj, k_proj, v_proj])
+        if self.qkv_proj is not None:
+            q_proj = k_proj = v_proj = None
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def __call__(self, x, positions, cache=None, kv_len: int | None = None, layer=None):
         b, s, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = _apply(self.q_proj, x, layer).reshape(b, s, nh, hd)
-        k = _apply(self.k_proj, x, layer).reshape(b, s, nkv, hd)
-        v = _apply(self.v_proj, x, layer).reshape(b, s, nkv, hd)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj.split(_apply(self.qkv_proj, x, layer))
+        else:
+            q, k, v = (_apply(proj, x, layer) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
@@ -249,6 +255,11 @@ class LatentAttention(nnx.Module):
         self.inv_freq, self.rope_scale = rope_frequencies(config)
         self.interleaved = bool(config.rope_interleaved)
         self.softmax_scale = float(config.scale)
+        # on the wgmma kernels, the two projections of x (q_proj or q_a_proj, and
+        # kv_a_proj_with_mqa) are one GEMM (``x_proj``; the two are then None)
+        self.x_proj = QuantizedLinear.fused([q_proj if q_proj is not None else q_a_proj, kv_a_proj_with_mqa])
+        if self.x_proj is not None:
+            q_proj = q_a_proj = kv_a_proj_with_mqa = None
         self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj = q_proj, q_a_proj, q_a_layernorm, q_b_proj
         self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj = kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
         self.o_proj = o_proj
@@ -256,12 +267,14 @@ class LatentAttention(nnx.Module):
     def __call__(self, x, positions, cache=None, kv_len: int | None = None, layer=None):
         b, s, _ = x.shape
         nh, nope, r = self.num_heads, self.nope, self.rank
-        if self.q_proj is not None:
-            q = _apply(self.q_proj, x, layer)
+        if self.x_proj is not None:
+            q, kva = self.x_proj.split(_apply(self.x_proj, x, layer))
         else:
-            q = _apply(self.q_b_proj, self.q_a_layernorm(_apply(self.q_a_proj, x, layer)), layer)
+            q = _apply(self.q_proj if self.q_proj is not None else self.q_a_proj, x, layer)
+            kva = _apply(self.kv_a_proj_with_mqa, x, layer)              # [B, S, rank + rope]
+        if self.q_b_proj is not None:
+            q = _apply(self.q_b_proj, self.q_a_layernorm(q), layer)
         q = q.reshape(b, s, nh, nope + self.rope)
-        kva = _apply(self.kv_a_proj_with_mqa, x, layer)                  # [B, S, rank + rope]
         latent = self.kv_a_layernorm(kva[..., :r])[:, None]              # [B, 1, S, rank]
         inv = np.asarray(self.inv_freq, np.float32)
         q_rope, k_rope = (apply_rope(t, positions, inv, interleaved=self.interleaved,
