@@ -270,7 +270,7 @@ def print_step_profile(progs, leaves, cache, tok, pos, key, zero, one, batch: in
 
     result = kernel_breakdown(step, (leaves, cache, tok, pos), calls=10)
     print(f"# profile, batch {batch}: one decode step")
-    print(format_breakdown(result, top=25))
+    print(format_breakdown(result, top=80))
     groups: dict = {}
     for name, us, n in result[0]:
         kind = name.split(".")[0].split("_")[0] if not name.startswith(("wna16", "wgmma", "fused_moe")) else name
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
                                   "default: load_model's choice, scanned from 8 alike layers)")
     layers_mode.add_argument("--unrolled", action="store_true", help="one compiled layer per decoder layer")
     ap.add_argument("--profile", action="store_true",
-                    help="also print one decode step's device kernels (JAX profiler trace), first batch size only")
+                    help="also print one decode step's device kernels (JAX profiler trace), every batch size")
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     bad = [n for n in names if n not in SHAPES]
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                 for b in batches:
                     try:
                         r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
-                                        bandwidth=bandwidth, profile=args.profile and b == batches[0],
+                                        bandwidth=bandwidth, profile=args.profile,
                                         moe_share=not args.no_moe_share)
                     except Exception as ex:  # noqa: BLE001 - out of memory: report the row, go on
                         if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
