@@ -88,7 +88,8 @@ class _NoMLP(nnx.Module):
 
 
 def without_moe(model: MoEDecoder) -> MoEDecoder:
-    """The same model (sharing every array) with each MoE layer's MLP replaced by identity."""
+    """The same model with each MoE layer's MLP replaced by identity (an unrolled model sharing
+    every array; a scanned model's layers are sliced out of its stacks, which copies them)."""
     layers = [DecoderLayer(l.input_layernorm, l.self_attn, l.post_attention_layernorm,
                            _NoMLP() if isinstance(l.mlp, QuantizedMoE) else l.mlp) for l in model.layer_modules()]
     head = len(model.layers) if model.scan_layers else 0          # unrolled ahead of a scan
@@ -101,6 +102,17 @@ def _nbytes(tree) -> int:
                    if hasattr(a, "dtype")))
 
 
+def layer_shapes(model: MoEDecoder) -> list:
+    """The decoder layers as modules for counting bytes: a scanned model's layers are rebuilt
+    from its stacks with each array's one-layer shape and dtype (``jax.ShapeDtypeStruct``), not
+    sliced: ``MoEDecoder.layer_modules`` copies every layer's weights on the device, which would
+    double the memory this script reports."""
+    if not model.scan_layers:
+        return list(model.layers)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model.stacked_layers)
+    return list(model.layers) + [nnx.merge(model.layer_graph, one)] * model.num_scanned_layers
+
+
 def touched_bytes(model: MoEDecoder, batch: int) -> int:
     """Weight bytes one decode step of ``batch`` tokens reads: everything except the embedding
     table (one row per token) and the experts, plus the expected experts a uniformly random
@@ -110,7 +122,7 @@ def touched_bytes(model: MoEDecoder, batch: int) -> int:
     total += batch * h * np.dtype(model.embed_tokens[...].dtype).itemsize
     if model.lm_head is None:
         total += _nbytes(model.embed_tokens[...])
-    for layer in model.layer_modules():
+    for layer in layer_shapes(model):
         if isinstance(layer.mlp, QuantizedMoE):
             moe = layer.mlp
             e, k = moe.num_experts, moe.top_k

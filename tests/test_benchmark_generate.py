@@ -47,3 +47,20 @@ def test_floor_counts_every_touched_weight_once(tmp_path):
     assert one < everything - embed                               # top-2 of 8 experts
     assert bench.without_moe(model).layers[0].self_attn is model.layers[0].self_attn
     assert jax.tree.leaves(nnx.state(bench.without_moe(model), bench.QuantizedExperts)) == []
+
+
+def test_floor_of_a_scanned_model_copies_nothing(tmp_path):
+    """The floor of a scanned model counts the same bytes as the unrolled model's and creates no
+    device array (slicing each layer out of the stacks would hold a second copy of the weights
+    while the script reads the memory in use)."""
+    path = write_random_model(tmp_path / "m", scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128),
+                              **dict(bench.SHAPES["tiny"], num_layers=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
+        unrolled = load_model(path, dtype=jnp.bfloat16, scan_layers=False)
+    assert scanned.scan_layers and not unrolled.scan_layers
+    before = {id(a) for a in jax.live_arrays()}
+    got = [bench.touched_bytes(scanned, b) for b in (1, 8, 10**6)]
+    assert {id(a) for a in jax.live_arrays()} <= before
+    assert got == [bench.touched_bytes(unrolled, b) for b in (1, 8, 10**6)]
