@@ -163,4 +163,7 @@ def test_linears_that_cannot_share_a_gemm_are_not_fused():
     assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(d)]) is None          # different K
     assert QuantizedLinear.fused([_engine_linear(a), QuantizedLinear(a)]) is None         # one not on the engine
     assert QuantizedLinear.fused([_engine_linear(a)]) is None
+    other = QuantizedLinear(None, compute_dtype=jnp.bfloat16, _engine_weights=(
+        to_engine_linear(a, jnp.bfloat16), SCHEMES["awq g128"], (a.out_features,)))
+    assert QuantizedLinear.fused([_engine_linear(a), other]) is None                        # another scheme
     assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(_linear(s, 64, 512, seed=5)[0])]) is not None

@@ -432,8 +432,8 @@ class QuantizedLinear(nnx.Module):
         """One linear computing ``linears`` (which read the same input) as one GEMM: their
         wgmma-layout weights concatenated along N (each output row is packed on its own, so this
         is exact), ``splits`` their output sizes (split the result with :meth:`split`). None when
-        they cannot share one: not all in the wgmma layout, different input sizes, group sizes,
-        compute dtypes or scale dtypes, zero points or biases on some only."""
+        they cannot share one: not all in the wgmma layout, different schemes, input sizes, group
+        sizes, compute dtypes or scale dtypes, zero points or biases on some only."""
         ws = [lin.weight.get_value() if isinstance(lin, QuantizedLinear) else None for lin in linears]
         if len(ws) < 2 or not all(isinstance(w, WgmmaLinearWeights) for w in ws):
             return None
@@ -441,7 +441,7 @@ class QuantizedLinear(nnx.Module):
         if any(w.in_features != first.in_features or w.group_size != first.group_size
                or w.scales.dtype != first.scales.dtype or (w.zeros is None) != (first.zeros is None)
                or (w.bias is None) != (first.bias is None) for w in ws) or len(
-                {lin.compute_dtype for lin in linears}) != 1:
+                {lin.compute_dtype for lin in linears}) != 1 or len({lin.scheme for lin in linears}) != 1:
             return None
 
         def cat(field, axis):
