@@ -260,9 +260,15 @@ def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int)
 
 def print_live_arrays(title: str, show: int = 6) -> None:
     """The largest arrays alive in this process (what holds device memory beyond the model)."""
-    live = sorted(jax.live_arrays(), key=lambda a: -a.nbytes)[:show]
-    print(f"# {title}; largest live arrays: " + ", ".join(
-        f"{a.dtype}{list(a.shape)} {a.nbytes / 2**30:.2f} GiB" for a in live), flush=True)
+    arrays = jax.live_arrays()
+    live = sorted(arrays, key=lambda a: -a.nbytes)[:show]
+
+    def where(a):               # the device, where it is not the default one
+        devs = a.devices()
+        return "" if devs == {jax.devices()[0]} else f" on {sorted(str(d) for d in devs)}"
+
+    print(f"# {title}; live arrays {sum(a.nbytes for a in arrays) / 2**30:.2f} GiB, the largest: " + ", ".join(
+        f"{a.dtype}{list(a.shape)} {a.nbytes / 2**30:.2f} GiB{where(a)}" for a in live), flush=True)
 
 
 def _free_bytes() -> int | None:

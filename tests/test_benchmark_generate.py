@@ -64,3 +64,14 @@ def test_floor_of_a_scanned_model_copies_nothing(tmp_path):
     got = [bench.touched_bytes(scanned, b) for b in (1, 8, 10**6)]
     assert {id(a) for a in jax.live_arrays()} <= before
     assert got == [bench.touched_bytes(unrolled, b) for b in (1, 8, 10**6)]
+
+
+def test_live_arrays_printout(capsys):
+    """The memory printout names the largest live arrays and their total (what the allocator's
+    count of bytes in use is compared with)."""
+    x = jnp.ones((512, 256), jnp.float32)
+    bench.print_live_arrays("t", show=1)
+    out = capsys.readouterr().out
+    assert out.startswith("# t; live arrays ") and "the largest: float32[" in out
+    total = float(out.split("live arrays ")[1].split(" GiB")[0])
+    assert total >= round(x.nbytes / 2**30, 2)
