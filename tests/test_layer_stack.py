@@ -162,10 +162,9 @@ def scanned_model_matches_float32(path, check_engine: bool, within: float = 3e-2
     row and the two bf16 models are not compared with each other. Instead, at least two thirds
     of the rows must be ``within`` (3% unless the caller states why its model is noisier): a
     layer that reads another layer's weights, or a cache row written to the wrong layer, moves
-    every row by order one. Greedy tokens: at least 75% of the
-    tokens the scanned model picks must be within 5% (of the row's largest logit) of the
-    reference's best logit for the same prefix (a wrong model picks such a token by chance
-    rarely: a few of 512 tokens)."""
+    every row by order one. Greedy tokens: at least 75% of the tokens the scanned model picks
+    must be within 5% (of the row's largest logit) of the reference's best logit for the same
+    prefix (a wrong model picks such a token by chance rarely: a few of 512 tokens)."""
     from wna16_jax.convert.wgmma import WgmmaWeights
     from wna16_jax.models import Generator, load_model
     from wna16_jax.models.linear import WgmmaLinearWeights
