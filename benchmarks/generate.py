@@ -18,7 +18,8 @@ tokens, measures:
   reports them.
 
 Then the same model with every quantized weight dequantized to bfloat16 at load and run by XLA
-(``load_model(dequantized=True)``), same measurements. ``--append PATH`` appends the table with
+(``load_model(dequantized=True)``; its decode steps attend on XLA too, not on the decode kernel),
+same measurements. ``--append PATH`` appends the table with
 the date and the command to a RESULTS.md.
 
 GPU: ``PYTHONPATH=$PWD python3 benchmarks/generate.py --append benchmarks/RESULTS.md``.
@@ -28,6 +29,7 @@ CPU smoke run: ``--models tiny --layers 1 --batch 1 --prompt 16 --new 4``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from wna16_jax.models import load_model, write_random_model  # noqa: E402
+from wna16_jax.models import decoder  # noqa: E402
 from wna16_jax.models import generation as G  # noqa: E402
 from wna16_jax.models.decoder import DecoderLayer, MoEDecoder  # noqa: E402
 from wna16_jax.nn import QuantizedExperts, QuantizedMoE  # noqa: E402
@@ -328,6 +332,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="B/s for the floor (default H200's 4.3e12)")
     ap.add_argument("--measure-bandwidth", action="store_true", help="use a device copy's bandwidth instead")
+    ap.add_argument("--decode-kernel", choices=("on", "off"), default=None,
+                    help="decode steps of the int4 model attend with the Triton kernel (on) or XLA (off); "
+                         "default: the library's (wna16_jax.models.decoder.DECODE_KERNEL)")
     ap.add_argument("--no-dequantized", action="store_true", help="skip the bf16-dequantized XLA variant")
     ap.add_argument("--only-dequantized", action="store_true", help="run only the bf16-dequantized XLA variant")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -353,6 +360,8 @@ def main(argv=None) -> int:
           f"{bandwidth:.3g} B/s{' (measured)' if args.measure_bandwidth else ''}", flush=True)
     table = [HEADER, "|" + "|".join("---" for _ in HEADER.split("|")[1:-1]) + "|"]
     print("\n".join(table), flush=True)
+    if args.decode_kernel:
+        decoder.DECODE_KERNEL = args.decode_kernel == "on"
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in names:
             shape = dict(SHAPES[name])
@@ -375,9 +384,12 @@ def main(argv=None) -> int:
                 batches = args.batch if variant == "GPTQ int4" or not args.bf16_batch else args.bf16_batch
                 for b in batches:
                     try:
-                        r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
-                                        bandwidth=bandwidth, profile=args.profile,
-                                        moe_share=not args.no_moe_share)
+                        # the bf16 twin is what XLA alone does: its decode steps attend on XLA too
+                        with (contextlib.nullcontext() if variant == "GPTQ int4" else
+                              mock.patch.object(decoder, "decode_kernel_mode", lambda: None)):
+                            r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
+                                            bandwidth=bandwidth, profile=args.profile,
+                                            moe_share=not args.no_moe_share)
                     except Exception as ex:  # noqa: BLE001 - out of memory: report the row, go on
                         if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
                             raise

@@ -34,7 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import decode_attention
+
 from ..checkpoint import Checkpoint, DenseWeights
+from ..device import Device
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
 from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE
 from ..safetensors_io import load_json
@@ -166,6 +169,22 @@ def _cached(k, v, positions, cache, kv_len, layer, dtype):
     return (ck[:, :, :t].astype(dtype), cv[:, :, :t].astype(dtype), kpos), cache
 
 
+#: whether decode steps may attend with the Triton kernel (:func:`decode_kernel_mode`): off
+#: until a GPU run has checked and timed it in a whole model (``benchmarks/generate.py
+#: --decode-kernel on`` turns it on for one run; docs/models.md says where it stands)
+DECODE_KERNEL = False
+
+
+def decode_kernel_mode() -> str | None:
+    """How a decode step (one new token per sequence) attends on this device: ``"gpu"`` (the
+    Triton kernel :mod:`pallas_kernels.decode_attention`, on an NVIDIA GPU of SM80 or later,
+    where :data:`DECODE_KERNEL` allows it) or None (XLA). Read when a step is traced; the tests
+    replace it with ``"interpret"`` (the kernel in Pallas's interpreter) to run the kernel's
+    path on the CPU."""
+    dev = Device.current()
+    return "gpu" if DECODE_KERNEL and dev.is_nvidia and dev.compute_capability >= (8, 0) else None
+
+
 def _mask(positions, kpos, sliding_window=None):
     """``[B, S, T]``: key ``t`` is visible from query ``s`` (causal, optionally windowed)."""
     qp, kp = positions[:, :, None], kpos[:, None, :]
@@ -205,6 +224,10 @@ class Attention(nnx.Module):
         inv = np.asarray(self.inv_freq, np.float32)
         q, k = (apply_rope(t, positions, inv, attention_factor=self.rope_scale) for t in (q, k))
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
+        mode = decode_kernel_mode()
+        if mode and cache is not None and s == 1 and not decode_attention.unsupported_reason(
+                q.shape, cache[0].shape, x.dtype):
+            return self._decode_step(q, k, v, positions, cache, layer, interpret=mode == "interpret")
         (keys, vals, kpos), cache = _cached(k, v, positions, cache, kv_len, layer, x.dtype)
         g = nh // nkv
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
@@ -219,6 +242,23 @@ class Attention(nnx.Module):
         out = jnp.einsum("bngst,bntd->bsngd", probs, vals, precision=prec,
                          preferred_element_type=jnp.float32).astype(x.dtype)
         return _apply(self.o_proj, out.reshape(b, s, nh * hd), layer), cache
+
+
+    def _decode_step(self, q, k, v, positions, cache, layer, *, interpret: bool):
+        """One new token per sequence: the kernel reads the cache before the new rows are written
+        (they join its softmax from registers), then the rows are written in place."""
+        b = q.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        ck, cv = cache
+        stacked = layer is not None
+        i = jnp.asarray(layer if stacked else 0, jnp.int32)
+        kc, vc = (ck, cv) if stacked else (ck[None], cv[None])
+        out = decode_attention.decode_attention(
+            q.reshape(b, nkv, nh // nkv, hd), k[:, :, 0], v[:, :, 0], kc, vc, i, positions[:, 0],
+            scale=self.softmax_scale, window=self.sliding_window, interpret=interpret)
+        start = positions[:, 0]
+        cache = (_write_rows(ck, k, start, layer), _write_rows(cv, v, start, layer))
+        return _apply(self.o_proj, out.reshape(b, 1, nh * hd), layer), cache
 
 
 def dense_weight(lin, dtype, layer=None):

@@ -1,0 +1,232 @@
+"""One decode step of grouped-query attention read straight from a stacked KV cache (Triton).
+
+A decoder that generates one token per sequence attends, for each sequence ``b`` and key/value
+head ``h``, from the ``G`` query heads that share ``h`` to the cache's first ``lengths[b]``
+slots and to the step's own new key / value. XLA does this with a copy of the layer's cache
+slice (a dot needs its operand whole), a score dot, a mask, a softmax and a value dot. Here
+one kernel reads the cache rows where they lie — layer ``layer`` of a ``[L, B, H, T, D]``
+stack, the layer index a traced scalar in a scanned decoder — and only the slots below
+``lengths[b]``; the step's own key / value, not yet in the cache, join in the combine.
+
+The slots are split among ``splits`` programs per ``(b, h)`` so that a small batch still spreads
+over the GPU (flash-decoding): each program keeps a running max ``m``, sum ``l`` and weighted
+value sum ``acc`` over its blocks of ``block_t`` slots, and :func:`combine` merges the splits
+with the new row (a few XLA element-wise ops and two sums).
+
+:func:`decode_attention` is the whole step; :func:`reference` is the same in plain ``jnp``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from .errors import KernelConfigError, KernelDTypeError, KernelShapeError
+
+#: query rows a program multiplies at once (the dot's smallest M); fewer heads are padded
+MIN_GROUP = 16
+#: slots a program reads per step of its loop, the largest of these that divides the cache length
+BLOCK_T = (64, 32, 16)
+
+
+def block_t_for(cache_len: int) -> int | None:
+    """The block of slots for a cache of ``cache_len`` slots (None: no block divides it)."""
+    return next((bt for bt in BLOCK_T if cache_len % bt == 0), None)
+
+
+def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
+    """Why :func:`decode_attention` cannot take these shapes / dtype (None: it can)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {dtype.name}: the kernel takes bfloat16 or float16"
+    d = int(q_shape[-1])
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d}: the kernel takes a power of two ≥ 16"
+    if block_t_for(int(cache_shape[-2])) is None:
+        return f"cache length {cache_shape[-2]}: the kernel needs a multiple of {BLOCK_T[-1]}"
+    return None
+
+
+def choose_splits(batch: int, kv_heads: int, blocks: int, *, programs: int = 264) -> int:
+    """Splits of the slots per ``(b, h)``: about ``programs`` programs in all (two per SM of an
+    H100 / H200), at least one block each."""
+    return max(1, min(blocks, -(-programs // max(1, batch * kv_heads))))
+
+
+def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_t, per_split, scale,
+            window):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    n = len_ref[b]                                     # slots 0 .. n-1 are valid
+    q = q_ref[...]                                     # [G, D]
+    g = q.shape[0]
+    first = s * per_split
+    lo = first
+    if window is not None:                             # visible: slot > n - window
+        lo = jnp.maximum(first, (n - window + 1) // block_t)
+    hi = jnp.minimum(first + per_split, (n + block_t - 1) // block_t)
+    neg = jnp.float32(-jnp.inf)
+
+    def body(j, carry):
+        m, l, acc = carry
+        t0 = pl.multiple_of(j * block_t, block_t)
+        kb = k_ref[layer, b, h, pl.ds(t0, block_t), :]                     # [BT, D]
+        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * np.float32(scale)   # [G, BT]
+        t = t0 + jax.lax.broadcasted_iota(jnp.int32, (g, block_t), 1)
+        ok = t < n
+        if window is not None:
+            ok = ok & (t > n - window)
+        sc = jnp.where(ok, sc, neg)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == neg, 0.0, m_new)                      # a row with nothing seen yet
+        p = jnp.exp(sc - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        vb = v_ref[layer, b, h, pl.ds(t0, block_t), :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    m0 = jnp.full((g,), neg, jnp.float32)
+    l0 = jnp.zeros((g,), jnp.float32)
+    acc0 = jnp.zeros(q.shape, jnp.float32)
+    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, (m0, l0, acc0))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def split_plan(batch: int, kv_heads: int, cache_len: int, splits: int | None = None) -> tuple[int, int, int]:
+    """``(block_t, blocks per split, splits)`` for a cache of ``cache_len`` slots (``splits``: at
+    most this many; default :func:`choose_splits`)."""
+    bt = block_t_for(cache_len)
+    blocks = cache_len // bt
+    per_split = -(-blocks // (splits or choose_splits(batch, kv_heads, blocks)))
+    return bt, per_split, -(-blocks // per_split)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "splits", "interpret", "num_warps", "num_stages"))
+def partials(q, k_cache, v_cache, layer, lengths, out=None, *, scale: float, window: int | None = None,
+             splits: int | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+    """The per-split running ``(acc [B, H, S, G, D], m [B, H, S, G], l [B, H, S, G])``, float32,
+    of ``q [B, H, G, D]`` (``G`` a power of two ≥ 16) against layer ``layer`` (int32 ``[1]``) of
+    the caches ``[L, B, H, T, D]``, slots ``t < lengths[b]`` (and ``t > lengths[b] - window``).
+    Every program writes its three blocks, also where it has no slot to read (``m = -inf``,
+    ``l = 0``, ``acc = 0``); with ``out`` (three buffers of those shapes, e.g. NaN-poisoned by a
+    test) the kernel writes into them in place."""
+    bsz, hk, g, d = q.shape
+    t = int(k_cache.shape[3])
+    bt, per_split, splits = split_plan(bsz, hk, t, splits)
+    kernel = functools.partial(_kernel, block_t=bt, per_split=per_split, scale=float(scale), window=window)
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - the whole array
+    out_specs = [pl.BlockSpec((None, None, None, g, d), lambda b, h, s: (b, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, g), lambda b, h, s: (b, h, s, 0)),
+                 pl.BlockSpec((None, None, None, g), lambda b, h, s: (b, h, s, 0))]
+    out_shape = [jax.ShapeDtypeStruct((bsz, hk, splits, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, hk, splits, g), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, hk, splits, g), jnp.float32)]
+    in_specs = [full(layer), full(lengths), pl.BlockSpec((None, None, g, d), lambda b, h, s: (b, h, 0, 0)),
+                full(k_cache), full(v_cache)]
+    args = [layer, lengths, q, k_cache, v_cache]
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if out is not None:
+        for name, a, want in zip(("acc", "m", "l"), out, out_shape):
+            if a.shape != want.shape or a.dtype != want.dtype:
+                raise KernelShapeError(f"out {name}: expected {want.dtype} {want.shape}, got {a.dtype} {a.shape}")
+        base = kernel
+
+        def kernel(*refs):                  # the aliased input refs are skipped: write the output refs
+            base(*refs[:5], *refs[8:])
+
+        in_specs, args = in_specs + out_specs, args + list(out)
+        kwargs["input_output_aliases"] = {5: 0, 6: 1, 7: 2}
+    return pl.pallas_call(
+        kernel, grid=(bsz, hk, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name=f"decode_attention_b{bsz}_h{hk}_t{t}_s{splits}", **kwargs,
+    )(*args)
+
+
+def combine(acc, m, l, q, k_new, v_new, scale: float):
+    """Merge the splits' partials with the step's own key / value: ``q [B, H, G, D]`` (the real
+    heads), ``k_new``, ``v_new`` ``[B, H, D]``; returns ``[B, H, G, D]`` float32."""
+    g = q.shape[2]
+    acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]
+    s_new = jnp.einsum("bhgd,bhd->bhg", q.astype(jnp.float32), k_new.astype(jnp.float32)) * np.float32(scale)
+    top = jnp.maximum(jnp.max(m, axis=2), s_new)                                 # finite: s_new is
+    w = jnp.exp(m - top[:, :, None])                                             # [B, H, S, G]
+    w_new = jnp.exp(s_new - top)
+    num = jnp.sum(acc * w[..., None], axis=2) + w_new[..., None] * v_new.astype(jnp.float32)[:, :, None, :]
+    den = jnp.sum(l * w, axis=2) + w_new
+    return num / den[..., None]
+
+
+def _check(q, k_new, v_new, k_cache, v_cache, lengths):
+    if q.ndim != 4:
+        raise KernelShapeError(f"q: expected [B, H, G, D], got shape {tuple(q.shape)}")
+    bsz, hk, _, d = q.shape
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.ndim != 5 or tuple(a.shape[1:3]) != (bsz, hk) or a.shape[4] != d:
+            raise KernelShapeError(f"{name}: expected [L, {bsz}, {hk}, T, {d}], got shape {tuple(a.shape)}")
+        if a.dtype != q.dtype:
+            raise KernelDTypeError(f"{name}: expected {q.dtype}, got {a.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise KernelShapeError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(a.shape) != (bsz, hk, d):
+            raise KernelShapeError(f"{name}: expected [{bsz}, {hk}, {d}], got shape {tuple(a.shape)}")
+    if tuple(lengths.shape) != (bsz,):
+        raise KernelShapeError(f"lengths: expected [{bsz}], got shape {tuple(lengths.shape)}")
+    reason = unsupported_reason(q.shape, k_cache.shape, q.dtype)
+    if reason:
+        raise KernelConfigError(f"decode_attention: {reason}")
+
+
+def decode_attention(q, k_new, v_new, k_cache, v_cache, layer, lengths, *, scale: float,
+                     window: int | None = None, splits: int | None = None, interpret: bool = False):
+    """Attention of one new token per sequence; returns ``[B, H, G, D]`` in ``q``'s dtype.
+
+    ``q [B, H, G, D]``: the query heads grouped by the key/value head they share; ``k_new``,
+    ``v_new`` ``[B, H, D]``: the step's own key / value (attended to, not written: the caller
+    writes them into the cache, after this reads it); ``k_cache``, ``v_cache`` ``[L, B, H, T, D]``
+    and ``layer`` (an int32 scalar, may be traced): the cache read is layer ``layer``'s, slots
+    ``t < lengths[b]`` (int32 ``[B]``), and with ``window`` only ``t > lengths[b] - window``.
+    ``scale`` multiplies the scores."""
+    _check(q, k_new, v_new, k_cache, v_cache, lengths)
+    g = q.shape[2]
+    gp = max(MIN_GROUP, 1 << (g - 1).bit_length())
+    qp = q if gp == g else jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    acc, m, l = partials(qp, k_cache, v_cache, layer, lengths.astype(jnp.int32), scale=float(scale),
+                         window=window, splits=splits, interpret=interpret)
+    return combine(acc, m, l, q, k_new, v_new, scale).astype(q.dtype)
+
+
+def reference(q, k_new, v_new, k_cache, v_cache, layer, lengths, *, scale: float, window: int | None = None):
+    """:func:`decode_attention` in plain ``jnp`` (in the inputs' precision promoted to at least
+    float32)."""
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+    kc = jnp.asarray(k_cache)[layer].astype(dt)                                   # [B, H, T, D]
+    vc = jnp.asarray(v_cache)[layer].astype(dt)
+    t = kc.shape[2]
+    keys = jnp.concatenate([kc, k_new.astype(dt)[:, :, None]], axis=2)
+    vals = jnp.concatenate([vc, v_new.astype(dt)[:, :, None]], axis=2)
+    sc = jnp.einsum("bhgd,bhtd->bhgt", q.astype(dt), keys, precision=jax.lax.Precision.HIGHEST) * scale
+    slot = jnp.arange(t + 1)
+    n = jnp.asarray(lengths)[:, None]
+    ok = (slot[None] < n) | (slot[None] == t)
+    if window is not None:
+        ok = ok & ((slot[None] > n - window) | (slot[None] == t))
+    sc = jnp.where(ok[:, None, None], sc, -jnp.inf)
+    p = jax.nn.softmax(sc, axis=-1)
+    return jnp.einsum("bhgt,bhtd->bhgd", p, vals, precision=jax.lax.Precision.HIGHEST)
+
+
+__all__ = ["BLOCK_T", "block_t_for", "choose_splits", "combine", "decode_attention", "partials", "reference",
+           "split_plan", "unsupported_reason"]
