@@ -57,7 +57,7 @@ def choose_splits(batch: int, kv_heads: int, blocks: int, *, programs: int = 264
     return max(1, min(blocks, -(-programs // max(1, batch * kv_heads))))
 
 
-def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_t, per_split, scale,
+def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_t, per_split, blocks, scale,
             window):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
@@ -68,7 +68,7 @@ def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, b
     lo = first
     if window is not None:                             # visible: slot > n - window
         lo = jnp.maximum(first, (n - window + 1) // block_t)
-    hi = jnp.minimum(first + per_split, (n + block_t - 1) // block_t)
+    hi = jnp.minimum(jnp.minimum(first + per_split, blocks), (n + block_t - 1) // block_t)   # never past the cache
     neg = jnp.float32(-jnp.inf)
 
     def body(j, carry):
@@ -120,7 +120,8 @@ def partials(q, k_cache, v_cache, layer, lengths, out=None, *, scale: float, win
     bsz, hk, g, d = q.shape
     t = int(k_cache.shape[3])
     bt, per_split, splits = split_plan(bsz, hk, t, splits)
-    kernel = functools.partial(_kernel, block_t=bt, per_split=per_split, scale=float(scale), window=window)
+    kernel = functools.partial(_kernel, block_t=bt, per_split=per_split, blocks=t // bt, scale=float(scale),
+                               window=window)
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - the whole array
     out_specs = [pl.BlockSpec((None, None, None, g, d), lambda b, h, s: (b, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, g), lambda b, h, s: (b, h, s, 0)),

@@ -49,6 +49,8 @@ def test_decode_attention_matches_float64(b, h, g, t, d, window, splits):
     lengths[0] = t                       # a full cache (the new row is the one past its end)
     if b > 1:
         lengths[1] = 0                   # an empty one: only the new row is seen
+    if b > 2:
+        lengths[2] = t + 7               # past the cache's end: every slot, nothing read beyond it
     layer = int(rng.integers(layers))
     scale = float(d) ** -0.5
     fn = jax.jit(functools.partial(da.decode_attention, scale=scale, window=window, splits=splits,
