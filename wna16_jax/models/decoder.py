@@ -224,9 +224,8 @@ class Attention(nnx.Module):
         inv = np.asarray(self.inv_freq, np.float32)
         q, k = (apply_rope(t, positions, inv, attention_factor=self.rope_scale) for t in (q, k))
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
-        mode = decode_kernel_mode()
-        if mode and cache is not None and s == 1 and not decode_attention.unsupported_reason(
-                q.shape, cache[0].shape, x.dtype):
+        mode = decode_kernel_mode() if cache is not None and s == 1 else None
+        if mode and not decode_attention.unsupported_reason(q.shape, cache[0].shape, x.dtype):
             return self._decode_step(q, k, v, positions, cache, layer, interpret=mode == "interpret")
         (keys, vals, kpos), cache = _cached(k, v, positions, cache, kv_len, layer, x.dtype)
         g = nh // nkv
@@ -242,7 +241,6 @@ class Attention(nnx.Module):
         out = jnp.einsum("bngst,bntd->bsngd", probs, vals, precision=prec,
                          preferred_element_type=jnp.float32).astype(x.dtype)
         return _apply(self.o_proj, out.reshape(b, s, nh * hd), layer), cache
-
 
     def _decode_step(self, q, k, v, positions, cache, layer, *, interpret: bool):
         """One new token per sequence: the kernel reads the cache before the new rows are written
