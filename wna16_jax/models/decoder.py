@@ -251,10 +251,10 @@ class Attention(nnx.Module):
         stacked = layer is not None
         i = jnp.asarray(layer if stacked else 0, jnp.int32)
         kc, vc = (ck, cv) if stacked else (ck[None], cv[None])
+        start = positions[:, 0]                      # the new row's slot = the old slots' count
         out = decode_attention.decode_attention(
-            q.reshape(b, nkv, nh // nkv, hd), k[:, :, 0], v[:, :, 0], kc, vc, i, positions[:, 0],
+            q.reshape(b, nkv, nh // nkv, hd), k[:, :, 0], v[:, :, 0], kc, vc, i, start,
             scale=self.softmax_scale, window=self.sliding_window, interpret=interpret)
-        start = positions[:, 0]
         cache = (_write_rows(ck, k, start, layer), _write_rows(cv, v, start, layer))
         return _apply(self.o_proj, out.reshape(b, 1, nh * hd), layer), cache
 
