@@ -42,12 +42,12 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from wna16_jax.models import load_model, write_random_model  # noqa: E402
 from wna16_jax.models import decoder  # noqa: E402
+from flax import nnx  # noqa: E402 - after wna16_jax, which lets Flax import on JAX 0.11
 from wna16_jax.models import generation as G  # noqa: E402
 from wna16_jax.models.decoder import DecoderLayer, MoEDecoder  # noqa: E402
 from wna16_jax.nn import QuantizedExperts, QuantizedMoE  # noqa: E402

@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from wna16_jax.models import QuantizedWeight, load_model  # noqa: E402
 from wna16_jax.nn import QuantizedExperts  # noqa: E402
+from flax import nnx  # noqa: E402 - after wna16_jax, which lets Flax import on JAX 0.11
 
 CHECKPOINT = os.path.join(ROOT, "tests", "fixtures", "quantizers", "gptq-asym-qwen3moe")
 

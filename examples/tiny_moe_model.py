@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from wna16_jax.checkpoint import Checkpoint
 from wna16_jax.nn import QuantizedMoE
+from flax import nnx  # after wna16_jax, which lets Flax import on JAX 0.11
 
 
 class MoEBlock(nnx.Module):

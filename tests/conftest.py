@@ -4,6 +4,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+import wna16_jax._flax_compat  # noqa: F401 - lets the test modules import Flax on JAX 0.11
+
 settings.register_profile(
     "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -159,6 +159,7 @@ def _unpad_tree(out, num_tokens: int):
 
 def _is_nnx_module(fn) -> bool:
     try:
+        from . import _flax_compat  # noqa: F401 - before flax
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return False
@@ -172,6 +173,7 @@ def _module_call():
     """``nnx.jit`` of ``module(x)``: one compiled program per module graph and input shape."""
     global _MODULE_CALL
     if _MODULE_CALL is None:
+        from . import _flax_compat  # noqa: F401 - before flax
         from flax import nnx
 
         _MODULE_CALL = nnx.jit(lambda module, x: module(x))

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
 
 from pallas_kernels import decode_attention
@@ -169,10 +170,10 @@ def _cached(k, v, positions, cache, kv_len, layer, dtype):
     return (ck[:, :, :t].astype(dtype), cv[:, :, :t].astype(dtype), kpos), cache
 
 
-#: whether decode steps may attend with the Triton kernel (:func:`decode_kernel_mode`): off
-#: until a GPU run has checked and timed it in a whole model (``benchmarks/generate.py
-#: --decode-kernel on`` turns it on for one run; docs/models.md says where it stands)
-DECODE_KERNEL = False
+#: whether decode steps may attend with the Triton kernel (:func:`decode_kernel_mode`); on by
+#: default because it won in whole models on an H100 (benchmarks/RESULTS.md), and
+#: ``benchmarks/generate.py --decode-kernel off`` turns it off for one run
+DECODE_KERNEL = True
 
 
 def decode_kernel_mode() -> str | None:
@@ -225,7 +226,8 @@ class Attention(nnx.Module):
         q, k = (apply_rope(t, positions, inv, attention_factor=self.rope_scale) for t in (q, k))
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
         mode = decode_kernel_mode() if cache is not None and s == 1 else None
-        if mode and not decode_attention.unsupported_reason(q.shape, cache[0].shape, x.dtype):
+        if (mode and cache[0].dtype == q.dtype
+                and not decode_attention.unsupported_reason(q.shape, cache[0].shape, q.dtype)):
             return self._decode_step(q, k, v, positions, cache, layer, interpret=mode == "interpret")
         (keys, vals, kpos), cache = _cached(k, v, positions, cache, kv_len, layer, x.dtype)
         g = nh // nkv

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
 
 from ..errors import ConfigError, ShapeError, ValueRangeError

@@ -42,6 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
 
 from pallas_kernels import device as kernel_device
