@@ -47,11 +47,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from wna16_jax.models import load_model, write_random_model  # noqa: E402
 from wna16_jax.models import decoder  # noqa: E402
-from flax import nnx  # noqa: E402 - after wna16_jax, which lets Flax import on JAX 0.11
 from wna16_jax.models import generation as G  # noqa: E402
 from wna16_jax.models.decoder import DecoderLayer, MoEDecoder  # noqa: E402
 from wna16_jax.nn import QuantizedExperts, QuantizedMoE  # noqa: E402
 from wna16_jax.schemes import QuantScheme  # noqa: E402
+from flax import nnx  # noqa: E402 - after wna16_jax, which lets Flax import on JAX 0.11
 
 GPTQ_4BIT_G128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 
