@@ -242,3 +242,35 @@ def test_jit_without_boilerplate(mixtral_dir):
     f = functools.partial(fused_moe_trainable, activation="gelu_tanh", formulation="gather")
     g = jax.jit(jax.grad(lambda x, tw: jnp.sum(f(x, tw, ids, w) ** 2), argnums=(0, 1)))(x2d, tw)
     assert all(np.isfinite(np.asarray(a)).all() and np.abs(np.asarray(a)).max() > 0 for a in g)
+
+
+@pytest.mark.parametrize("formulation", ["gather", "dense", "blocked"])
+def test_16bit_float_experts_run_in_16_bit(formulation):
+    """16-bit float experts (a dequantized model's, or a checkpoint's 16-bit shared experts) under
+    activations of their dtype run their GEMMs in that dtype with float32 accumulation, as a 16-bit
+    model does: no float32 copy of an expert's weights appears in the program (the float32 path,
+    for quantized experts, would widen each expert it reads), and the output matches the float64
+    reference to bf16 rounding (the hidden activations are rounded to bf16 between the GEMMs)."""
+    from reference import fused_moe_ref
+    from wna16_jax.checkpoint import DenseWeights
+    from wna16_jax.nn import float_compute_dtype
+
+    rng = np.random.default_rng(_seed())
+    e, i, h, t = 8, 64, 128, 6
+    w13 = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    experts = DenseWeights(w13, w2, hidden_size=h, intermediate_size=i)
+    router = rng.standard_normal((e, h)).astype(np.float32)
+    moe = QuantizedMoE(experts, router, top_k=2, formulation=formulation)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    assert float_compute_dtype(experts, jnp.bfloat16) == jnp.bfloat16
+    assert float_compute_dtype(experts, jnp.float32) is None           # float32 activations: float32
+    hlo = jax.jit(lambda x: moe(x)).lower(x).as_text()
+    assert f"{2 * i}x{h}xbf16>" in hlo and f"{2 * i}x{h}xf32>" not in hlo and f"{h}x{i}xf32>" not in hlo
+    y = np.asarray(jax.jit(lambda x: moe(x))(x), np.float64)
+    tw, ids = moe.route(x)
+    want = fused_moe_ref(np.asarray(x, np.float64), np.asarray(tw, np.float64), np.asarray(ids),
+                         np.asarray(w13, np.float64), np.asarray(w2, np.float64))
+    assert np.isfinite(y).all()
+    err = np.abs(y - want).max() / np.abs(want).max()
+    assert err < 2e-2, err

@@ -90,6 +90,18 @@ def _is_float(dtype) -> bool:
     return np.dtype(dtype) in _FLOATS
 
 
+def float_compute_dtype(weights: Any, x_dtype: Any):
+    """The GEMMs' dtype for 16-bit float experts (:class:`DenseWeights`, e.g. a checkpoint's
+    16-bit shared experts or a dequantized model's experts) under activations of the same dtype:
+    that dtype, with float32 accumulation (a 16-bit product is exact in float32), as any 16-bit
+    model runs them. None otherwise: the executor's default (quantized experts dequantize to
+    float32 on the XLA executor)."""
+    if not isinstance(weights, DenseWeights):
+        return None
+    dt = np.dtype(weights.w13.dtype)
+    return dt if dt in _FLOATS[:2] and dt == np.dtype(x_dtype) else None
+
+
 def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None):
     """Convert loader-layout experts into the layout ``backend``'s executor reads (``None`` →
     backend selected by the table, falling back to ``"loader"`` with a warning where no row
@@ -272,13 +284,15 @@ class QuantizedMoE(nnx.Module):
         def stacked(w):
             return w if layer is None or w is None else layer_stack(w, layer)
 
-        out = fused_moe_trainable(x2d, tw, ids, stacked(self.expert_weights()), activation=self.activation,
-                                  formulation=self.formulation)
+        experts = self.expert_weights()
+        out = fused_moe_trainable(x2d, tw, ids, stacked(experts), activation=self.activation,
+                                  formulation=self.formulation, compute_dtype=float_compute_dtype(experts, x.dtype))
         if self.shared_experts is not None:
             t = x2d.shape[0]
+            shared = self.shared_expert_weights()
             s = fused_moe_trainable(x2d, jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32),
-                                    stacked(self.shared_expert_weights()), activation=self.activation,
-                                    formulation=self.formulation).astype(jnp.float32)
+                                    stacked(shared), activation=self.activation, formulation=self.formulation,
+                                    compute_dtype=float_compute_dtype(shared, x.dtype)).astype(jnp.float32)
             if self.shared_expert_gate is not None:
                 g = jax.nn.sigmoid(jnp.einsum("th,oh->to", x2d.astype(jnp.float32),
                                               self.shared_expert_gate[...].astype(jnp.float32),
