@@ -91,14 +91,37 @@ class _NoMLP(nnx.Module):
         return jnp.zeros_like(x)
 
 
+class _Stacked(decoder._LayerStacker):
+    """Layers already stacked: ``(graphdef, state)`` handed to :class:`MoEDecoder` as they are."""
+
+    def __init__(self, graph, state):
+        super().__init__(0)
+        self.graph_state = graph, state
+
+    def finish(self):
+        return self.graph_state
+
+
+def _no_moe(layer):
+    return DecoderLayer(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
+                        _NoMLP() if isinstance(layer.mlp, QuantizedMoE) else layer.mlp)
+
+
 def without_moe(model: MoEDecoder) -> MoEDecoder:
-    """The same model with each MoE layer's MLP replaced by identity (an unrolled model sharing
-    every array; a scanned model's layers are sliced out of its stacks, which copies them)."""
-    layers = [DecoderLayer(l.input_layernorm, l.self_attn, l.post_attention_layernorm,
-                           _NoMLP() if isinstance(l.mlp, QuantizedMoE) else l.mlp) for l in model.layer_modules()]
-    head = len(model.layers) if model.scan_layers else 0          # unrolled ahead of a scan
-    return MoEDecoder(model.config, model.embed_tokens[...], layers[head:], model.norm, model.lm_head,
-                      dtype=model.dtype, scan_layers=model.scan_layers, head_layers=layers[:head])
+    """The same model with each MoE layer's MLP replaced by identity, sharing every array: a
+    scanned model keeps its stacks (the layer body is rebuilt from shapes without the MoE, and
+    its state is the original stacks minus the MoE's), so nothing is copied on the device."""
+    head = [_no_moe(l) for l in model.layers]
+    if not model.scan_layers:
+        return MoEDecoder(model.config, model.embed_tokens[...], head, model.norm, model.lm_head,
+                          dtype=model.dtype)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model.stacked_layers)
+    graph, shapes = nnx.split(_no_moe(nnx.merge(model.layer_graph, one)))
+    stacks = dict(jax.tree_util.tree_flatten_with_path(model.stacked_layers)[0])
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    state = jax.tree_util.tree_unflatten(treedef, [stacks[p] for p, _ in paths])
+    return MoEDecoder(model.config, model.embed_tokens[...], _Stacked(graph, state), model.norm, model.lm_head,
+                      dtype=model.dtype, scan_layers=True, head_layers=head)
 
 
 def _nbytes(tree) -> int:

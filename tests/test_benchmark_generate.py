@@ -66,6 +66,33 @@ def test_floor_of_a_scanned_model_copies_nothing(tmp_path):
     assert got == [bench.touched_bytes(unrolled, b) for b in (1, 8, 10**6)]
 
 
+def test_scanned_model_without_moe_shares_its_stacks(tmp_path):
+    """The MoE-share variant of a scanned model keeps the model's stacks (no device array is
+    created: slicing the layers out, as before, held a second copy of every layer) and computes
+    what the unrolled model without its MoE computes."""
+    import numpy as np
+
+    path = write_random_model(tmp_path / "m", scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128),
+                              **dict(bench.SHAPES["tiny"], num_layers=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scanned = load_model(path, dtype=jnp.float32, scan_layers=True)
+        unrolled = load_model(path, dtype=jnp.float32, scan_layers=False)
+    before = {id(a) for a in jax.live_arrays()}
+    bare = bench.without_moe(scanned)
+    assert {id(a) for a in jax.live_arrays()} <= before
+    assert bare.scan_layers and jax.tree.leaves(nnx.state(bare, bench.QuantizedExperts)) == []
+    kept = {id(a) for a in jax.tree.leaves(scanned.stacked_layers)}
+    assert {id(a) for a in jax.tree.leaves(bare.stacked_layers)} < kept
+    tokens = jnp.asarray(np.random.default_rng().integers(0, scanned.config.vocab_size, (2, 7)))
+    run = nnx.jit(lambda m, t: m(t))
+    got, want = np.asarray(run(bare, tokens)), np.asarray(run(bench.without_moe(unrolled), tokens))
+    full = np.asarray(run(scanned, tokens))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.abs(full - want).max() > 1e-2 * np.abs(want).max()         # the MoE did contribute
+
+
 def test_live_arrays_printout(capsys):
     """The memory printout lists the live arrays (a 64 MiB one among them, named by dtype, shape
     and size) and their total (what the allocator's count of bytes in use is compared with)."""
