@@ -99,7 +99,7 @@ def float_compute_dtype(weights: Any, x_dtype: Any):
     if not isinstance(weights, DenseWeights):
         return None
     dt = np.dtype(weights.w13.dtype)
-    return dt if dt in _FLOATS[:2] and dt == np.dtype(x_dtype) else None
+    return dt if dt in (np.dtype(np.float16), np.dtype(jnp.bfloat16)) and dt == np.dtype(x_dtype) else None
 
 
 def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None):
@@ -311,4 +311,4 @@ def linen_quantized_moe(experts: Any, router: Any, **kw):
 
 
 __all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "as_variables", "convert_experts",
-           "linen_quantized_moe", "plain_arrays", "LOADER_LAYOUT"]
+           "float_compute_dtype", "linen_quantized_moe", "plain_arrays", "LOADER_LAYOUT"]
