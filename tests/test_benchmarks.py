@@ -241,7 +241,8 @@ def test_sharding_benchmark_tiny_on_two_cpu_devices(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_force_host_platform_device_count=2").strip(), JAX_PLATFORMS="cpu",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "sharding.json"
     proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sharding.py"), "--tiny", "--tokens", "5",

@@ -86,7 +86,8 @@ SCRIPT = textwrap.dedent(r'''
 
 
 def test_quantized_moe_placed_by_partition_metadata(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_force_host_platform_device_count=8").strip(), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                           cwd=str(tmp_path))

@@ -205,7 +205,8 @@ SCRIPT = textwrap.dedent(r'''
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_force_host_platform_device_count=8").strip(), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path_factory.mktemp("ckpt")), ROOT],
                           env=env, capture_output=True, text=True, timeout=600)
