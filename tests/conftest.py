@@ -4,8 +4,8 @@ on a machine without an NVIDIA GPU, XLA's CPU backend compiles without LLVM opti
 import os
 import shutil
 
-# The CPU suite's time is mostly compiling small programs: without LLVM's optimization passes
-# it runs about a quarter faster, with the same semantics (no fast-math either way). Set before
+# The CPU suite's time is mostly compiling small programs, which LLVM's optimization passes
+# slow down; the semantics are the same without them (no fast-math either way). Set before
 # any backend starts; subprocess tests pass the variable on. Not on a GPU machine, whose tests
 # compile the kernels as users get them.
 _FLAGS = os.environ.get("XLA_FLAGS", "")

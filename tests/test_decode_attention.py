@@ -195,7 +195,7 @@ def test_decode_kernel_mode_follows_the_device_and_the_switch(monkeypatch):
     from wna16_jax.device import Device
     from wna16_jax.models import decoder
 
-    assert decoder.DECODE_KERNEL is True                  # the default: it won on the GPU
+    assert decoder.DECODE_KERNEL is True                  # the default
     dev = Device.current()
     gpu_ok = dev.is_nvidia and dev.compute_capability >= (8, 0)
     monkeypatch.setattr(decoder, "DECODE_KERNEL", True)

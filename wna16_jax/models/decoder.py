@@ -170,9 +170,8 @@ def _cached(k, v, positions, cache, kv_len, layer, dtype):
     return (ck[:, :, :t].astype(dtype), cv[:, :, :t].astype(dtype), kpos), cache
 
 
-#: whether decode steps may attend with the Triton kernel (:func:`decode_kernel_mode`); on by
-#: default because it won in whole models on an H100 (benchmarks/RESULTS.md), and
-#: ``benchmarks/generate.py --decode-kernel off`` turns it off for one run
+#: whether decode steps may attend with the Triton kernel (:func:`decode_kernel_mode`); False
+#: keeps them on XLA (``benchmarks/generate.py --decode-kernel off`` for one run; docs/models.md)
 DECODE_KERNEL = True
 
 
