@@ -110,6 +110,24 @@ def test_prompt_logits_match_float_reference(case):
     assert err <= LOGITS_TOL, f"{case}: max |logits - logits_float| = {err:.3g} > {LOGITS_TOL}"
 
 
+def test_float32_model_loaded_for_a_hopper_gpu_keeps_the_stored_scales(monkeypatch):
+    """On a Hopper GPU the experts would be laid out for the wgmma kernels, whose scales are
+    bf16; a float32 model runs its experts on the XLA executor and must see the checkpoint's
+    scales. The device is simulated (the layout choice reads ``Device.current()``); the program
+    runs on whatever JAX has, here and on a GPU alike. With bf16-rounded scales the logits move
+    by about 1e-2, 200x the bound."""
+    from wna16_jax.device import Device
+
+    hopper = Device(platform="gpu", name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0))
+    monkeypatch.setattr(Device, "current", classmethod(lambda cls, jax_device=None: hopper))
+    case = "awq-qwen3moe"
+    ref = _ref(case)
+    got = _logits(_model(case), ref["prompt_ids"])
+    assert np.isfinite(got).all()
+    err = float(np.abs(got - ref["logits_float"]).max())
+    assert err <= LOGITS_TOL, f"max |logits - logits_float| = {err:.3g} > {LOGITS_TOL}"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_matches_reference(case):
     """32 greedy tokens through the KV cache (prefill + 31 decode steps), token for token; the

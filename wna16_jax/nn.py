@@ -102,11 +102,16 @@ def float_compute_dtype(weights: Any, x_dtype: Any):
     return dt if dt in (np.dtype(np.float16), np.dtype(jnp.bfloat16)) and dt == np.dtype(x_dtype) else None
 
 
-def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None):
+def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", input_dtype=None,
+                    activation_dtype=None):
     """Convert loader-layout experts into the layout ``backend``'s executor reads (``None`` →
     backend selected by the table, falling back to ``"loader"`` with a warning where no row
     converts the scheme; ``"loader"`` → unchanged): the backend's own layout, or on an NVIDIA GPU
-    for the MARLIN rows the engine's layout. Returns ``(weights, backend_name)``."""
+    for the MARLIN rows the engine's layout. ``activation_dtype`` float32: the layer will see
+    float32 hidden states, which only the XLA executor takes; the engines' layouts hold the scales
+    in the 16-bit activation dtype, so the backend's own layout is kept instead (its scales as
+    stored); float16 / bfloat16: the engine layout for that dtype. Returns
+    ``(weights, backend_name)``."""
     if isinstance(experts, DenseWeights):
         return experts, str(Backend.LOADER)
     if not isinstance(experts, CheckpointWeights):
@@ -114,6 +119,11 @@ def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", inp
     b = select_backend(experts.scheme, backend=backend, has_bias=experts.has_bias(),
                        activation=activation, hidden_size=experts.hidden_size,
                        intermediate_size=experts.intermediate_size)
+    if activation_dtype is not None:
+        if np.dtype(activation_dtype) == np.dtype(np.float32):
+            return TABLE[b].convert(experts.scheme, experts.to_jax(), input_dtype), str(b)
+        if input_dtype is None:          # a 16-bit engine layout for that 16-bit dtype
+            input_dtype = activation_dtype
     # ``prepare``: the layout the row's executor reads here (the engine's tiles on NVIDIA GPUs).
     return TABLE[b].prepare(experts.scheme, experts.to_jax(), input_dtype), str(b)
 
@@ -126,6 +136,13 @@ class QuantizedMoE(nnx.Module):
     bias, routed scaling factor) and runs :func:`wna16_jax.autodiff.fused_moe_trainable`
     (forward = :func:`wna16_jax.moe.fused_moe`; backward multiplies by the transposed quantized
     weights one expert at a time), plus the shared experts (and their sigmoid gate) if any.
+
+    ``activation_dtype``: the dtype of the hidden states the layer will see, if known. On an
+    NVIDIA GPU the experts are laid out for the GPU engine, whose layouts hold the scales in the
+    16-bit activation dtype (bfloat16 unless ``float16`` is named here); ``float32`` keeps a
+    layout with the scales as stored instead, so that float32 inputs, which run on the XLA
+    executor, see the checkpoint's scales and not their bfloat16 rounding. ``load_model`` passes
+    its ``dtype``.
     """
 
     def __init__(self, experts: Any, router: Any, *, top_k: int, renormalize: bool = True,
@@ -134,12 +151,13 @@ class QuantizedMoE(nnx.Module):
                  e_score_correction_bias: Any = None, shared_experts: Any = None,
                  shared_expert_gate: Any = None, activation: str = "silu", backend: Any = None,
                  param_dtype: Any = jnp.float32, formulation: str | None = None,
-                 rngs: nnx.Rngs | None = None):
+                 activation_dtype: Any = None, rngs: nnx.Rngs | None = None):
         del rngs          # nothing is random: the router and experts come from the arguments
         check_activation(activation)
         if scoring_func not in ("softmax", "sigmoid"):
             raise ConfigError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
-        weights, self.backend = convert_experts(experts, backend, activation=activation)
+        weights, self.backend = convert_experts(experts, backend, activation=activation,
+                                                activation_dtype=activation_dtype)
         e, h = weights.num_experts, weights.hidden_size
         router = self._checked_float("router", router, (e, h))
         if not _is_float(param_dtype):
@@ -175,7 +193,8 @@ class QuantizedMoE(nnx.Module):
         else:
             self.e_score_correction_bias = None
         if shared_experts is not None:
-            sw, _ = convert_experts(shared_experts, backend, activation=activation)
+            sw, _ = convert_experts(shared_experts, backend, activation=activation,
+                                    activation_dtype=activation_dtype)
             if sw.num_experts != 1 or sw.hidden_size != h:
                 raise ShapeError(f"shared_experts: expected one expert of hidden size {h}, got "
                                  f"{sw.num_experts} expert(s) of hidden size {sw.hidden_size}")

@@ -750,7 +750,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
             else:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    mlp = QuantizedMoE.from_checkpoint(ckpt, i, backend)
+                    mlp = QuantizedMoE.from_checkpoint(ckpt, i, backend, activation_dtype=dtype)
                 fallback.extend(str(w.message) for w in caught)
         else:
             inter = c.intermediate_size
