@@ -1,5 +1,6 @@
 """Shared pytest configuration: hypothesis profiles (the CI profile runs the full example counts);
-on a machine without an NVIDIA GPU, XLA's CPU backend compiles without LLVM optimization."""
+on a machine without an NVIDIA GPU, XLA's CPU backend compiles without LLVM optimization; under
+pytest-xdist, workers do not preallocate GPU memory."""
 
 import os
 import shutil
@@ -11,6 +12,11 @@ import shutil
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in _FLAGS:
     os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_backend_optimization_level=0").strip()
+
+# Each xdist worker is its own process: with JAX's default preallocation (75% of the GPU) the
+# second worker on a GPU has no memory left. An explicit setting is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from hypothesis import HealthCheck, settings
 
