@@ -110,7 +110,7 @@ def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", inp
     for the MARLIN rows the engine's layout. ``activation_dtype`` float32: the layer will see
     float32 hidden states, which only the XLA executor takes; the engines' layouts hold the scales
     in the 16-bit activation dtype, so the backend's own layout is kept instead (its scales as
-    stored); float16 / bfloat16: the engine layout for that dtype. Returns
+    stored); float16: the engine layout for float16 (bfloat16 is the default). Returns
     ``(weights, backend_name)``."""
     if isinstance(experts, DenseWeights):
         return experts, str(Backend.LOADER)
@@ -122,8 +122,8 @@ def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", inp
     if activation_dtype is not None:
         if np.dtype(activation_dtype) == np.dtype(np.float32):
             return TABLE[b].convert(experts.scheme, experts.to_jax(), input_dtype), str(b)
-        if input_dtype is None:          # a 16-bit engine layout for that 16-bit dtype
-            input_dtype = activation_dtype
+        if input_dtype is None and np.dtype(activation_dtype) == np.dtype(np.float16):
+            input_dtype = activation_dtype   # the engine layout for float16 (bfloat16 is the default)
     # ``prepare``: the layout the row's executor reads here (the engine's tiles on NVIDIA GPUs).
     return TABLE[b].prepare(experts.scheme, experts.to_jax(), input_dtype), str(b)
 
