@@ -209,6 +209,9 @@ def test_typed_errors(mixtral_dir):
         m(jnp.ones((3, 65), jnp.float32))
     with pytest.raises(WNA16Error, match=r"top_k: expected 1 <= top_k <= 8 .*got 9"):
         QuantizedMoE(layer.experts, layer.router, top_k=9)
+    for bad, shown in ((jnp.int8, "int8"), ("not-a-dtype", "'not-a-dtype'"), (3, "3")):
+        with pytest.raises(DTypeError, match=rf"activation_dtype: expected None or a float dtype .*got .*{shown}"):
+            QuantizedMoE(layer.experts, layer.router, top_k=2, activation_dtype=bad)
 
 
 def test_jit_without_boilerplate(mixtral_dir):

@@ -107,11 +107,20 @@ def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", inp
     """Convert loader-layout experts into the layout ``backend``'s executor reads (``None`` →
     backend selected by the table, falling back to ``"loader"`` with a warning where no row
     converts the scheme; ``"loader"`` → unchanged): the backend's own layout, or on an NVIDIA GPU
-    for the MARLIN rows the engine's layout. ``activation_dtype`` float32: the layer will see
-    float32 hidden states, which only the XLA executor takes; the engines' layouts hold the scales
-    in the 16-bit activation dtype, so the backend's own layout is kept instead (its scales as
-    stored); float16: the engine layout for float16 (bfloat16 is the default). Returns
+    for the MARLIN rows the engine's layout. ``activation_dtype`` float32 (or float64): the layer
+    will see 32-bit hidden states, which only the XLA executor takes; the engines' layouts hold
+    the scales in the 16-bit activation dtype, so the backend's own layout is kept instead (its
+    scales as stored); float16: the engine layout for float16 (bfloat16 is the default). Returns
     ``(weights, backend_name)``."""
+    adt = None
+    if activation_dtype is not None:
+        try:
+            adt = np.dtype(activation_dtype)
+        except TypeError:
+            pass
+        if adt is None or not _is_float(adt):
+            raise DTypeError(f"activation_dtype: expected None or a float dtype (float16, bfloat16, float32, "
+                             f"float64), got {activation_dtype!r}")
     if isinstance(experts, DenseWeights):
         return experts, str(Backend.LOADER)
     if not isinstance(experts, CheckpointWeights):
@@ -119,11 +128,11 @@ def convert_experts(experts: Any, backend: Any, *, activation: str = "silu", inp
     b = select_backend(experts.scheme, backend=backend, has_bias=experts.has_bias(),
                        activation=activation, hidden_size=experts.hidden_size,
                        intermediate_size=experts.intermediate_size)
-    if activation_dtype is not None:
-        if np.dtype(activation_dtype) == np.dtype(np.float32):
+    if adt is not None:
+        if adt not in (np.dtype(np.float16), np.dtype(jnp.bfloat16)):
             return TABLE[b].convert(experts.scheme, experts.to_jax(), input_dtype), str(b)
-        if input_dtype is None and np.dtype(activation_dtype) == np.dtype(np.float16):
-            input_dtype = activation_dtype   # the engine layout for float16 (bfloat16 is the default)
+        if input_dtype is None and adt == np.dtype(np.float16):
+            input_dtype = adt            # the engine layout for float16 (bfloat16 is the default)
     # ``prepare``: the layout the row's executor reads here (the engine's tiles on NVIDIA GPUs).
     return TABLE[b].prepare(experts.scheme, experts.to_jax(), input_dtype), str(b)
 
