@@ -167,3 +167,72 @@ def test_linears_that_cannot_share_a_gemm_are_not_fused():
         to_engine_linear(a, jnp.bfloat16), SCHEMES["awq g128"], (a.out_features,)))
     assert QuantizedLinear.fused([_engine_linear(a), other]) is None                        # another scheme
     assert QuantizedLinear.fused([_engine_linear(a), _engine_linear(_linear(s, 64, 512, seed=5)[0])]) is not None
+
+
+def _kernel_weight64(q, s, k):
+    """The weight the kernel multiplies by, in float64: scales in bf16, ``(c − z)·s`` rounded to
+    bf16 once."""
+    sc = np.asarray(jnp.asarray(q.scales, jnp.float32).astype(jnp.bfloat16), np.float64)
+    g = np.arange(k) // s.group_size if s.group_size > 0 else np.zeros(k, int)
+    z = 8.0 if q.zeros is None else q.zeros[:, g]
+    return np.asarray(jnp.asarray((q.codes - z) * sc[:, g], jnp.float32).astype(jnp.bfloat16), np.float64)
+
+
+def _check_input_gradient(mm, x, w, w64):
+    """``jax.grad`` of ``<dy, mm(x, w)>`` in ``x`` is ``dy W`` (float64 reference on the weight the
+    kernel sees) and the frozen weights' cotangents are zero. Bound: ``dy`` is rounded to bf16 for
+    the backward GEMM (2^-9 each) and ``dx`` to the activations' bf16 (2^-9), float32
+    accumulation: within 2^-7 of the largest |dx|; a missing, transposed or wrong-layer backward
+    is off by order one."""
+    dy = jnp.asarray(np.random.default_rng().standard_normal(x.shape[:-1] + (w64.shape[0],)), jnp.float32)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(mm(x, w) * dy), argnums=(0, 1), allow_int=True))(x, w)
+    ref = np.asarray(dy, np.float64) @ w64
+    got = np.asarray(dx, np.float64)
+    assert dx.dtype == x.dtype and got.shape == ref.shape and np.isfinite(got).all()
+    assert np.abs(got - ref).max() < 2 ** -7 * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
+    for leaf in jax.tree.leaves(dw):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            assert not np.asarray(leaf).any()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("stacked", [False, True])
+def test_engine_linear_gradient_cpu(name, stacked):
+    """A loss on the engine linear's output back-propagates to its input (fine-tuning the 16-bit
+    layers around frozen quantized ones), for one linear and for one layer of a stack (a scanned
+    decoder, the index traced). The GEMM's own output stops gradients here, as the Pallas kernel
+    has no differentiation rule: only the linear's VJP can give ``dx``."""
+    from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
+    from wna16_jax.weights import LayerStack
+
+    s = SCHEMES[name]
+    seeds = np.random.default_rng().integers(0, 2 ** 31, 3)
+    made = [_linear(s, 192, 512, seed=int(seed)) for seed in seeds]
+    ews = [to_engine_linear(lw, jnp.bfloat16) for lw, _ in made]
+
+    def gemm(*a, **kw):
+        return jax.lax.stop_gradient(wgmma_grouped_gemm_reference(*a, **kw))
+
+    mm = functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16, gemm=gemm)
+    x = jnp.asarray(np.random.default_rng().standard_normal((3, 7, 512)), jnp.bfloat16)
+    if not stacked:
+        _check_input_gradient(mm, x, ews[0], _kernel_weight64(made[0][1], s, 512))
+        return
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *ews)
+    for layer in (2, 0):
+        _check_input_gradient(mm, x, LayerStack(stack, jnp.int32(layer)), _kernel_weight64(made[layer][1], s, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an NVIDIA Hopper GPU (runs on the device machine)")
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("m", [1, 300])
+def test_engine_linear_gradient_on_hopper(name, m):
+    """The same backward with the kernel in the forward (which JAX cannot differentiate)."""
+    s = SCHEMES[name]
+    lw, q = _linear(s, 2048, 1024, seed=m)
+    layer = QuantizedLinear(lw, compute_dtype=jnp.bfloat16)
+    assert isinstance(layer.weight.get_value(), WgmmaLinearWeights)
+    x = jnp.asarray(np.random.default_rng().standard_normal((m, 1024)), jnp.bfloat16)
+    mm = functools.partial(quantized_matmul, out_dtype=jnp.float32)
+    _check_input_gradient(mm, x, layer.weight.get_value(), _kernel_weight64(q, s, 1024))

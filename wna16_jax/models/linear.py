@@ -37,6 +37,7 @@ inside the compiled program, then one ``dot`` with float32 accumulation).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -320,10 +321,38 @@ def _wgmma_matmul(x, w: WgmmaLinearWeights, compute_dtype, *, gemm=None):
     """``x Wᵀ + b`` on the wgmma grouped GEMM as one expert that every row is routed to: the rows
     padded to whole blocks, each GEMM's configuration from the layer's heuristics
     (:func:`pallas_kernels.wgmma_config.plan_gemm`), float32 out. ``gemm``: the kernel (default)
-    or its jnp reference."""
+    or its jnp reference.
+
+    Differentiable in ``x`` (the weights are frozen: zero cotangents): the backward is
+    ``dx = dy W`` on XLA, ``W`` (the layer's, for a stack) dequantized to the activations' dtype
+    as the kernel sees it, ``dy`` rounded to that dtype, float32 accumulation."""
 
     del compute_dtype                                     # the kernel computes in the activations' dtype
-    gemm = gemm or wgmma_grouped_gemm
+    return _wgmma_trainable(gemm or wgmma_grouped_gemm)(x, w)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_trainable(gemm):
+    from ..autodiff import _zero_cotangent
+
+    f = jax.custom_vjp(lambda x, w: _wgmma_forward(x, w, gemm))
+
+    def fwd(x, w):
+        return _wgmma_forward(x, w, gemm), (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        one = w.at_layer() if isinstance(w, LayerStack) else w
+        cdt = one.scales.dtype
+        wd = one.dequantize(cdt)                                            # [N, K]
+        dx = jnp.einsum("...n,nk->...k", g.astype(cdt), wd, preferred_element_type=jnp.float32)
+        return dx.astype(x.dtype), jax.tree.map(_zero_cotangent, w)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _wgmma_forward(x, w, gemm):
     layer = None
     if isinstance(w, LayerStack):         # L layers' linears as the experts [L, N, K/4]: row blocks → layer
         layer, w = jnp.asarray(w.index, jnp.int32), w.stacked
