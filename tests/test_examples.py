@@ -24,7 +24,9 @@ def test_example_trains_and_keeps_experts_frozen(name, tmp_path):
     assert all(math.isfinite(v) for v in losses), losses
     assert losses[-1] < 0.9 * losses[0], losses
     assert result["logits_shape"] == (4, 17, 64)
-    assert result["num_frozen_arrays"] >= 10
+    # two MoE layers, each with at least codes and scales for w13 and w2 (zero points, g_idx and
+    # the rest depend on the layout the device's backend converts to: 8 arrays on a Hopper GPU)
+    assert result["num_frozen_arrays"] >= 8
     assert result["frozen_bit_identical"]
 
 
