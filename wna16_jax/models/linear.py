@@ -331,7 +331,7 @@ def _wgmma_matmul(x, w: WgmmaLinearWeights, compute_dtype, *, gemm=None):
     return _wgmma_trainable(gemm or wgmma_grouped_gemm)(x, w)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=16)
 def _wgmma_trainable(gemm):
     from ..autodiff import _zero_cotangent
 
