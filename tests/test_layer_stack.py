@@ -239,7 +239,6 @@ def test_layer_index_is_checked_where_concrete():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(lws[1].scales))
 
 
-
 def scanned_model_trains(path, *, check_engine):
     """Fine-tuning a bf16 model with scanned layers: a loss on its logits back-propagates through
     the frozen quantized layers to the 16-bit ones; its gradients point where the float32

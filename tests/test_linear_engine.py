@@ -67,12 +67,7 @@ def test_engine_glue_with_the_reference_gemm(name, lead):
     x = jnp.asarray(rng.standard_normal(lead + (512,)), jnp.bfloat16)
     f = jax.jit(functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16, gemm=wgmma_grouped_gemm_reference))
     y = np.asarray(f(x, ew), np.float64)
-    # the kernel's weight values: scales in the activations' dtype, (c − z)·s rounded to it once
-    sc = np.asarray(jnp.asarray(q.scales, jnp.float32).astype(jnp.bfloat16), np.float64)
-    g = np.arange(512) // s.group_size if s.group_size > 0 else np.zeros(512, int)
-    z = 8.0 if q.zeros is None else q.zeros[:, g]
-    w64 = np.asarray(jnp.asarray((q.codes - z) * sc[:, g], jnp.float32).astype(jnp.bfloat16), np.float64)
-    ref = np.asarray(x, np.float64) @ w64.T + np.asarray(lw.bias, np.float64)
+    ref = np.asarray(x, np.float64) @ _kernel_weight64(q, s, 512).T + np.asarray(lw.bias, np.float64)
     assert y.shape == lead + (192,) and np.isfinite(y).all()
     err = np.abs(y - ref).max() / np.abs(ref).max()
     # float32 accumulation of exact bf16 products; an unsplit GEMM writes its output rounded to
