@@ -31,17 +31,28 @@ def kernel_breakdown(fn, args, calls: int = 20, parts: int = 1):
     durations the profiler itself inflates: where the host's time goes, not how much. ``parts``:
     each call of ``fn`` runs that many identical steps (a program of ``parts`` layer calls): the
     rows and the timeline are per step."""
-    import time
-
     jf = jax.jit(fn)
     jax.block_until_ready(jf(*args))
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = jf(*args)
+        jax.block_until_ready(out)
+
+    return traced_breakdown(run, calls, parts)
+
+
+def traced_breakdown(run, calls: int, parts: int = 1):
+    """:func:`kernel_breakdown`'s result for ``run()``, a function that makes ``calls`` identical
+    calls (already compiled and warmed up) and waits for them: for programs that thread state
+    from call to call (a decode step whose cache is donated) or that were compiled with options."""
+    import time
+
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            out = None
-            for _ in range(calls):
-                out = jf(*args)
-            jax.block_until_ready(out)
+            run()
         wall = (time.perf_counter() - t0) / calls * 1e6
         paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         if not paths:
