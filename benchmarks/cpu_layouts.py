@@ -25,7 +25,7 @@ import numpy as np
 
 from wna16_jax import routing
 from wna16_jax.backends import TABLE, Backend
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.moe import fused_moe
 from wna16_jax.schemes import QuantScheme
 

@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     print(f"checkpoint: {total / 1e9:.2f} GB in {len(files)} shards ({time.time() - t0:.0f} s to "
           f"synthesize or find)", flush=True)
 
-    from wna16_jax import checkpoint as ckmod
+    from wna16_jax import checkpoint as ckmod, formats
     from wna16_jax.backends import TABLE, Backend
     from wna16_jax.safetensors_io import SafetensorsFile
 
@@ -273,9 +273,9 @@ def main(argv=None) -> int:
     print(f"open: {t_open * 1e3:.0f} ms ({names} tensor names; name index {t_index * 1e3:.0f} ms)", flush=True)
 
     reads = Timer(SafetensorsFile, "read_into")          # every tensor read goes through it
-    headers = Timer(ckmod._ExpertLoader, "_check_headers")
-    value_timers = [Timer(ckmod._ValueChecks, "check")]
-    copies = Timer(ckmod._ExpertLoader, "_place")        # gate / up halves into the w13 stacks
+    headers = Timer(ckmod, "_check_headers")
+    value_timers = [Timer(formats, "check_values")]
+    copies = Timer(ckmod, "_place")        # gate / up halves into the w13 stacks
     layer_bytes = 0
     per_layer, rest, checks = [], [], []        # per layer: wall time, its remainder, its value checks
     t0 = time.perf_counter()

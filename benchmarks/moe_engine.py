@@ -55,7 +55,7 @@ import numpy as np
 
 from pallas_kernels.fused_moe_tiles import choose_config, fused_moe_tiles
 from wna16_jax import routing
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.convert.tiles import convert_tiles
 from wna16_jax.moe import fused_moe, fused_moe_ragged_dot, silu_and_mul
 from wna16_jax.schemes import QuantScheme

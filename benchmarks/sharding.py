@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from benchmarks.timing import pair_timer  # noqa: E402
 from wna16_jax import executors, routing, sharding  # noqa: E402
 from wna16_jax.backends import TABLE, Backend  # noqa: E402
-from wna16_jax.checkpoint import random_checkpoint_weights  # noqa: E402
+from wna16_jax.writers import random_checkpoint_weights  # noqa: E402
 from wna16_jax.moe import fused_moe  # noqa: E402
 from wna16_jax.schemes import QuantScheme  # noqa: E402
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wna16_jax import routing
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.moe import FORMULATIONS, choose_formulation, fused_moe, fused_moe_ragged_dot
 from wna16_jax.schemes import QuantScheme
 

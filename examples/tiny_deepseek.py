@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiny_moe_model import build_and_train, exit_code  # noqa: E402
-from wna16_jax.checkpoint import random_moe_layer, write_checkpoint  # noqa: E402
+from wna16_jax.writers import random_moe_layer, write_checkpoint  # noqa: E402
 from wna16_jax.schemes import QuantScheme  # noqa: E402
 
 VOCAB, E, H, I, SHARED_I, LAYERS = 64, 8, 64, 64, 128, 2

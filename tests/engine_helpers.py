@@ -13,7 +13,7 @@ import pytest
 
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.schemes import QuantScheme
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -13,7 +13,7 @@ import pytest
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
 from wna16_jax.autodiff import fused_moe_trainable
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.moe import ACTIVATIONS, fused_moe
 from wna16_jax.schemes import QuantScheme
 

@@ -99,7 +99,7 @@ def test_forced_backend_from_environment(monkeypatch):
 
 
 def test_loader_row_converts_nothing():
-    from wna16_jax.checkpoint import random_checkpoint_weights
+    from wna16_jax.writers import random_checkpoint_weights
 
     w = random_checkpoint_weights(np.random.default_rng(0), GPTQ8, 2, 128, 128)
     assert TABLE[Backend.LOADER].layout_supports(GPTQ8) is None

@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import ON_GPU, SCHEMES, layer_case, layer_close, reference
 from wna16_jax import executors, moe
 from wna16_jax.backends import TABLE, Backend, Device
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.convert.tiles import TileWeights, convert_tiles
 from wna16_jax.convert.wgmma import WgmmaWeights, convert_wgmma
 from wna16_jax.errors import (ConfigError, DTypeError, ShapeError, UnsupportedError, WNA16Error, from_kernel_error,

@@ -17,7 +17,8 @@ import pytest
 
 from wna16_jax import routing
 from wna16_jax.backends import TABLE, Backend
-from wna16_jax.checkpoint import Checkpoint, random_checkpoint_weights, random_moe_layer, write_checkpoint
+from wna16_jax.checkpoint import Checkpoint
+from wna16_jax.writers import random_checkpoint_weights, random_moe_layer, write_checkpoint
 from wna16_jax.cli import main
 from wna16_jax.convert.cpu import convert_cpu
 from wna16_jax.errors import (ConfigError, CorruptFileError, DTypeError, MissingTensorError, OutputPathError,
@@ -523,7 +524,7 @@ def test_non_finite_scales(tmp_path, templates, bad, proj):
     s.tensors(lambda t: t.__setitem__(name, np.where(np.arange(t[name].size).reshape(t[name].shape) == 5,
                                                      np.float16(bad), t[name]).astype(np.float16)))
     s.freeze()
-    _raises(ValueRangeError, lambda: _load(s.dir), name, "finite", "expert 2")
+    _raises(ValueRangeError, lambda: _load(s.dir), name, "finite", "at [")
     s.check()
 
 

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wna16_jax.checkpoint import default_scale_dtype, pack_linear
+from wna16_jax import formats
+from wna16_jax.writers import default_scale_dtype
 from wna16_jax.errors import ConfigError
 from wna16_jax.models.linear import (SUFFIXES, QuantizedLinear, QuantizedLinearWeights, WgmmaLinearWeights,
                                      _wgmma_matmul, engine_linear_reason, quantized_matmul, to_engine_linear)
@@ -26,7 +27,7 @@ def _linear(scheme, n, k, seed=0, bias=True):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
     q = quantize_rtn(w, scheme, scale_dtype=default_scale_dtype(scheme))
-    t = pack_linear(q.codes, q.scales, q.zeros, q.g_idx, scheme)
+    t = formats.pack(scheme, q.codes, q.scales, q.zeros, q.g_idx)
     suff = {v: key for key, v in SUFFIXES[scheme.method].items()}
     fields = {suff[key]: v for key, v in t.items() if suff[key] in ("qweight", "scales", "qzeros")}
     if scheme.method.value == "gptq" and not scheme.zero_point:

@@ -8,7 +8,8 @@ import pytest
 
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
-from wna16_jax.checkpoint import Checkpoint, random_moe_layer, write_checkpoint
+from wna16_jax.checkpoint import Checkpoint
+from wna16_jax.writers import random_moe_layer, write_checkpoint
 from wna16_jax.errors import ConfigError, DTypeError, ShapeError, ValueRangeError
 from wna16_jax.moe import ACTIVATIONS, FORMULATIONS, fused_moe, fused_moe_ragged_dot, shared_expert_moe
 from wna16_jax.schemes import QuantScheme
@@ -212,7 +213,7 @@ def test_batched_experts_forward(layer):
 def _fresh_layer(rng, e=5, h=64, i=32, scheme=QuantScheme("gptq", 4, 32, False)):
     """Random weights at sizes no other test here uses (compile counts start from zero) and their
     float64 dequantization."""
-    from wna16_jax.checkpoint import random_checkpoint_weights
+    from wna16_jax.writers import random_checkpoint_weights
 
     w = random_checkpoint_weights(rng, scheme, e, h, i, scale=0.05)
     return w.to_jax(), dequant_checkpoint(w, scheme)

@@ -11,7 +11,8 @@ from flax import nnx
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
 from wna16_jax.backends import Backend
-from wna16_jax.checkpoint import Checkpoint, random_moe_layer, write_checkpoint
+from wna16_jax.checkpoint import Checkpoint
+from wna16_jax.writers import random_moe_layer, write_checkpoint
 from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError, ValueRangeError, WNA16Error
 from wna16_jax.nn import QuantizedExperts, QuantizedMoE, RouterBias
 from wna16_jax.schemes import QuantScheme

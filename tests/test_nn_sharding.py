@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(r'''
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     assert len(jax.devices()) == 8, jax.devices()
-    from wna16_jax.checkpoint import random_checkpoint_weights
+    from wna16_jax.writers import random_checkpoint_weights
     from wna16_jax.convert.tiles import convert_tiles
     from wna16_jax.nn import QuantizedExperts, QuantizedMoE
     from wna16_jax.schemes import QuantScheme

@@ -10,7 +10,8 @@ import pytest
 
 from wna16_jax import routing
 from wna16_jax.backends import TABLE, Backend
-from wna16_jax.checkpoint import Checkpoint, random_moe_layer, write_checkpoint
+from wna16_jax.checkpoint import Checkpoint
+from wna16_jax.writers import random_moe_layer, write_checkpoint
 from wna16_jax.cli import main
 from wna16_jax.errors import ConfigError, ShapeError, ValueRangeError
 from wna16_jax.moe import fused_moe

@@ -19,7 +19,7 @@ from pallas_kernels.fused_moe_tiles import (EngineConfig, batched_experts_tiles,
                                             fused_moe_tiles_bwd, layer_sizes, max_blocks)
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import routing
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.convert.tiles import TileWeights, convert_tiles, tile_unsupported_reason
 from wna16_jax.errors import UnsupportedError
 from wna16_jax.schemes import QuantScheme

@@ -26,7 +26,7 @@ from pallas_kernels.experts import GemmExperts
 from pallas_kernels.fused_moe_tiles import max_blocks
 from pallas_kernels.wgmma_config import (LayerConfig, expected_blocks, pair_schedule, plan_gemm,
                                          tuning, wgmma_block_m)
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.convert.tiles import convert_tiles
 from wna16_jax.convert.wgmma import WgmmaWeights, convert_wgmma, wgmma_unsupported_reason
 from wna16_jax.errors import UnsupportedError

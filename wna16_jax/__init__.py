@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # checkpoints
     "Checkpoint": "checkpoint", "MoELayer": "checkpoint", "MoEModelConfig": "checkpoint",
-    "DenseWeights": "checkpoint", "write_checkpoint": "checkpoint", "random_moe_layer": "checkpoint",
-    "random_checkpoint_weights": "checkpoint", "FloatMoELayer": "checkpoint",
+    "DenseWeights": "checkpoint", "write_checkpoint": "writers", "random_moe_layer": "writers",
+    "random_checkpoint_weights": "writers", "FloatMoELayer": "writers",
     "ConvertedCheckpoint": "serialize", "convert_checkpoint": "serialize",
     # quantization schemes
     "QuantScheme": "schemes", "QuantConfig": "schemes", "QuantMethod": "schemes",
@@ -74,8 +74,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .autodiff import fused_moe_trainable
     from .backends import TABLE, Backend, BackendFallbackWarning, backend_reasons, priority_backends, select_backend
     from .device import Device
-    from .checkpoint import (Checkpoint, DenseWeights, FloatMoELayer, MoELayer, MoEModelConfig,
-                             random_checkpoint_weights, random_moe_layer, write_checkpoint)
+    from .checkpoint import Checkpoint, DenseWeights, MoELayer, MoEModelConfig
+    from .writers import FloatMoELayer, random_checkpoint_weights, random_moe_layer, write_checkpoint
     from .errors import (BackendSelectionError, ConfigError, CorruptFileError, DTypeError,
                          MissingTensorError, OutputPathError, ShapeError, UnexpectedTensorError,
                          UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: read MoE layers into the loader layout, and write tiny quantized MoEs.
+"""Hugging Face checkpoints: read MoE layers into the loader layout (writers: :mod:`wna16_jax.writers`).
 
 Reading (``Checkpoint``) is lazy: ``safetensors.safe_open`` opens only the files a layer needs and
 reads only its tensors; nothing is unpickled and torch is never imported. Each MoE layer becomes a
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
@@ -34,7 +33,7 @@ from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import packing
+from . import formats, packing
 from .errors import (
     ConfigError,
     CorruptFileError,
@@ -47,17 +46,13 @@ from .errors import (
     ValueRangeError,
     check_divisible,
 )
-from .quantize import quantize_rtn
 from .safetensors_io import SafetensorsFile, confined_path, load_json
 from .schemes import QuantConfig, QuantMethod, QuantScheme
-from .weights import CheckpointWeights, ExpertsMixin, LogicalQuant, pytree_dataclass
+from .weights import CheckpointForm, CheckpointWeights, ExpertsMixin, QuantMatrix, pytree_dataclass
 
 # --------------------------------------------------------------------------- naming
 
-#: projection name → role; w1/gate_proj = gate, w3/up_proj = up, w2/down_proj = down.
-_PROJ_ROLE = {"w1": "gate", "w3": "up", "w2": "down",
-              "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-_NAMINGS = {
+NAMINGS = {
     "mixtral": {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
     "qwen": {"block": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
 }
@@ -65,16 +60,6 @@ _EXPERT_RE = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp))"
     r"\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z_]+)$"
 )
-
-#: tensor suffixes per method: role in CheckpointWeights → checkpoint suffix.
-_SUFFIXES = {
-    QuantMethod.AWQ: {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros"},
-    QuantMethod.GPTQ: {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros", "g_idx": "g_idx"},
-    QuantMethod.COMPRESSED_TENSORS: {"qweight": "weight_packed", "scales": "weight_scale",
-                                     "qzeros": "weight_zero_point", "g_idx": "weight_g_idx",
-                                     "shape": "weight_shape"},
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class MoEModelConfig:
@@ -375,9 +360,13 @@ class Checkpoint:
 
     def _read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """Read the named tensors, one descriptor per shard file, in file order."""
-        return self._read_many((), names)
+        return self.read_many((), names)
 
-    def _read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+    def locate(self, name: str) -> str:
+        """``name (in <shard file>)``, for messages."""
+        return f"{name} (in {self._weight_map.get(name, '?')})"
+
+    def read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
         """Read each ``(name, destination)`` of ``into`` straight into its destination and each
         of ``names`` into a new array (returned by name), per shard in file order."""
         jobs: dict[str, list[tuple[int, str, np.ndarray | None]]] = defaultdict(list)
@@ -444,7 +433,7 @@ class Checkpoint:
         for li, info in self._layers.items():
             projs = set().union(*(set(p) for p in info.experts.values()))
             naming = "mixtral" if projs & {"w1", "w2", "w3"} else "qwen"
-            want = {_NAMINGS[naming][r] for r in ("gate", "up", "down")}
+            want = {NAMINGS[naming][r] for r in ("gate", "up", "down")}
             if projs != want:
                 raise ConfigError(
                     f"layer {li}: expert projections {sorted(projs)} do not match a known naming "
@@ -494,9 +483,10 @@ class Checkpoint:
             return self._load_layer(layer_index, info, tp_size, tp_rank)
 
     def _load_layer(self, layer_index: int, info: _LayerNames, tp_size: int, tp_rank: int) -> MoELayer:
-        names = _NAMINGS[info.naming]
+        names = NAMINGS[info.naming]
         layer = f"layer {layer_index}"
-        experts = _ExpertLoader(self, self.scheme, names, layer).load(info.experts, tp_size, tp_rank)
+        experts = read_experts(self, self.scheme, info.experts, names, info.prefix + ".experts.{e}", layer,
+                               tp_size, tp_rank)
         cfg = self.model_config
         for field, want, got in ((cfg.hidden_size_field, experts.hidden_size, cfg.hidden_size),
                                  (cfg.intermediate_size_field, experts.intermediate_size * tp_size,
@@ -550,11 +540,6 @@ def _tp_slice(n: int, tp_size: int, tp_rank: int, unit: int, what: str) -> slice
     return slice(tp_rank * local // unit, (tp_rank + 1) * local // unit)
 
 
-_INT_DTYPES = ("I32",)
-_INDEX_DTYPES = ("I32", "I64")
-_SCALE_DTYPES = ("F16", "BF16", "F32")
-
-
 def _st_names(names) -> list[str]:
     """safetensors dtype names with numpy's beside them: ``I32 (int32)``."""
     from .safetensors_io import DTYPES
@@ -562,340 +547,273 @@ def _st_names(names) -> list[str]:
     return [f"{n} ({DTYPES[n].name})" if n in DTYPES else n for n in names]
 
 
-class _ExpertLoader:
-    """Reads one layer's experts (``E`` × gate / up / down) into a :class:`CheckpointWeights`.
+@dataclasses.dataclass(frozen=True)
+class MatrixPart:
+    """Rows of a matrix to read: ``tensors[e]`` maps each suffix to the tensor name of expert ``e``'s
+    stored ``[n, K]`` matrix (one expert for a dense linear); ``label`` names it in messages
+    (``model.layers.0.mlp.experts.{e}.gate_proj``-like, ``{e}`` filled with the expert)."""
 
-    1. From the file headers alone: every tensor's suffix is known, its dtype is the scheme's,
-       its shape is what expert 0's sizes imply (``H``, ``I``, groups, packing) — errors name the
-       tensor and its file.
-    2. One read per tensor into a preallocated stack (peak memory: the layer plus one tensor).
-    3. Values: scales finite, ``g_idx`` in range (and trivial without act-order), gate and up
-       sharing one ``g_idx``, symmetric GPTQ zero points equal to the implicit offset.
-    """
+    tensors: Sequence[Mapping[str, str]]
+    n: int
+    label: str
 
-    def __init__(self, ckpt: Checkpoint, scheme: QuantScheme, names: dict, layer: str):
-        self.ckpt, self.scheme, self.names, self.layer = ckpt, scheme, names, layer
-        self.suff = _SUFFIXES[scheme.method]
 
-    def _where(self, name: str) -> str:
-        return f"{name} (in {self.ckpt._weight_map[name]})"
+def read_matrix(ckpt: "Checkpoint", scheme: QuantScheme, parts: Sequence[MatrixPart], *, k: int,
+                tp: tuple[int, int] = (1, 0), tp_axis: str | None = None, what: str = "") -> tuple[QuantMatrix, Any]:
+    """One quantized matrix of ``E`` experts, ``[sum of the parts' n, k]``, stacked ``[E, ...]`` as the
+    checkpoint stores it (:class:`~wna16_jax.weights.CheckpointForm`), and its bias ``[E, N]`` (or None).
 
-    def _expected(self, h: int, i: int) -> dict[str, dict[str, tuple[tuple[int, ...], tuple[str, ...]]]]:
-        """role → file suffix → (per-expert shape, allowed dtypes) for sizes ``h``, ``i``."""
-        s, pf, g = self.scheme, self.scheme.pack_factor, self.scheme.group_size
-        m = s.method
-        cdiv = lambda a, b: -(-a // b)  # noqa: E731
-        out = {}
-        for role, (n, k) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-            groups = s.num_groups(k)
-            if m is QuantMethod.AWQ:
-                d = {"qweight": ((k, n // pf), _INT_DTYPES), "scales": ((groups, n), _SCALE_DTYPES),
-                     "qzeros": ((groups, n // pf), _INT_DTYPES)}
-            elif m is QuantMethod.GPTQ:
-                d = {"qweight": ((k // pf, n), _INT_DTYPES), "scales": ((groups, n), _SCALE_DTYPES),
-                     "qzeros": ((groups, n // pf), _INT_DTYPES), "g_idx": ((k,), _INDEX_DTYPES)}
-            else:
-                d = {"weight_packed": ((n, cdiv(k, pf)), _INT_DTYPES),
-                     "weight_scale": ((n, groups), _SCALE_DTYPES),
-                     "weight_zero_point": ((cdiv(n, pf), groups), _INT_DTYPES),
-                     "weight_g_idx": ((k,), _INDEX_DTYPES), "weight_shape": ((2,), _INDEX_DTYPES)}
-            if not s.act_order and m is not QuantMethod.GPTQ:
-                d.pop("weight_g_idx", None)    # GPTQ writes a trivial g_idx; the others only with act-order
-            d["bias"] = ((n,), _SCALE_DTYPES)
-            out[role] = d
-        del g
-        return out
+    ``parts`` are concatenated along N (gate and up into ``w13``; q, k and v into one projection);
+    ``tp = (size, rank)`` with ``tp_axis`` ``"n"`` (each part's outputs) or ``"k"`` (the inputs)
+    reads rank ``rank``'s slice. The format table (:func:`wna16_jax.formats.tensors`) decides
+    everything per tensor: from the file headers alone (:func:`_check_headers`), every suffix is
+    known, its dtype allowed and one per role, its shape the table's, the required ones present,
+    biases on every part or none; then each tensor is read once into its place in a preallocated
+    stack (peak memory: the matrix plus one tensor); then the value rules
+    (:func:`wna16_jax.formats.check_values`), and the parts share one ``g_idx``."""
+    tables = [formats.tensors(scheme, p.n, k) for p in parts]
+    has_bias = _check_headers(ckpt, scheme, parts, tables, k)
+    plans = [_part_plan(scheme, p, table, tp, tp_axis, what) for p, table in zip(parts, tables)]
+    stacks, slots = _allocate(ckpt, scheme, parts, plans, has_bias)
+    checked = [_checked_stacks(ckpt, scheme, p, plan, slot, k) for p, plan, slot in zip(parts, plans, slots)]
+    for ei in range(len(parts[0].tensors)):
+        direct, via = [], {}
+        for p, plan, slot, extra in zip(parts, plans, slots, checked):
+            got = p.tensors[ei]
+            for role, idx in slot.items():
+                name, dst = got[plan[role].spec.suffix], stacks[role][ei][idx]
+                same = ckpt.tensor_info(name).dtype.newbyteorder("=") == dst.dtype
+                if plan[role].whole and same and dst.flags.c_contiguous:
+                    direct.append((name, dst))
+                else:
+                    via[name] = (dst, plan[role])
+            direct += [(got[plan[role].spec.suffix], stack[ei]) for role, stack in extra.items()
+                       if plan[role].spec.suffix in got]
+        read = ckpt.read_many(direct, list(via))
+        for name, (dst, pl) in via.items():
+            _place(ckpt, name, read[name], dst, pl)
+    for pi, (p, plan, slot) in enumerate(zip(parts, plans, slots)):
+        _check_part_values(ckpt, scheme, p, plan, {**{r: stacks[r][(slice(None),) + i] for r, i in slot.items()},
+                                                   **checked[pi]}, k, stacks.get("g_idx") if pi else None, parts[0])
+    tp_size = tp[0]
+    n_local = sum(p.n // (tp_size if tp_axis == "n" else 1) for p in parts)
+    m = QuantMatrix(stacks["qweight"], stacks["scales"], stacks.get("qzeros") if scheme.zero_point else None,
+                    stacks.get("g_idx"), bits=scheme.bits, group_size=scheme.group_size,
+                    form=CheckpointForm(n_local, k // tp_size if tp_axis == "k" else k, scheme))
+    return m, stacks.get("bias")
 
-    def _sizes(self, e0: dict) -> tuple[int, int]:
-        """``(H, I)`` from expert 0's gate and down packed weights (header shapes only)."""
-        m, pf = self.scheme.method, self.scheme.pack_factor
-        q = self.suff["qweight"]
-        for role in ("gate", "down"):
-            if q not in e0[self.names[role]]:
-                raise MissingTensorError(f"{self._prefix0(e0)}.{self.names[role]}.{q}: required by "
-                                         f"{self.scheme.describe()}, not found")
-        gate_name, down_name = e0[self.names["gate"]][q], e0[self.names["down"]][q]
-        gi, di = self.ckpt.tensor_info(gate_name), self.ckpt.tensor_info(down_name)
-        for nm, t in ((gate_name, gi), (down_name, di)):
-            if len(t.shape) != 2:
-                raise ShapeError(f"{self._where(nm)}: expected a rank-2 packed tensor, got shape {t.shape}")
-        if m is QuantMethod.AWQ:
-            return gi.shape[0], gi.shape[1] * pf
-        if m is QuantMethod.GPTQ:
-            return gi.shape[0] * pf, gi.shape[1]
-        shape_name = e0[self.names["gate"]].get("weight_shape")
-        h = gi.shape[1] * pf
-        if shape_name is not None:
-            st = self.ckpt.read_tensor(shape_name)
-            if st.shape != (2,) or st.dtype.kind not in "iu" or int(st[0]) != gi.shape[0] or \
-                    not 0 < int(st[1]) <= h or -(-int(st[1]) // pf) != gi.shape[1]:
-                raise ShapeError(f"{self._where(shape_name)}: expected [{gi.shape[0]}, K] with "
-                                 f"ceil(K / {pf}) == {gi.shape[1]}, got {st.tolist()}")
-            h = int(st[1])
-        return h, gi.shape[0]
 
-    def _prefix0(self, e0: dict) -> str:
-        name = next(iter(next(iter(e0.values())).values()))
-        return name.rsplit(".", 2)[0]
+def _check_headers(ckpt: "Checkpoint", scheme: QuantScheme, parts: Sequence[MatrixPart], tables: list, k: int
+                   ) -> bool:
+    """Phase 1 of :func:`read_matrix`, file headers only. Returns whether the matrix has a bias."""
+    dtypes: dict[str, tuple[str, str]] = {}                 # role → (dtype, first tensor)
+    has_bias = None
+    for p, table in zip(parts, tables):
+        known = {t.suffix: t for t in table.values()}
+        for ei, got in enumerate(p.tensors):
+            for suffix, name in got.items():
+                spec = known.get(suffix)
+                if spec is None:
+                    raise UnexpectedTensorError(f"{ckpt.locate(name)}: unexpected tensor for a {scheme.describe()} "
+                                                f"matrix (known suffixes: {sorted(known)})")
+                t = ckpt.tensor_info(name)
+                if t.dtype_name not in spec.dtypes:
+                    raise DTypeError(f"{ckpt.locate(name)}: expected dtype {' or '.join(_st_names(spec.dtypes))}, "
+                                     f"got {_st_names([t.dtype_name])[0]}")
+                if tuple(t.shape) != spec.shape:
+                    raise ShapeError(f"{ckpt.locate(name)}: expected shape {spec.shape} (N={p.n}, K={k}, "
+                                     f"{scheme.describe()}), got {tuple(t.shape)}")
+                dt0, name0 = dtypes.setdefault(spec.role, (t.dtype_name, name))
+                if t.dtype_name != dt0 and spec.role in ("qweight", "scales", "qzeros", "bias"):
+                    raise DTypeError(f"{ckpt.locate(name)}: expected dtype {_st_names([dt0])[0]} like {name0} (one "
+                                     f"dtype per tensor kind in a matrix), got {_st_names([t.dtype_name])[0]}")
+            base = p.label.format(e=ei)
+            for spec in table.values():
+                if spec.need == formats.REQUIRED and spec.suffix not in got:
+                    raise MissingTensorError(f"{base}.{spec.suffix}: required by {scheme.describe()}, not found")
+            bias = "bias" in got
+            has_bias = bias if has_bias is None else has_bias
+            if bias != has_bias:
+                raise MissingTensorError(f"{base}.bias: {'present' if bias else 'missing'}, but "
+                                         f"{'absent' if has_bias else 'present'} in {parts[0].label.format(e=0)}; "
+                                         "every part of a matrix carries a bias or none does")
+    return bool(has_bias)
 
-    def _check_headers(self, experts: dict, expected: dict, required: set, h: int, i_full: int) -> bool:
-        """Phase 1, file headers only: every tensor of every expert has a known suffix, the
-        scheme's dtype and the shape the sizes imply; the required ones are present; biases on
-        all projections or none. Returns whether the experts carry biases."""
-        s, e = self.scheme, len(experts)
-        has_bias = None
-        first: dict[str, tuple[str, str]] = {}      # suffix → (dtype, tensor) of its first tensor
-        for ei in range(e):
-            for role in ("gate", "up", "down"):
-                tensors = experts[ei][self.names[role]]
-                for suffix, name in tensors.items():
-                    if suffix not in expected[role]:
-                        raise UnexpectedTensorError(
-                            f"{self._where(name)}: unexpected tensor for a {s.describe()} expert "
-                            f"(known suffixes: {sorted(expected[role])})")
-                    shape, dtypes = expected[role][suffix]
-                    t = self.ckpt.tensor_info(name)
-                    if t.dtype_name not in dtypes:
-                        raise DTypeError(f"{self._where(name)}: expected dtype "
-                                         f"{' or '.join(_st_names(dtypes))}, got {_st_names([t.dtype_name])[0]}")
-                    if tuple(t.shape) != shape:
-                        raise ShapeError(f"{self._where(name)}: expected shape {shape} (H={h}, I={i_full}, "
-                                         f"{s.describe()}), got {tuple(t.shape)}")
-                    dt0, name0 = first.setdefault(suffix, (t.dtype_name, name))
-                    if t.dtype_name != dt0:
-                        raise DTypeError(f"{self._where(name)}: expected dtype {_st_names([dt0])[0]} like "
-                                         f"{name0} (one dtype per tensor kind in a layer), got "
-                                         f"{_st_names([t.dtype_name])[0]}")
-                base = next(iter(tensors.values())).rsplit(".", 1)[0]
-                for suffix in sorted(required - set(tensors)):
-                    raise MissingTensorError(f"{base}.{suffix}: required by {s.describe()}, not found")
-                bias = "bias" in tensors
-                if has_bias is None:
-                    has_bias = bias
-                if bias != has_bias:
-                    raise MissingTensorError(f"{base}.bias: {'present' if bias else 'missing'}, but "
-                                             f"{'absent' if has_bias else 'present'} in "
-                                             f"{self._prefix0(experts[0])}; all projections or none carry biases")
-        return bool(has_bias)
 
-    def _field_specs(self, has_bias: bool, sl_n, sl_k, tp_size: int) -> dict[str, list[tuple[str, str, int, slice]]]:
-        """Stacked field → its parts: ``(role, suffix key, axis, slice of that axis)``; two parts
-        (gate, up) are concatenated along ``axis``."""
-        s = self.scheme
-        m, g, pf = s.method, s.group_size, s.pack_factor
-        n_axis = 0 if m is QuantMethod.COMPRESSED_TENSORS else 1     # gate/up output axis
-        k_axis = 1 if m is QuantMethod.COMPRESSED_TENSORS else 0     # down's input axis
-        gsl = slice(None) if (g == -1 or (s.act_order and tp_size > 1)) else sl_k(g)
-        specs = {}
-        for key in ["qweight", "scales"] + (["qzeros"] if s.zero_point else []):
-            # the unit of the output (N) axis: packed words where N is packed (AWQ weights,
-            # every zero-point tensor), one entry otherwise
-            packed_n = key == "qzeros" or (key == "qweight" and m is QuantMethod.AWQ)
-            sl = sl_n(pf if packed_n else 1)
-            specs["w13_" + key] = [("gate", key, n_axis, sl), ("up", key, n_axis, sl)]
-            if key == "qweight":          # K packed (GPTQ, compressed-tensors) or not (AWQ)
-                w2_sl = sl_k(1 if m is QuantMethod.AWQ else pf)
-            else:                         # per group of K
-                w2_sl = sl_k(g) if m is QuantMethod.AWQ else gsl
-            specs["w2_" + key] = [("down", key, k_axis, w2_sl)]
-        if has_bias:
-            specs["w13_bias"] = [("gate", "bias", 0, sl_n(1)), ("up", "bias", 0, sl_n(1))]
-            specs["w2_bias"] = [("down", "bias", 0, slice(None))]
-        if s.act_order:
-            specs["w13_g_idx"] = [("gate", "g_idx", 0, slice(None))]
-            specs["w2_g_idx"] = [("down", "g_idx", 0, sl_k(1))]
-        return specs
+def _allocate(ckpt: "Checkpoint", scheme: QuantScheme, parts: Sequence[MatrixPart], plans: list, has_bias: bool
+              ) -> tuple[dict[str, np.ndarray], list[dict[str, tuple]]]:
+    """The matrix's stacks (role → ``[E, ...]``, the parts side by side along N; ``g_idx`` shared)
+    and, per part, role → the index of its slot in the stack."""
+    e = len(parts[0].tensors)
+    stacks: dict[str, np.ndarray] = {}
+    for role in formats.KEPT_ROLES + ("bias",):
+        present = [pl[role] for pl in plans if role in pl and pl[role].spec.kept]
+        if not present or (role == "bias" and not has_bias):
+            continue
+        t0 = ckpt.tensor_info(parts[0].tensors[0][present[0].spec.suffix])
+        shape = list(present[0].local)
+        if role != "g_idx":
+            shape[present[0].spec.n_axis] = sum(pl.local[pl.spec.n_axis] for pl in present)
+        stacks[role] = np.empty([e] + shape, np.int32 if role == "g_idx" else t0.dtype.newbyteorder("="))
+    offsets = {role: 0 for role in stacks}
+    slots = []
+    for plan in plans:
+        slot = {}
+        for role, pl in plan.items():
+            if role not in stacks or (role == "g_idx" and slots):      # later parts' g_idx: checked
+                continue
+            idx = [slice(None)] * len(pl.local)
+            if role != "g_idx":
+                ax = pl.spec.n_axis
+                idx[ax] = slice(offsets[role], offsets[role] + pl.local[ax])
+                offsets[role] += pl.local[ax]
+            slot[role] = tuple(idx)
+        slots.append(slot)
+    return stacks, slots
 
-    def _place(self, name: str, a: np.ndarray, dst: np.ndarray, axis: int, sl: slice) -> None:
-        """Copy the slice ``sl`` along ``axis`` of the tensor ``a`` (read as ``name``) into its
-        place in a stack; a wider integer type is narrowed only when every value fits."""
-        if a.dtype != dst.dtype and a.size and (a.min() < np.iinfo(np.int32).min
-                                                or a.max() > np.iinfo(np.int32).max):
-            raise ValueRangeError(f"{self._where(name)}: group indices must fit int32, got "
-                                  f"[{a.min()}, {a.max()}]")
+
+def _checked_stacks(ckpt: "Checkpoint", scheme: QuantScheme, p: MatrixPart, plan: dict, slot: dict, k: int
+                    ) -> dict[str, np.ndarray]:
+    """Stacks for a part's tensors read only to be checked (whole, as stored); experts without
+    the optional tensor hold the value it would need to have."""
+    out = {}
+    for role, pl in plan.items():
+        name0 = next((got[pl.spec.suffix] for got in p.tensors if pl.spec.suffix in got), None)
+        if name0 is None or role in slot or role == "bias":
+            continue
+        t0 = ckpt.tensor_info(name0)
+        fill = {"g_idx": formats.natural_g_idx(scheme, k) if not scheme.act_order else 0,
+                "qzeros": formats.symmetric_zero_word(scheme), "shape": np.asarray([p.n, k])}.get(role, 0)
+        out[role] = np.empty((len(p.tensors),) + t0.shape, t0.dtype.newbyteorder("="))
+        out[role][...] = fill
+    return out
+
+
+def _check_part_values(ckpt: "Checkpoint", scheme: QuantScheme, p: MatrixPart, plan: dict, arrays: dict, k: int,
+                       shared_g_idx, first: MatrixPart) -> None:
+    """The value rules of one part's arrays; a later part's ``g_idx`` must equal the first's."""
+    if shared_g_idx is not None and "g_idx" in arrays:
+        bad = ~(arrays.pop("g_idx") == shared_g_idx).all(axis=1)
+        if bad.any():
+            ei = int(np.argmax(bad))
+            raise ValueRangeError(f"{ckpt.locate(p.tensors[ei][plan['g_idx'].spec.suffix])}: g_idx differs "
+                                  f"from {first.label.format(e=ei)}'s; the fused matrix holds one g_idx")
+
+    def name_of(role, ei):
+        return ckpt.locate(p.tensors[ei][plan[role].spec.suffix])
+
+    formats.check_values(scheme, arrays, n=p.n, k=k, name_of=name_of)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolePlan:
+    """Where one role's tensor of a part goes: the tensor's ``spec``, the ``local`` shape of its
+    slice, ``sl`` (``(axis, slice)`` of the stored tensor, or None: whole) and ``whole``."""
+
+    spec: formats.StoredTensor
+    local: tuple[int, ...]
+    sl: tuple[int, slice] | None
+
+    @property
+    def whole(self) -> bool:
+        return self.sl is None
+
+
+def _part_plan(scheme: QuantScheme, p: MatrixPart, table: dict, tp: tuple[int, int], tp_axis: str | None,
+               what: str) -> dict[str, _RolePlan]:
+    """role → :class:`_RolePlan` of one part: its tensor-parallel slice along N (each output
+    entry's unit) or K (packed words, groups — an act-order or channelwise matrix keeps its whole
+    scales, indexed through ``g_idx``)."""
+    tp_size, tp_rank = tp
+    out = {}
+    for role, spec in table.items():
+        axis = spec.n_axis if tp_axis == "n" else spec.k_axis if tp_axis == "k" else None
+        if tp_size == 1 or axis is None or (tp_axis == "k" and role in ("scales", "qzeros")
+                                            and (scheme.act_order or scheme.group_size == -1)):
+            out[role] = _RolePlan(spec, spec.shape, None)
+            continue
+        unit = spec.n_unit if tp_axis == "n" else spec.k_unit
+        full = p.n if tp_axis == "n" else spec.shape[axis] * spec.k_unit
+        sl = _tp_slice(full, tp_size, tp_rank, unit, what or p.label.format(e=0))
+        local = list(spec.shape)
+        local[axis] = sl.stop - sl.start
+        out[role] = _RolePlan(spec, tuple(local), (axis, sl))
+    return out
+
+
+def _place(ckpt: "Checkpoint", name: str, a: np.ndarray, dst: np.ndarray, pl: _RolePlan) -> None:
+    """Copy tensor ``a`` (read as ``name``), sliced as ``pl`` says, into its place in a stack; a
+    wider integer type is narrowed only when every value fits."""
+    if a.dtype != dst.dtype and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueRangeError(f"{ckpt.locate(name)}: group indices must fit int32, got [{a.min()}, {a.max()}]")
+    if pl.sl is not None:
         idx = [slice(None)] * a.ndim
-        idx[axis] = sl
-        dst[...] = a[tuple(idx)]
-
-    def load(self, experts: dict, tp_size: int, tp_rank: int) -> CheckpointWeights:
-        s, layer = self.scheme, self.layer
-        m, g, pf = s.method, s.group_size, s.pack_factor
-        e = len(experts)
-        h, i_full = self._sizes(experts[0])
-        if g != -1:
-            check_divisible(f"{layer}: hidden size", h, g, "group_size must divide H")
-            check_divisible(f"{layer}: intermediate size", i_full, g, "group_size must divide I")
-        expected = self._expected(h, i_full)
-        required = {self.suff["qweight"], self.suff["scales"]}
-        if s.zero_point:
-            required.add(self.suff["qzeros"])
-        if s.act_order:
-            required.add(self.suff["g_idx"])
-        # 1. headers: names, dtypes, shapes of every tensor of every expert.
-        has_bias = self._check_headers(experts, expected, required, h, i_full)
-        i_local = i_full // tp_size
-
-        def sl_n(unit):
-            return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} gate/up")
-
-        def sl_k(unit):
-            return _tp_slice(i_full, tp_size, tp_rank, unit, f"{layer} down")
-
-        if s.zero_point and m is QuantMethod.COMPRESSED_TENSORS:
-            check_divisible(f"{layer}: intermediate size for packed zero points", i_local, pf)
-        specs = self._field_specs(has_bias, sl_n, sl_k, tp_size)
-
-        # 2. one stack per field, allocated from the header shapes; each tensor read straight
-        # into its place where that place is contiguous (down, compressed-tensors' gate / up),
-        # the others (K-first gate / up halves, TP slices, int64 g_idx) through a temporary.
-        def file_name(ei, role, key):
-            return experts[ei][self.names[role]].get(self.suff.get(key, key))
-
-        stacks: dict[str, np.ndarray] = {}
-        plan = []      # per stacked part: (key, role, file suffix, axis, slice, index in the stack, direct?)
-        for key, parts in specs.items():
-            shape, off, part_plans = None, 0, []
-            for role, k, axis, sl in parts:
-                full = expected[role][self.suff.get(k, k)][0]
-                sub = list(full)
-                sub[axis] = len(range(*sl.indices(full[axis])))
-                idx = [slice(None)] * len(full)
-                idx[axis] = slice(off, off + sub[axis])
-                off += sub[axis]
-                part_plans.append([key, role, self.suff.get(k, k), axis, sl, tuple(idx), sub[axis] == full[axis]])
-                if shape is None:
-                    shape = sub
-                else:
-                    shape[axis] += sub[axis]
-            t0 = self.ckpt.tensor_info(file_name(0, parts[0][0], parts[0][1]))
-            dtype = np.dtype(np.int32) if key.endswith("g_idx") else t0.dtype.newbyteorder("=")
-            stacks[key] = np.empty([e] + shape, dtype)
-            for pp in part_plans:       # one dtype per suffix (checked above): decided on expert 0
-                pp[6] = (pp[6] and t0.dtype.newbyteorder("=") == dtype
-                         and stacks[key][0][pp[5]].flags.c_contiguous)
-            plan += part_plans
-        # tensors read only to be checked, into stacks of their own: (role, key) → stack, present
-        extra: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
-        wanted = []
-        if m is QuantMethod.GPTQ and not s.zero_point:
-            wanted += [(r, "qzeros") for r in ("gate", "up", "down")]
-        if m is QuantMethod.GPTQ and not s.act_order:
-            wanted += [(r, "g_idx") for r in ("gate", "up", "down")]
-        if s.act_order:
-            wanted.append(("up", "g_idx"))
-        for role, k in wanted:
-            n0 = next((file_name(ei, role, k) for ei in range(e) if file_name(ei, role, k)), None)
-            if n0 is not None:
-                t0 = self.ckpt.tensor_info(n0)
-                extra[role, k] = (np.empty((e,) + t0.shape, t0.dtype.newbyteorder("=")), np.zeros(e, bool))
-        for ei in range(e):
-            names = {role: experts[ei][self.names[role]] for role in ("gate", "up", "down")}
-            direct: list[tuple[str, np.ndarray]] = []     # read straight into the stack
-            via: dict[str, tuple[np.ndarray, int, slice]] = {}   # read, then copied (sliced, cast) into it
-            for key, role, suffix, axis, sl, idx, whole in plan:
-                name = names[role][suffix]
-                if whole:
-                    direct.append((name, stacks[key][ei][idx]))
-                else:
-                    via[name] = (stacks[key][ei][idx], axis, sl)
-            for (role, k), (stack, present) in extra.items():
-                name = names[role].get(self.suff.get(k, k))
-                if name is not None:
-                    direct.append((name, stack[ei]))
-                    present[ei] = True
-            got = self.ckpt._read_many(direct, list(via))
-            for name, (dst, axis, sl) in via.items():
-                self._place(name, got[name], dst, axis, sl)
-        # 3. values, once per layer, in numpy, before anything is converted
-        _ValueChecks(self, h, i_full).check(stacks, extra, specs, file_name)
-        weights = CheckpointWeights.of(**stacks, scheme=s, hidden_size=h, intermediate_size=i_local)
-        return weights.validate()
+        idx[pl.sl[0]] = pl.sl[1]
+        a = a[tuple(idx)]
+    dst[...] = a
 
 
-_NONFINITE_BITS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000),
-                   np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
+def _expert_sizes(ckpt: "Checkpoint", scheme: QuantScheme, gate: Mapping[str, str], down: Mapping[str, str],
+                  base: str, names: Mapping[str, str]) -> tuple[int, int]:
+    """``(H, I)`` from expert 0's gate and down packed weights (header shapes only; for
+    compressed-tensors the gate's ``weight_shape`` gives K where it is stored)."""
+    m, pf = scheme.method, scheme.pack_factor
+    q = formats.SUFFIXES[m]["qweight"]
+    for role, got in (("gate", gate), ("down", down)):
+        if q not in got:
+            raise MissingTensorError(f"{base}.{names[role]}.{q}: required by {scheme.describe()}, not found")
+    gi, di = ckpt.tensor_info(gate[q]), ckpt.tensor_info(down[q])
+    for nm, t in ((gate[q], gi), (down[q], di)):
+        if len(t.shape) != 2:
+            raise ShapeError(f"{ckpt.locate(nm)}: expected a rank-2 packed tensor, got shape {t.shape}")
+    if m is QuantMethod.AWQ:
+        return gi.shape[0], gi.shape[1] * pf
+    if m is QuantMethod.GPTQ:
+        return gi.shape[0] * pf, gi.shape[1]
+    shape_name = gate.get("weight_shape")
+    h = gi.shape[1] * pf
+    if shape_name is not None:
+        st = ckpt.read_tensor(shape_name)
+        if st.shape != (2,) or st.dtype.kind not in "iu" or int(st[0]) != gi.shape[0] or \
+                not 0 < int(st[1]) <= h or -(-int(st[1]) // pf) != gi.shape[1]:
+            raise ShapeError(f"{ckpt.locate(shape_name)}: expected [{gi.shape[0]}, K] with "
+                             f"ceil(K / {pf}) == {gi.shape[1]}, got {st.tolist()}")
+        h = int(st[1])
+    return h, gi.shape[0]
 
 
-def _nonfinite(a: np.ndarray) -> np.ndarray:
-    """``~isfinite(a)`` from the exponent bits (all ones: Inf or NaN), without a float copy."""
-    if a.dtype.name == "bfloat16":
-        return (a.view(np.uint16) & 0x7F80) == 0x7F80
-    kind, mask = _NONFINITE_BITS[a.dtype]
-    return (a.view(kind) & kind(mask)) == kind(mask)
-
-
-class _ValueChecks:
-    """The value checks of one layer's experts: scales finite, group indices in range (natural
-    without act-order, gate and up sharing one), symmetric GPTQ zero points equal to the
-    implicit offset. Vectorized over the stacks; errors name the tensor as the file names it."""
-
-    def __init__(self, loader: "_ExpertLoader", h: int, i_full: int):
-        self.loader, self.h, self.i_full = loader, h, i_full
-        s = loader.scheme
-        self.natural = {k: (np.zeros(k, np.int64) if s.group_size == -1 else np.arange(k) // s.group_size)
-                        for k in {h, i_full}}
-        if s.method is QuantMethod.GPTQ and not s.zero_point:
-            want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
-            self.sym_word = np.int32(np.uint32(sum(want << (s.bits * j) for j in range(s.pack_factor))).view(np.int32))
-
-    def check(self, stacks: dict, extra: dict, specs: dict, file_name) -> None:
-        self.extra(stacks, extra, file_name)
-        self.stacks(stacks, specs, file_name)
-
-    def extra(self, stacks: dict, extra: dict, file_name) -> None:
-        """The tensors read only to be checked: symmetric zero points, natural (or shared) g_idx."""
-        ld, s = self.loader, self.loader.scheme
-        for (role, key), (stack, present) in extra.items():
-            if key == "qzeros":
-                bad = present & ~(stack == self.sym_word).reshape(len(stack), -1).all(axis=1)
-                if bad.any():
-                    ei = int(np.argmax(bad))
-                    raise ValueRangeError(
-                        f"{ld._where(file_name(ei, role, key))}: the config says sym=true, so every zero "
-                        f"point must be the implicit {s.implicit_zero} (word "
-                        f"{np.uint32(self.sym_word.view(np.uint32)):#010x}), found other values")
-            elif s.act_order:                                    # up's g_idx against gate's
-                bad = present & ~(stack == stacks["w13_g_idx"]).all(axis=1)
-                if bad.any():
-                    ei = int(np.argmax(bad))
-                    raise ValueRangeError(f"{ld._where(file_name(ei, role, key))}: gate and up g_idx differ; "
-                                          "the fused w13 holds one g_idx per expert")
-            else:
-                natural = self.natural[self.h if role != "down" else self.i_full]
-                bad = present & ~(stack == natural).all(axis=1)
-                if bad.any():
-                    ei = int(np.argmax(bad))
-                    raise ConfigError(f"{ld._where(file_name(ei, role, key))}: rows are not in natural group "
-                                      "order, but the config has desc_act=false")
-
-    def stacks(self, stacks: dict, specs: dict, file_name) -> None:
-        ld, s = self.loader, self.loader.scheme
-        for key in ("w13_scales", "w2_scales"):
-            bad = _nonfinite(stacks[key])
-            if bad.any():
-                pos = np.argwhere(bad)[0].tolist()
-                ei, parts = pos[0], specs[key]
-                role, axis = parts[0][0], parts[0][2]
-                if len(parts) == 2 and pos[1 + axis] >= stacks[key].shape[1 + axis] // 2:
-                    role = parts[1][0]
-                raise ValueRangeError(
-                    f"{ld._where(file_name(ei, role, 'scales'))}: scales must be finite, found "
-                    f"{stacks[key][tuple(pos)]} (expert {ei}, {key} at {pos[1:]})")
-        if s.act_order:
-            for key, k, role in (("w13_g_idx", self.h, "gate"), ("w2_g_idx", self.i_full, "down")):
-                gi, ng = stacks[key], s.num_groups(k)
-                bad = (gi < 0) | (gi >= ng)
-                if bad.any():
-                    ei = int(np.argwhere(bad)[0][0])
-                    raise ValueRangeError(
-                        f"{ld._where(file_name(ei, role, 'g_idx'))}: group indices must lie in [0, {ng}), "
-                        f"got [{gi[ei].min()}, {gi[ei].max()}] ({ld.layer} {key}, expert {ei})")
+def read_experts(ckpt: "Checkpoint", scheme: QuantScheme, experts: Mapping[int, Mapping[str, Mapping[str, str]]],
+                 names: Mapping[str, str], module: str, what: str, tp_size: int = 1, tp_rank: int = 0
+                 ) -> CheckpointWeights:
+    """``E`` experts (``experts[e][projection][suffix]`` = tensor name; ``names``: the gate / up /
+    down projection names) as one :class:`CheckpointWeights`: ``w13 = [gate; up]`` read as one
+    matrix of two parts, ``w2`` the down projection; rank ``tp_rank`` of ``tp_size`` reads its
+    slice of the intermediate size. ``module``: expert ``e``'s module name with ``{e}`` in it
+    (``model.layers.0.mlp.experts.{e}``), for messages."""
+    e = len(experts)
+    proj = [[experts[ei][names[r]] for ei in range(e)] for r in ("gate", "up", "down")]
+    h, i_full = _expert_sizes(ckpt, scheme, proj[0][0], proj[2][0], module.format(e=0), names)
+    if scheme.group_size != -1:
+        check_divisible(f"{what}: hidden size", h, scheme.group_size, "group_size must divide H")
+        check_divisible(f"{what}: intermediate size", i_full, scheme.group_size, "group_size must divide I")
+    if scheme.zero_point and scheme.method is QuantMethod.COMPRESSED_TENSORS:
+        check_divisible(f"{what}: intermediate size for packed zero points", i_full // tp_size, scheme.pack_factor)
+    parts = [MatrixPart(proj[j], i_full, f"{module}.{names[r]}") for j, r in enumerate(("gate", "up"))]
+    w13, b13 = read_matrix(ckpt, scheme, parts, k=h, tp=(tp_size, tp_rank), tp_axis="n", what=f"{what} gate/up")
+    w2, b2 = read_matrix(ckpt, scheme, [MatrixPart(proj[2], h, f"{module}.{names['down']}")], k=i_full,
+                         tp=(tp_size, tp_rank), tp_axis="k", what=f"{what} down")
+    if (b13 is None) != (b2 is None):
+        raise MissingTensorError(f"{module.format(e=0)}.{names['down']}.bias: "
+                                 f"{'missing' if b2 is None else 'present'}, but the gate / up biases are "
+                                 f"{'present' if b2 is None else 'absent'}; all projections or none carry biases")
+    return CheckpointWeights(w13, w2, b13, b2, scheme=scheme, hidden_size=h,
+                             intermediate_size=i_full // tp_size).validate()
 
 
 def _load_shared(ckpt: Checkpoint, info: _LayerNames, tp_size: int, tp_rank: int, *, layer: str,
                  hidden: int):
     """Shared expert(s) as one expert: quantized (same scheme) or float (``ignore``d)."""
-    names = _NAMINGS["qwen"]
+    names = NAMINGS["qwen"]
     missing = [names[r] for r in ("gate", "up", "down") if names[r] not in info.shared]
     if missing:
         raise MissingTensorError(f"{info.shared_prefix}: shared-expert projections {missing} not found")
@@ -913,283 +831,8 @@ def _load_shared(ckpt: Checkpoint, info: _LayerNames, tp_size: int, tp_rank: int
         sl = _tp_slice(i_full, tp_size, tp_rank, 1, f"{layer} shared expert")
         return DenseWeights(np.concatenate([gate[sl], up[sl]])[None], down[:, sl][None],
                             hidden_size=gate.shape[1], intermediate_size=i_full // tp_size)
-    return _ExpertLoader(ckpt, ckpt.scheme, names, f"{layer} shared expert").load(
-        {0: info.shared}, tp_size, tp_rank)
+    return read_experts(ckpt, ckpt.scheme, {0: info.shared}, names, info.shared_prefix, f"{layer} shared expert",
+                        tp_size, tp_rank)
 
 
-# --------------------------------------------------------------------------- writing
-
-
-@dataclasses.dataclass(frozen=True)
-class FloatMoELayer:
-    """Float weights of one MoE layer (output × input orientation, like ``nn.Linear``).
-
-    ``w1``/``w3`` (gate/up) ``[E, I, H]``, ``w2`` (down) ``[E, H, I]``, ``router [E, H]``,
-    optional biases ``b1``/``b3 [E, I]``, ``b2 [E, H]``, optional ``e_score_correction_bias [E]``,
-    optional shared expert ``shared = (w1 [Is, H], w3 [Is, H], w2 [H, Is])`` and Qwen2-MoE style
-    ``shared_gate [1, H]``.
-    """
-
-    w1: np.ndarray
-    w3: np.ndarray
-    w2: np.ndarray
-    router: np.ndarray
-    b1: np.ndarray | None = None
-    b3: np.ndarray | None = None
-    b2: np.ndarray | None = None
-    e_score_correction_bias: np.ndarray | None = None
-    shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    shared_gate: np.ndarray | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return self.w1.shape[0]
-
-
-def random_moe_layer(rng: np.random.Generator, num_experts: int, hidden: int, intermediate: int, *,
-                     bias: bool = False, shared_intermediate: int | None = None,
-                     shared_gate: bool = False, score_bias: bool = False) -> FloatMoELayer:
-    """Random float MoE layer with realistic magnitudes (weights ~ N(0, 1/fan_in))."""
-    e, h, i = num_experts, hidden, intermediate
-
-    def lin(*shape):
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-
-    shared = None
-    if shared_intermediate:
-        shared = (lin(shared_intermediate, h), lin(shared_intermediate, h), lin(h, shared_intermediate))
-    return FloatMoELayer(
-        w1=lin(e, i, h), w3=lin(e, i, h), w2=lin(e, h, i), router=lin(e, h),
-        b1=(0.1 * rng.standard_normal((e, i))).astype(np.float32) if bias else None,
-        b3=(0.1 * rng.standard_normal((e, i))).astype(np.float32) if bias else None,
-        b2=(0.1 * rng.standard_normal((e, h))).astype(np.float32) if bias else None,
-        e_score_correction_bias=(0.1 * rng.standard_normal(e)).astype(np.float32) if score_bias else None,
-        shared=shared,
-        shared_gate=lin(1, h) if shared_gate else None,
-    )
-
-
-def random_checkpoint_weights(rng: np.random.Generator, scheme: QuantScheme, num_experts: int,
-                              hidden: int, intermediate: int, *, scale: float = 0.01) -> CheckpointWeights:
-    """A random loader-layout layer straight from random packed words (no quantization step):
-    fast enough for model-sized benchmarks. Scales are positive, ~``scale``; act-order g_idx
-    is a random balanced assignment; zero points random."""
-    e, h, i = num_experts, hidden, intermediate
-    shapes = CheckpointWeights.expected_shapes(scheme, e, h, i)
-    f16 = default_scale_dtype(scheme)
-    arrays = {}
-    for name, shape in shapes.items():
-        if name.endswith("bias"):
-            continue
-        if "g_idx" in name:
-            k = shape[1]
-            arrays[name] = np.stack([rng.permutation(np.arange(k) // scheme.group_size)
-                                     for _ in range(e)]).astype(np.int32)
-        elif "scales" in name:
-            arrays[name] = (scale * (0.5 + rng.random(shape, dtype=np.float32))).astype(f16)
-        else:
-            arrays[name] = rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32)
-    return CheckpointWeights.of(**arrays, scheme=scheme, hidden_size=h, intermediate_size=i).validate()
-
-
-def default_scale_dtype(scheme: QuantScheme):
-    """fp16 for AutoAWQ / AutoGPTQ files, bf16 for compressed-tensors (as those tools write)."""
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if scheme.method is QuantMethod.COMPRESSED_TENSORS else np.float16
-
-
-def quantized_linear_tensors(w: np.ndarray, scheme: QuantScheme, *, scale_dtype=None,
-                             g_idx: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Quantize one linear weight ``w [N, K]`` and return its checkpoint tensors by suffix."""
-    scale_dtype = scale_dtype or default_scale_dtype(scheme)
-    q = quantize_rtn(w, scheme, scale_dtype=scale_dtype, g_idx=g_idx)
-    return pack_linear(q.codes, q.scales, q.zeros, q.g_idx, scheme)
-
-
-def pack_linear(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
-                g_idx: np.ndarray | None, scheme: QuantScheme) -> dict[str, np.ndarray]:
-    """Pack one linear layer's ``codes [N, K]``, ``scales/zeros [N, G]`` into checkpoint tensors."""
-    b = scheme.bits
-    n, k = codes.shape
-    m = scheme.method
-    if m is QuantMethod.AWQ:
-        out = {"qweight": packing.pack(codes.T, b, axis=1, order=packing.awq_order(b)),
-               "scales": np.ascontiguousarray(scales.T),
-               "qzeros": packing.pack(zeros.T, b, axis=1, order=packing.awq_order(b))}
-    elif m is QuantMethod.GPTQ:
-        stored_z = (zeros if zeros is not None else np.full(scales.shape, scheme.implicit_zero))
-        if scheme.gptq_zeros_minus_one:
-            stored_z = (stored_z - 1) & ((1 << b) - 1)
-        if g_idx is None:
-            g_idx = (np.arange(k) // scheme.group_size if scheme.group_size != -1
-                     else np.zeros(k, np.int64))
-        out = {"qweight": packing.pack(codes.T, b, axis=0),
-               "scales": np.ascontiguousarray(scales.T),
-               "qzeros": packing.pack(stored_z.T, b, axis=1),
-               "g_idx": np.asarray(g_idx, np.int32)}
-    else:
-        out = {"weight_packed": packing.pack(codes, b, axis=1),
-               "weight_scale": np.ascontiguousarray(scales),
-               "weight_shape": np.array([n, k], np.int64)}
-        if zeros is not None:
-            out["weight_zero_point"] = packing.pack(zeros, b, axis=0)
-        if g_idx is not None:
-            out["weight_g_idx"] = np.asarray(g_idx, np.int32)
-    return {key: np.ascontiguousarray(v) for key, v in out.items()}
-
-
-_MODEL_TEMPLATES = {
-    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
-    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"},
-    "qwen2_moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
-    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
-}
-
-
-def _write_mlp(tensors: dict, prefix: str, naming: dict, scheme: QuantScheme, scale_dtype, bias_dtype,
-               weights: tuple, biases: tuple = (None, None, None)) -> None:
-    """Quantize one gated MLP (gate, up, down) into ``tensors`` under ``prefix``."""
-    from .quantize import act_order_g_idx
-
-    gate, up, down = weights
-    # gate and up share one act-order: the same inputs feed both projections.
-    g_idx = act_order_g_idx(np.concatenate([gate, up]), scheme.group_size) if scheme.act_order else None
-    for role, w, bias in zip(("gate", "up", "down"), weights, biases):
-        gi = g_idx if role != "down" else None
-        for suffix, t in quantized_linear_tensors(w, scheme, scale_dtype=scale_dtype, g_idx=gi).items():
-            tensors[f"{prefix}.{naming[role]}.{suffix}"] = t
-        if bias is not None:
-            tensors[f"{prefix}.{naming[role]}.bias"] = np.asarray(bias).astype(bias_dtype)
-
-
-def write_checkpoint(
-    path: str | os.PathLike,
-    scheme: QuantScheme,
-    layers: Sequence[FloatMoELayer],
-    *,
-    model_type: str = "mixtral",
-    top_k: int = 2,
-    renormalize: bool = True,
-    scoring_func: str = "softmax",
-    num_expert_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-    hidden_act: str = "silu",
-    extra_tensors: Mapping[str, np.ndarray] | None = None,
-    extra_config: Mapping[str, Any] | None = None,
-    max_shard_bytes: int | None = None,
-    scale_dtype=None,
-    quantize_shared: bool = True,
-) -> str:
-    """Quantize ``layers`` into ``scheme`` and write a Hugging Face style checkpoint directory.
-
-    Layer ``j`` of ``layers`` becomes ``model.layers.{j}``. ``max_shard_bytes`` splits the
-    tensors into ``model-XXXXX-of-YYYYY.safetensors`` shards with an index file.
-    Returns the directory path.
-    """
-    from safetensors.numpy import save_file
-
-    if model_type not in _MODEL_TEMPLATES:
-        raise ConfigError(f"model_type: expected one of {sorted(_MODEL_TEMPLATES)}, got {model_type!r}")
-    if not layers:
-        raise ConfigError("layers: at least one MoE layer is required")
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    naming = _NAMINGS["mixtral" if model_type == "mixtral" else "qwen"]
-    block = naming["block"]
-    sd = scale_dtype or default_scale_dtype(scheme)
-    tensors: dict[str, np.ndarray] = {}
-    import ml_dtypes
-
-    f16 = ml_dtypes.bfloat16 if sd == ml_dtypes.bfloat16 else np.float16
-    ref = layers[0]
-    e, i, h = ref.w1.shape
-    for li, layer in enumerate(layers):
-        base = f"model.layers.{li}.{block}"
-        for ei in range(layer.num_experts):
-            biases = tuple(None if b_ is None else b_[ei] for b_ in (layer.b1, layer.b3, layer.b2))
-            _write_mlp(tensors, f"{base}.experts.{ei}", naming, scheme, sd, f16,
-                       (layer.w1[ei], layer.w3[ei], layer.w2[ei]), biases)
-        tensors[f"{base}.gate.weight"] = layer.router.astype(f16)
-        if layer.e_score_correction_bias is not None:
-            tensors[f"{base}.gate.e_score_correction_bias"] = layer.e_score_correction_bias.astype(np.float32)
-        if layer.shared is not None:
-            sp = f"{base}.shared_expert" if model_type == "qwen2_moe" else f"{base}.shared_experts"
-            if quantize_shared:
-                _write_mlp(tensors, sp, _NAMINGS["qwen"], scheme, sd, f16, layer.shared)
-            else:
-                for role, w in zip(("gate", "up", "down"), layer.shared):
-                    tensors[f"{sp}.{_NAMINGS['qwen'][role]}.weight"] = w.astype(f16)
-        if layer.shared_gate is not None:
-            tensors[f"{base}.shared_expert_gate.weight"] = layer.shared_gate.astype(f16)
-    for k, v in (extra_tensors or {}).items():
-        tensors[k] = np.ascontiguousarray(v)
-
-    qc = scheme.to_quant_config()
-    if not quantize_shared and scheme.method is QuantMethod.COMPRESSED_TENSORS:
-        qc["ignore"] = sorted(set(qc["ignore"]) | {"re:.*shared_expert.*"})
-    config: dict[str, Any] = dict(_MODEL_TEMPLATES[model_type])
-    config.update({
-        "hidden_size": h,
-        "num_hidden_layers": len(layers),
-        "num_experts_per_tok": top_k,
-        "norm_topk_prob": renormalize,
-        "scoring_func": scoring_func,
-        "routed_scaling_factor": routed_scaling_factor,
-        "hidden_act": hidden_act,
-        "torch_dtype": "bfloat16" if f16 == ml_dtypes.bfloat16 else "float16",
-        "quantization_config": qc,
-    })
-    if model_type == "mixtral":
-        config.update({"num_local_experts": e, "intermediate_size": i})
-    elif model_type.startswith("qwen"):
-        config.update({"num_experts": e, "moe_intermediate_size": i, "decoder_sparse_step": 1})
-        if ref.shared is not None:
-            config["shared_expert_intermediate_size"] = ref.shared[0].shape[0]
-    else:
-        config.update({"n_routed_experts": e, "moe_intermediate_size": i, "first_k_dense_replace": 0,
-                       "n_shared_experts": 1 if ref.shared is not None else 0,
-                       "topk_method": "noaux_tc" if num_expert_group else "greedy"})
-        if num_expert_group:
-            config.update({"n_group": num_expert_group, "topk_group": topk_group})
-    config.update(extra_config or {})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-
-    meta = {"format": "pt"}
-    if not max_shard_bytes:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata=meta)
-        return path
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for k in sorted(tensors):
-        nbytes = tensors[k].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = tensors[k]
-        size += nbytes
-    weight_map = {}
-    for si, shard in enumerate(shards):
-        fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname), metadata=meta)
-        weight_map.update({k: fname for k in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
-                   "weight_map": weight_map}, f, indent=2)
-    return path
-
-
-def float_reference_weights(layer: FloatMoELayer) -> tuple[np.ndarray, np.ndarray]:
-    """``w13 [E, 2I, H]`` (gate first) and ``w2 [E, H, I]`` float64 from a float layer."""
-    return (np.concatenate([layer.w1, layer.w3], axis=1).astype(np.float64),
-            layer.w2.astype(np.float64))
-
-
-__all__ = [
-    "Checkpoint", "MoELayer", "MoEModelConfig", "DenseWeights", "FloatMoELayer", "random_moe_layer",
-    "write_checkpoint", "quantized_linear_tensors", "pack_linear", "float_reference_weights",
-    "LogicalQuant",
-]
+__all__ = ["Checkpoint", "NAMINGS", "MoELayer", "MoEModelConfig", "DenseWeights", "MatrixPart", "read_matrix", "read_experts"]

@@ -383,7 +383,9 @@ class CheckpointForm(Form):
     scheme: QuantScheme = None  # type: ignore[assignment]
 
     def decode(self, m: QuantMatrix) -> "LogicalQuant":
-        return decode_packed(self.scheme, m.qvalue, m.scale, m.zero_point, m.g_idx, n=self.n, k=self.k)
+        from . import formats
+
+        return formats.decode(self.scheme, m.qvalue, m.scale, m.zero_point, m.g_idx, n=self.n, k=self.k)
 
 
 def layout_names(qvalue: str, scale: str, zero: str | None = None, *, g_idx: str | None = None,
@@ -435,34 +437,18 @@ class CheckpointWeights(ExpertsMixin):
     @staticmethod
     def expected_shapes(scheme: QuantScheme, e: int, h: int, i: int, w2_groups: int | None = None
                         ) -> dict[str, tuple[int, ...]]:
-        """Expected shape of every field for ``scheme`` (absent optional fields are omitted).
+        """Expected shape of every field for ``scheme`` (absent optional fields are omitted): the
+        format table's kept tensors (:func:`wna16_jax.formats.expert_shapes`) of ``w13 [2I, H]``
+        and ``w2 [H, I]``, stacked over ``e`` experts.
 
         ``w2_groups`` overrides ``I / g`` for act-order layers sliced for tensor parallelism,
         whose w2 scales stay whole (docs/formats.md §1.4) and are indexed through ``w2_g_idx``.
         """
-        pf, g13, g2 = scheme.pack_factor, scheme.num_groups(h), scheme.num_groups(i)
-        if w2_groups is not None:
-            g2 = w2_groups
-        cdiv = lambda a, b: -(-a // b)  # noqa: E731
-        m = scheme.method
-        if m is QuantMethod.AWQ:
-            shapes = dict(w13_qweight=(e, h, 2 * i // pf), w2_qweight=(e, i, h // pf),
-                          w13_scales=(e, g13, 2 * i), w2_scales=(e, g2, h),
-                          w13_qzeros=(e, g13, 2 * i // pf), w2_qzeros=(e, g2, h // pf))
-        elif m is QuantMethod.GPTQ:
-            shapes = dict(w13_qweight=(e, h // pf, 2 * i), w2_qweight=(e, i // pf, h),
-                          w13_scales=(e, g13, 2 * i), w2_scales=(e, g2, h),
-                          w13_qzeros=(e, g13, 2 * i // pf), w2_qzeros=(e, g2, h // pf))
-        else:
-            shapes = dict(w13_qweight=(e, 2 * i, cdiv(h, pf)), w2_qweight=(e, h, cdiv(i, pf)),
-                          w13_scales=(e, 2 * i, g13), w2_scales=(e, h, g2),
-                          w13_qzeros=(e, cdiv(2 * i, pf), g13), w2_qzeros=(e, cdiv(h, pf), g2))
-        if not scheme.zero_point:
-            del shapes["w13_qzeros"], shapes["w2_qzeros"]
-        if scheme.act_order:
-            shapes.update(w13_g_idx=(e, h), w2_g_idx=(e, i))
-        shapes.update(w13_bias=(e, 2 * i), w2_bias=(e, h))
-        return shapes
+        from . import formats
+
+        out = {f"w13_{r}": sh for r, sh in formats.expert_shapes(scheme, e, 2 * i, h).items()}
+        out.update({f"w2_{r}": sh for r, sh in formats.expert_shapes(scheme, e, h, i, groups=w2_groups).items()})
+        return out
 
     def validate(self) -> "CheckpointWeights":
         """Check every field's presence, shape and dtype; return self. Raises typed errors."""
@@ -497,34 +483,6 @@ class CheckpointWeights(ExpertsMixin):
         if (self.w13_bias is None) != (self.w2_bias is None):
             raise MissingTensorError("w13_bias / w2_bias: either both biases or neither must be given")
         return self
-
-
-def decode_packed(scheme: QuantScheme, qw, sc, qz, gi, *, n: int, k: int) -> LogicalQuant:
-    """One GEMM's experts as a checkpoint stores them (``qweight``, ``scales``, ``qzeros`` or None,
-    ``g_idx`` or None; the expert axis first, see the module docstring's table) → their
-    :class:`LogicalQuant` (``codes [E, N, K]``): the loader layout's decode, and a dense linear's
-    (one expert)."""
-    s = scheme
-    xp = packing.xp_of(qw)
-    b = s.bits
-    if s.method is QuantMethod.AWQ:
-        codes = xp.swapaxes(packing.unpack(qw, b, axis=2, order=packing.awq_order(b)), 1, 2)
-        scales = xp.swapaxes(sc, 1, 2)
-        zeros = None if qz is None else xp.swapaxes(
-            packing.unpack(qz, b, axis=2, order=packing.awq_order(b)), 1, 2)
-    elif s.method is QuantMethod.GPTQ:
-        codes = xp.swapaxes(packing.unpack(qw, b, axis=1), 1, 2)
-        scales = xp.swapaxes(sc, 1, 2)
-        zeros = None
-        if qz is not None:
-            zeros = xp.swapaxes(packing.unpack(qz, b, axis=2), 1, 2)
-            if s.gptq_zeros_minus_one:
-                zeros = (zeros + 1) & ((1 << b) - 1)
-    else:
-        codes = packing.unpack(qw, b, axis=2, size=k)
-        scales = sc
-        zeros = None if qz is None else packing.unpack(qz, b, axis=1, size=n)
-    return LogicalQuant(codes, scales, zeros, gi, bits=b, group_size=s.group_size)
 
 
 # --------------------------------------------------------------------------- stacked layers

@@ -24,7 +24,7 @@ compressed-tensors    ``weight_packed [N, ⌈K/pf⌉]``,       codes unpacked al
 ``pf = 32 // bits`` (4- and 8-bit), ``G = K / group_size`` (1 when channelwise). Every method
 may carry a 16-bit ``bias [N]``. :class:`QuantizedLinearWeights` holds those arrays as stored
 (int32 words, 16-bit scales) and decodes them with the loader layout's own decode
-(:func:`wna16_jax.weights.decode_packed`, one expert) and the arithmetic ``(code - zero) · scale``
+(:func:`wna16_jax.formats.decode`, one expert) and the arithmetic ``(code - zero) · scale``
 of :class:`wna16_jax.weights.LogicalQuant`: a dense linear decodes exactly like one expert.
 
 Execution goes through one function, :func:`quantized_matmul`: it picks an executor from
@@ -54,25 +54,14 @@ from pallas_kernels.wgmma_layout import from_wgmma_layout, magic_value, to_wgmma
 from pallas_kernels.wna16_grouped_gemm import pack_tiles, unpack_tiles
 
 from ..device import Device
-from ..errors import (ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError,
-                      ValueRangeError, kernel_errors)
-from ..schemes import QuantMethod, QuantScheme
-from ..weights import LayerStack, LogicalQuant, decode_packed, layer_stack
+from ..errors import ConfigError, ShapeError, kernel_errors
+from .. import formats
+from ..schemes import QuantScheme
+from ..weights import LayerStack, LogicalQuant, layer_stack
 
-_FLOAT_ST = ("F16", "BF16", "F32")
-_INT_ST = ("I32",)
-_INDEX_ST = ("I32", "I64")
-
-#: checkpoint suffix of each role, per method
-SUFFIXES = {
-    QuantMethod.AWQ: {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros"},
-    QuantMethod.GPTQ: {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros", "g_idx": "g_idx"},
-    QuantMethod.COMPRESSED_TENSORS: {"qweight": "weight_packed", "scales": "weight_scale",
-                                     "qzeros": "weight_zero_point", "g_idx": "weight_g_idx",
-                                     "shape": "weight_shape"},
-}
-#: suffixes that mark a module's tensors as quantized
-QUANTIZED_MARKERS = ("qweight", "weight_packed")
+#: checkpoint suffix of each role, per method (the format table's)
+SUFFIXES = formats.SUFFIXES
+QUANTIZED_MARKERS = formats.QUANTIZED_MARKERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +84,11 @@ class QuantizedLinearWeights:
 
     def decode(self) -> LogicalQuant:
         """The logical codes ``[N, K]``, scales / zeros ``[N, G]`` and ``g_idx [K]`` (or None): the
-        loader layout's decode (:func:`wna16_jax.weights.decode_packed`) of one expert."""
+        loader layout's decode (:func:`wna16_jax.formats.decode`) of one expert."""
         def one(a):
             return None if a is None else a[None]
 
-        lq = decode_packed(self.scheme, one(self.qweight), one(self.scales), one(self.qzeros), None,
+        lq = formats.decode(self.scheme, one(self.qweight), one(self.scales), one(self.qzeros), None,
                            n=self.out_features, k=self.in_features)
         return LogicalQuant(lq.codes[0], lq.scales[0], None if lq.zeros is None else lq.zeros[0], self.g_idx,
                             bits=lq.bits, group_size=lq.group_size)
@@ -123,116 +112,23 @@ jax.tree_util.register_dataclass(QuantizedLinearWeights,
                                  meta_fields=["scheme", "out_features", "in_features"])
 
 
-def linear_groups(scheme: QuantScheme, k: int) -> int:
-    """Scale groups along a linear's input size ``k``: ``ceil(k / group_size)`` (the last group
-    may be partial, as GPTQ and compressed-tensors store it), 1 when channelwise."""
-    return 1 if scheme.group_size == -1 else -(-int(k) // scheme.group_size)
-
-
-def expected_linear_tensors(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Checkpoint suffix → (shape, allowed safetensors dtypes) of a quantized ``[N, K]`` linear.
-    Optional entries (``bias``; GPTQ's stored ``g_idx`` and symmetric ``qzeros``) included."""
-    pf = scheme.pack_factor
-    groups = linear_groups(scheme, k)
-    cdiv = lambda a, b: -(-a // b)  # noqa: E731
-    m = scheme.method
-    if m is QuantMethod.AWQ:
-        d = {"qweight": ((k, n // pf), _INT_ST), "scales": ((groups, n), _FLOAT_ST),
-             "qzeros": ((groups, n // pf), _INT_ST)}
-    elif m is QuantMethod.GPTQ:
-        d = {"qweight": ((k // pf, n), _INT_ST), "scales": ((groups, n), _FLOAT_ST),
-             "qzeros": ((groups, n // pf), _INT_ST), "g_idx": ((k,), _INDEX_ST)}
-    else:
-        d = {"weight_packed": ((n, cdiv(k, pf)), _INT_ST), "weight_scale": ((n, groups), _FLOAT_ST),
-             "weight_shape": ((2,), _INDEX_ST)}
-        if scheme.zero_point:
-            d["weight_zero_point"] = ((cdiv(n, pf), groups), _INT_ST)
-        if scheme.act_order:
-            d["weight_g_idx"] = ((k,), _INDEX_ST)
-    if m is QuantMethod.AWQ and not scheme.zero_point:
-        d.pop("qzeros")
-    d["bias"] = ((n,), _FLOAT_ST)
-    return d
-
-
 def read_quantized_linear(ckpt, module: str, tensors: Mapping[str, str], scheme: QuantScheme, *,
                           out_features: int, in_features: int) -> QuantizedLinearWeights:
     """Read the quantized linear ``module`` (``tensors``: suffix → tensor name) of checkpoint
-    ``ckpt`` (a :class:`wna16_jax.checkpoint.Checkpoint`) into :class:`QuantizedLinearWeights`.
+    ``ckpt`` (a :class:`wna16_jax.checkpoint.Checkpoint`) into :class:`QuantizedLinearWeights`:
+    one expert of :func:`wna16_jax.checkpoint.read_matrix`, so every rule of the format table
+    (:mod:`wna16_jax.formats`) applies, each error naming the tensor."""
+    from ..checkpoint import MatrixPart, read_matrix
 
-    Checks, naming the tensor and its expected and actual value: every suffix is known for the
-    scheme, dtypes and shapes from the file header (before any data is read) against
-    ``out_features × in_features``, the required tensors present, scales finite, ``g_idx`` in
-    range (and trivial without act-order), symmetric GPTQ zero points equal to the implicit
-    offset, compressed-tensors ``weight_shape == [N, K]``.
-    """
     s, n, k = scheme, int(out_features), int(in_features)
-    suff = SUFFIXES[s.method]
-    if s.method is QuantMethod.AWQ or s.method is QuantMethod.GPTQ:
-        unit = s.pack_factor
-        if (s.method is QuantMethod.AWQ and n % unit) or (s.method is QuantMethod.GPTQ and (k % unit or n % unit)):
-            raise ShapeError(f"{module}: sizes N={n}, K={k} do not fit {s.describe()} packing "
-                             f"({unit} values per int32 word)")
-    expected = expected_linear_tensors(s, n, k)
-    for suffix, name in tensors.items():
-        if suffix not in expected:
-            raise UnexpectedTensorError(f"{name}: unexpected tensor for a {s.describe()} linear "
-                                        f"(known suffixes: {sorted(expected)})")
-        shape, dtypes = expected[suffix]
-        t = ckpt.tensor_info(name)
-        if t.dtype_name not in dtypes:
-            raise DTypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {t.dtype_name}")
-        if tuple(t.shape) != shape:
-            raise ShapeError(f"{name}: expected shape {shape} (N={n}, K={k}, {s.describe()}), "
-                             f"got {tuple(t.shape)}")
-    required = [suff["qweight"], suff["scales"]]
-    if s.zero_point:
-        required.append(suff["qzeros"])
-    if s.act_order:
-        required.append(suff["g_idx"])
-    for suffix in required:
-        if suffix not in tensors:
-            raise MissingTensorError(f"{module}.{suffix}: required by {s.describe()}, not found")
-    got = {suffix: ckpt.read_tensor(name) for suffix, name in tensors.items()}
-    sc = got[suff["scales"]]
-    sc32 = sc.astype(np.float32)
-    if not np.isfinite(sc32).all():
-        bad = np.argwhere(~np.isfinite(sc32))[0].tolist()
-        raise ValueRangeError(f"{tensors[suff['scales']]}: scales must be finite, found {sc32[tuple(bad)]} at {bad}")
-    if "bias" in got and not np.isfinite(got["bias"].astype(np.float32)).all():
-        raise ValueRangeError(f"{tensors['bias']}: bias holds NaN or Inf")
-    if s.method is QuantMethod.COMPRESSED_TENSORS and "weight_shape" in got:
-        ws = got["weight_shape"]
-        if [int(v) for v in ws] != [n, k]:
-            raise ShapeError(f"{tensors['weight_shape']}: expected [{n}, {k}], got {ws.tolist()}")
-    g_idx = None
-    gi_suffix = suff.get("g_idx")
-    if gi_suffix in got:
-        gi = got[gi_suffix]
-        ng = linear_groups(s, k)
-        if gi.size and (gi.min() < 0 or gi.max() >= ng):
-            raise ValueRangeError(f"{tensors[gi_suffix]}: group indices must lie in [0, {ng}), got "
-                                  f"[{gi.min()}, {gi.max()}]")
-        if s.act_order:
-            g_idx = gi.astype(np.int32)
-        else:
-            trivial = np.zeros(k, np.int64) if s.group_size == -1 else np.arange(k) // s.group_size
-            if not np.array_equal(gi, trivial):
-                raise ConfigError(f"{tensors[gi_suffix]}: rows are not in natural group order, but the "
-                                  "config has no act-order (desc_act=false)")
-    qzeros = got.get(suff["qzeros"])
-    if s.method is QuantMethod.GPTQ and not s.zero_point:
-        if qzeros is not None and qzeros.size:
-            want = s.implicit_zero - 1 if s.gptq_zeros_minus_one else s.implicit_zero
-            word = np.uint32(sum(want << (s.bits * j) for j in range(s.pack_factor))).view(np.int32)
-            if not (qzeros == word).all():
-                raise ValueRangeError(
-                    f"{tensors[suff['qzeros']]}: the config says sym=true, so every zero point must be "
-                    f"the implicit {s.implicit_zero} (word {np.uint32(word.view(np.uint32)):#010x}), "
-                    "found other values")
-        qzeros = None
-    return QuantizedLinearWeights(qweight=got[suff["qweight"]], scales=sc, qzeros=qzeros, g_idx=g_idx,
-                                  bias=got.get("bias"), scheme=s, out_features=n, in_features=k)
+    reason = formats.size_reason(s, n, k)
+    if reason:
+        raise ShapeError(f"{module}: {reason}")
+    m, bias = read_matrix(ckpt, s, [MatrixPart([dict(tensors)], n, module)], k=k)
+    return QuantizedLinearWeights(qweight=m.qvalue[0], scales=m.scale[0],
+                                  qzeros=None if m.zero_point is None else m.zero_point[0],
+                                  g_idx=None if m.g_idx is None else m.g_idx[0],
+                                  bias=None if bias is None else bias[0], scheme=s, out_features=n, in_features=k)
 
 
 # --------------------------------------------------------------------------- execution
@@ -532,4 +428,4 @@ class DenseLinear(nnx.Module):
 
 __all__ = ["QuantizedLinearWeights", "QuantizedWeight", "QuantizedLinear", "DenseLinear", "WgmmaLinearWeights",
            "quantized_matmul", "select_linear_executor", "LINEAR_EXECUTORS", "read_quantized_linear",
-           "expected_linear_tensors", "engine_linear_reason", "to_engine_linear"]
+           "engine_linear_reason", "to_engine_linear"]

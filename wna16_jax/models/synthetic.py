@@ -18,11 +18,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..checkpoint import default_scale_dtype
+from ..writers import default_scale_dtype
 from ..errors import ConfigError
 from ..schemes import QuantMethod, QuantScheme
 from .config import SUPPORTED_FAMILIES
-from .linear import expected_linear_tensors
+from .. import formats
 
 _ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
          "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -40,7 +40,8 @@ def random_linear_tensors(rng: np.random.Generator, scheme: QuantScheme, n: int,
     code_var = (levels * levels - 1) / 12.0 * (2.0 if scheme.zero_point else 1.0)
     s0 = 1.0 / (np.sqrt(code_var) * np.sqrt(k))
     out = {}
-    for suffix, (shape, _) in expected_linear_tensors(scheme, n, k).items():
+    for spec in formats.tensors(scheme, n, k).values():
+        suffix, shape = spec.suffix, spec.shape
         if suffix == "bias":
             if bias:
                 out[suffix] = (0.02 * rng.standard_normal(shape)).astype(float_dtype)
