@@ -185,7 +185,7 @@ def scanned_model_matches_float32(path, check_engine: bool, within: float = 3e-2
     err = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
     assert (err <= within).mean() >= 2 / 3, err
     new = 8
-    tokens = Generator(scanned, batch_size=len(prompts), max_len=64).generate(prompts, new)
+    tokens = Generator(scanned, batch_size=len(prompts), max_len=64).generate(prompts, new, stop_tokens=())
     assert all(len(t) == new for t in tokens)
     prefixes = [p + t[:j] for p, t in zip(prompts, tokens) for j in range(new)]
     ref_next = Generator(reference_model, batch_size=len(prefixes), max_len=64).prefill_logits(prefixes)

@@ -126,7 +126,8 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
 
     from .backends import (TABLE, Backend, BackendFallbackWarning, Device, backend_reasons, priority_backends,
                            select_backend)
-    from .checkpoint import Checkpoint, random_moe_layer, write_checkpoint
+    from .checkpoint import Checkpoint
+    from .writers import random_moe_layer, write_checkpoint
     from .moe import fused_moe, shared_expert_moe
     from .schemes import QuantScheme
 
@@ -333,7 +334,6 @@ def run_generate(path: str, *, prompt: str | None = None, prompt_ids: str | None
     from .models.decoder import load_model
     from .models.generation import Generator, default_max_len
     from .models.tokenizer import load_tokenizer
-    from .safetensors_io import load_json
 
     out, err = out or sys.stdout, err or sys.stderr
     if (prompt is None) == (prompt_ids is None):
@@ -353,13 +353,8 @@ def run_generate(path: str, *, prompt: str | None = None, prompt_ids: str | None
             raise ConfigError(f"--dtype: expected float32, bfloat16 or float16, got {dtype!r}")
     t_load = time.perf_counter()
     model = load_model(path, dtype=dt)
+    # generation_config.json's eos ids, then config.json's (models.generation_config, read by load_model)
     stops = list(model.config.eos_token_ids) if use_stop else []
-    gen_cfg = os.path.join(path, "generation_config.json")
-    if use_stop and os.path.isfile(gen_cfg):
-        eos = load_json(gen_cfg, what="generation_config.json").get("eos_token_id")
-        for e in eos if isinstance(eos, list) else [eos]:
-            if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < model.config.vocab_size and e not in stops:
-                stops.append(e)
     if max_len is None:
         max_len = default_max_len([ids], max_new_tokens)
         if model.config.max_position_embeddings:

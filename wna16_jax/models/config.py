@@ -14,6 +14,7 @@ import math
 from typing import Any, Mapping
 
 from ..errors import ConfigError, UnsupportedError
+from .generation_config import GenerationDefaults
 
 #: model_type → human name of the family
 SUPPORTED_FAMILIES = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral",
@@ -72,7 +73,10 @@ class DecoderConfig:
     ``softmax_scale``: the attention scores' scale (``head_dim ** -0.5``, times YaRN's
     ``mscale(factor, mscale_all_dim)²`` for DeepSeek).
     ``sliding_window``: keys more than ``sliding_window - 1`` positions back are masked (Mixtral),
-    or None. ``eos_token_ids``: the config's ``eos_token_id`` as a tuple (may be empty).
+    or None. ``eos_token_ids``: the config's ``eos_token_id`` as a tuple (may be empty);
+    :func:`~wna16_jax.models.load_model` puts ``generation_config.json``'s first
+    (:meth:`GenerationDefaults.stop_token_ids`). ``generation``: the folder's generation defaults
+    (:mod:`wna16_jax.models.generation_config`), set by ``load_model``.
     """
 
     model_type: str
@@ -101,6 +105,7 @@ class DecoderConfig:
     rope_interleaved: bool = False
     mla: MLAConfig | None = None
     softmax_scale: float | None = None
+    generation: GenerationDefaults = GenerationDefaults()
 
     @property
     def rope_dim(self) -> int:

@@ -44,6 +44,7 @@ from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE
 from ..safetensors_io import load_json
 from ..weights import layer_stack
 from .config import DecoderConfig
+from .generation_config import read_generation_config
 from .linear import (QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, QuantizedWeight, quantized_matmul,
                      read_quantized_linear)
 
@@ -689,6 +690,9 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         raise ConfigError(f"config.json: not found in {path!r}")
     raw = load_json(cfg_file, what="config.json")
     config = DecoderConfig.from_hf_config(raw)
+    generation = read_generation_config(path, vocab_size=config.vocab_size)      # refused before any weight is read
+    config = dataclasses.replace(config, generation=generation,
+                                 eos_token_ids=generation.stop_token_ids(config.eos_token_ids))
     ckpt = Checkpoint(path)
     dtype = jnp.dtype(dtype or default_dtype())
     if ckpt.model_config.hidden_size != config.hidden_size:      # pragma: no cover - same field
