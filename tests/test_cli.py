@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from wna16_jax.backends import Device
-from wna16_jax.checkpoint import random_moe_layer, write_checkpoint
+from wna16_jax.writers import random_moe_layer, write_checkpoint
 from wna16_jax.cli import main, run_inspect
 from wna16_jax.schemes import QuantScheme
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from reference import dequant_checkpoint, fused_moe_ref
 from wna16_jax import moe, routing
-from wna16_jax.checkpoint import random_checkpoint_weights
+from wna16_jax.writers import random_checkpoint_weights
 from wna16_jax.errors import ConfigError, ShapeError
 from wna16_jax.nn import QuantizedMoE
 from wna16_jax.schemes import QuantScheme

@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(r'''
     from engine_helpers import SCHEMES, layer_case, reference
     from wna16_jax import routing
     from wna16_jax.backends import TABLE, Backend
-    from wna16_jax.checkpoint import Checkpoint, random_moe_layer, write_checkpoint
+    from wna16_jax.checkpoint import Checkpoint
+    from wna16_jax.writers import random_moe_layer, write_checkpoint
     from wna16_jax.convert.tiles import convert_tiles
     from wna16_jax.convert.wgmma import convert_wgmma
     from wna16_jax.device import Device
