@@ -63,6 +63,11 @@ class OutputPathError(WNA16Error, ValueError):
     """An output folder is refused: it is the input, lies inside it, is a file, or is not empty."""
 
 
+class NotCachedError(WNA16Error, LookupError):
+    """A Hugging Face hub id (or the revision asked for) is not in the local hub cache. Nothing is
+    ever downloaded; the message names the id, the cache folder searched and the download command."""
+
+
 def _fmt_shape(shape: Any) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
