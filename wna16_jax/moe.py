@@ -60,7 +60,7 @@ from .weights import LayerStack, at_layer
 
 
 def check_activation(activation: str) -> Callable:
-    if activation not in ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ConfigError(f"activation: expected one of {sorted(ACTIVATIONS)}, got {activation!r}")
     return ACTIVATIONS[activation]
 
@@ -92,9 +92,9 @@ def validate_moe_inputs(x, topk_weights, topk_ids, weights, expert_map, global_n
         raise ShapeError(f"topk_ids: expected shape ({t}, k), got {tuple(getattr(topk_ids, 'shape', ()))}")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise DTypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+    if tuple(getattr(topk_weights, "shape", ())) != tuple(topk_ids.shape):
         raise ShapeError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
-                         f"got {tuple(topk_weights.shape)}")
+                         f"got {tuple(getattr(topk_weights, 'shape', ()))}")
     check_dtype("topk_weights", topk_weights, _FLOAT_DTYPES)
     e_local = weights.num_experts
     if expert_map is not None:

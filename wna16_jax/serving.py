@@ -44,23 +44,28 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError, ShapeError
+from .errors import ConfigError, ShapeError, ValueRangeError
+from .fields import check_int, check_number
 
 
 def power_of_two_buckets(max_size: int = 512, min_size: int = 1) -> tuple[int, ...]:
     """``(min_size, 2·min_size, …, max_size)``: powers of two (both ends must be powers of two)."""
+    ends = {}
     for name, v in (("min_size", min_size), ("max_size", max_size)):
-        if not isinstance(v, (int, np.integer)) or v < 1 or v & (v - 1):
-            raise ConfigError(f"{name}: expected a power of two >= 1, got {v!r}")
+        ends[name] = check_int(name, v, low=1)
+        if ends[name] & (ends[name] - 1):
+            raise ConfigError(f"{name} must be a power of two, got {v!r}")
+    min_size, max_size = ends["min_size"], ends["max_size"]
     if min_size > max_size:
         raise ConfigError(f"min_size {min_size} exceeds max_size {max_size}")
-    out, b = [], int(min_size)
+    out, b = [], min_size
     while b <= max_size:
         out.append(b)
         b *= 2
@@ -71,25 +76,34 @@ def power_of_two_buckets(max_size: int = 512, min_size: int = 1) -> tuple[int, .
 DEFAULT_BUCKETS: tuple[int, ...] = power_of_two_buckets(512)
 
 
+def _sequence(name: str, value: Any) -> list:
+    """``value`` (any iterable but a string or a mapping) as a list, or a ConfigError naming ``name``."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{name}: expected a sequence of integers, got {type(value).__name__} {value!r:.80}")
+    return list(value)
+
+
 def check_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
     """``buckets`` as a strictly increasing tuple of positive ints, or :class:`ConfigError`."""
-    b = tuple(buckets)
-    if not b or any(not isinstance(v, (int, np.integer)) or v < 1 for v in b):
-        raise ConfigError(f"buckets: expected positive ints, got {b!r}")
+    b = tuple(check_int(f"buckets[{j}]", v, low=1) for j, v in enumerate(_sequence("buckets", buckets)))
+    if not b:
+        raise ConfigError("buckets: expected at least one bucket size, got none")
     if any(x >= y for x, y in zip(b, b[1:])):
         raise ConfigError(f"buckets: expected strictly increasing sizes, got {b!r}")
-    return tuple(int(v) for v in b)
+    return b
 
 
-def bucket_size(num_tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-    """The padded token count for ``num_tokens``: the smallest bucket ``>= num_tokens``; beyond
-    the largest bucket ``L``, the smallest multiple of ``L`` that holds them (so a loop up to
-    ``N`` tokens compiles at most ``len(buckets) + ceil(N / L) - 1`` programs). ``0`` tokens take
-    the smallest bucket."""
-    b = check_buckets(buckets)
-    t = int(num_tokens)
+def _count(name: str, value: Any) -> int:
+    """A token count: an integer (:func:`~wna16_jax.fields.check_int`'s rules) that is ``>= 0``
+    (a negative count is a :class:`ShapeError`, as a row count)."""
+    t = check_int(name, value)
     if t < 0:
-        raise ShapeError(f"num_tokens: expected >= 0, got {num_tokens}")
+        raise ShapeError(f"{name}: expected >= 0, got {value!r}")
+    return t
+
+
+def _bucket_of(t: int, b: tuple[int, ...]) -> int:
+    """:func:`bucket_size` of a checked count on checked buckets."""
     for v in b:
         if t <= v:
             return v
@@ -97,24 +111,65 @@ def bucket_size(num_tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> in
     return -(-t // top) * top
 
 
+def bucket_size(num_tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
+    """The padded token count for ``num_tokens``: the smallest bucket ``>= num_tokens``; beyond
+    the largest bucket ``L``, the smallest multiple of ``L`` that holds them (so a loop up to
+    ``N`` tokens compiles at most ``len(buckets) + ceil(N / L) - 1`` programs). ``0`` tokens take
+    the smallest bucket."""
+    return _bucket_of(_count("num_tokens", num_tokens), check_buckets(buckets))
+
+
 def buckets_used(token_counts: Iterable[int], buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
     """The sorted distinct bucket sizes that ``token_counts`` pad to: the programs a loop over
     them compiles (one per bucket, per layer and options)."""
-    return tuple(sorted({bucket_size(t, buckets) for t in token_counts}))
+    b = check_buckets(buckets)
+    counts = _sequence("token_counts", token_counts)
+    return tuple(sorted({_bucket_of(_count(f"token_counts[{j}]", t), b) for j, t in enumerate(counts)}))
 
 
 def _is_traced(a) -> bool:
     return isinstance(a, jax.core.Tracer)
 
 
-def pad_rows(a, rows: int, fill=0):
-    """``a [T, ...]`` padded with ``fill`` to ``[rows, ...]`` (``rows >= T``; no copy when equal).
+def _rows_of(name: str, a: Any) -> int:
+    """The leading (token) axis length of array ``a``, or a ShapeError naming ``name``."""
+    if getattr(a, "ndim", 0) < 1 or not hasattr(a, "dtype"):
+        raise ShapeError(f"{name}: expected an array with a leading token axis, got "
+                         f"{type(a).__name__} of shape {tuple(getattr(a, 'shape', ()))}")
+    return int(a.shape[0])
 
-    Concrete arrays are padded on the host (no device program, so no compilation per ``T``) and
-    returned as numpy arrays; traced arrays are padded with ``jnp`` inside the trace."""
-    t = a.shape[0]
+
+def _checked_fill(name: str, fill: Any, dtype: Any):
+    """``fill`` as a value that ``dtype`` holds exactly (an integer within the integer dtype's range,
+    a finite number within the float dtype's range, a bool for bool), or a typed error naming it:
+    padding never rounds, wraps or overflows."""
+    dt = jnp.dtype(dtype)
+    if jnp.issubdtype(dt, jnp.bool_):
+        return bool(fill) if isinstance(fill, (bool, np.bool_)) else bool(check_int(name, fill, low=0, high=1))
+    if jnp.issubdtype(dt, jnp.integer):
+        v = check_int(name, fill)
+        info = jnp.iinfo(dt)
+        if not info.min <= v <= info.max:
+            raise ValueRangeError(f"{name}: {v} does not fit the rows' dtype {dt} (values in "
+                                  f"[{info.min}, {info.max}])")
+        return v
+    if jnp.issubdtype(dt, jnp.floating):
+        v = check_number(name, fill)
+        if abs(v) > float(jnp.finfo(dt).max):
+            raise ValueRangeError(f"{name}: {v} does not fit the rows' dtype {dt} (magnitude at most "
+                                  f"{float(jnp.finfo(dt).max)})")
+        return v
+    raise ConfigError(f"{name}: padding rows of dtype {dt} is not supported (integer, float or bool rows)")
+
+
+def _pad(a, rows: Any, fill: Any, name: str, rows_name: str, fill_name: str):
+    """:func:`pad_rows` with the names its errors give the array, the row count and the fill."""
+    t = _rows_of(name, a)
+    rows = check_int(rows_name, rows)
+    fill = _checked_fill(fill_name, fill, a.dtype)
     if rows < t:
-        raise ShapeError(f"cannot pad {t} rows to {rows}: the bucket is smaller than the batch")
+        raise ShapeError(f"{rows_name}: cannot pad the {t} rows of {name} to {rows}: the bucket is smaller "
+                         "than the batch")
     if rows == t:
         return a
     if _is_traced(a):
@@ -125,23 +180,41 @@ def pad_rows(a, rows: int, fill=0):
     return out
 
 
+def pad_rows(a, rows: int, fill=0):
+    """``a [T, ...]`` padded with ``fill`` to ``[rows, ...]`` (``rows >= T``; no copy when equal).
+    ``fill`` must be a value of ``a``'s dtype (never rounded or wrapped into it).
+
+    Concrete arrays are padded on the host (no device program, so no compilation per ``T``) and
+    returned as numpy arrays; traced arrays are padded with ``jnp`` inside the trace."""
+    return _pad(a, rows, fill, "a", "rows", "fill")
+
+
+def _fill_id(fill_id: Any) -> int:
+    """``fill_id`` checked: an expert id is an integer ``>= 0``."""
+    return check_int("fill_id", fill_id, low=0)
+
+
 def pad_tokens(x, topk_weights, topk_ids, bucket: int, *, fill_id: int = 0):
     """``(x_p [bucket, H], tw_p [bucket, k], ids_p [bucket, k])``: the batch padded to ``bucket``
     tokens, padded rows harmless — zero hidden states, router weight 0, expert id ``fill_id``
     (a valid global expert id; 0 always is). The real rows are unchanged (see :func:`pad_rows`
     for where the padding runs)."""
-    t = x.shape[0]
-    if topk_weights.shape[0] != t or topk_ids.shape[0] != t:
+    fill_id = _fill_id(fill_id)
+    counts = [_rows_of(n, a) for n, a in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids))]
+    if len(set(counts)) != 1:
         raise ShapeError(f"pad_tokens: x, topk_weights, topk_ids disagree on the token count: "
-                         f"{x.shape[0]}, {topk_weights.shape[0]}, {topk_ids.shape[0]}")
-    return pad_rows(x, bucket, 0), pad_rows(topk_weights, bucket, 0), pad_rows(topk_ids, bucket, fill_id)
+                         f"{counts[0]}, {counts[1]}, {counts[2]}")
+    return (_pad(x, bucket, 0, "x", "bucket", "fill"), _pad(topk_weights, bucket, 0, "topk_weights", "bucket", "fill"),
+            _pad(topk_ids, bucket, fill_id, "topk_ids", "bucket", "fill_id"))
 
 
-def unpad_tokens(y, num_tokens: int):
-    """The first ``num_tokens`` rows of ``y``. A concrete JAX array is sliced on the host and put
-    back on its device (a device slice would be a program compiled per ``num_tokens``); numpy
-    arrays and traced arrays are sliced directly."""
-    if y.shape[0] == num_tokens:
+def _unpad(y, num_tokens: Any, name: str):
+    """:func:`unpad_tokens` with the name its errors give ``y``."""
+    rows = _rows_of(name, y)
+    num_tokens = _count("num_tokens", num_tokens)
+    if num_tokens > rows:
+        raise ShapeError(f"num_tokens: {num_tokens} exceeds the {rows} rows of {name}")
+    if rows == num_tokens:
         return y
     if _is_traced(y) or isinstance(y, np.ndarray):
         return y[:num_tokens]
@@ -152,9 +225,18 @@ def unpad_tokens(y, num_tokens: int):
     return jax.device_put(host)
 
 
+def unpad_tokens(y, num_tokens: int):
+    """The first ``num_tokens`` rows of ``y`` (``0 <= num_tokens <= rows``). A concrete JAX array is
+    sliced on the host and put back on its device (a device slice would be a program compiled per
+    ``num_tokens``); numpy arrays and traced arrays are sliced directly."""
+    return _unpad(y, num_tokens, "y")
+
+
 def _unpad_tree(out, num_tokens: int):
-    """:func:`unpad_tokens` on every array of ``out`` (an array, or a pytree of ``[rows, ...]`` arrays)."""
-    return jax.tree.map(lambda y: unpad_tokens(y, num_tokens), out)
+    """:func:`unpad_tokens` on every array of ``out`` (an array, or a pytree of ``[rows, ...]`` arrays;
+    errors name the leaf as ``output[...]``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, y: _unpad(y, num_tokens, f"output{jax.tree_util.keystr(path)}"), out)
 
 
 def _is_nnx_module(fn) -> bool:
@@ -194,15 +276,20 @@ class BucketedMoE:
       :class:`wna16_jax.nn.QuantizedMoE`: it runs through ``nnx.jit``, so its current state is
       used on every call): call ``bucketed(x)``; ``[B, S, H]`` is bucketed on ``B·S`` tokens.
 
-    Padding follows :func:`pad_tokens` (``fill_id`` for the padded rows' expert ids); sizes follow
+    Padding follows :func:`pad_tokens` (``fill_id`` for the padded rows' expert ids; when the
+    layer refuses the padded ids and only the fill id can be at fault, the
+    :class:`~wna16_jax.errors.ValueRangeError` names ``fill_id``); sizes follow
     :func:`bucket_size` on ``buckets``. ``fn`` must compile itself (``fused_moe`` does) or be
     jitted, else the bucketing saves nothing.
     """
 
     def __init__(self, fn: Callable, buckets: Sequence[int] = DEFAULT_BUCKETS, *, fill_id: int = 0):
+        if not callable(fn):
+            raise ConfigError(f"fn: expected a callable MoE layer (a routed layer function or a layer that "
+                              f"routes itself), got {type(fn).__name__}")
         self.fn = fn
         self.buckets = check_buckets(buckets)
-        self.fill_id = int(fill_id)
+        self.fill_id = _fill_id(fill_id)
         self._module = _is_nnx_module(fn)
 
     def bucket(self, num_tokens: int) -> int:
@@ -213,21 +300,39 @@ class BucketedMoE:
         if (topk_weights is None) != (topk_ids is None):
             raise ConfigError("BucketedMoE: give both topk_weights and topk_ids (a routed layer function), "
                               "or neither (a layer that routes itself)")
-        if getattr(hidden_states, "ndim", 0) < 2:
-            raise ShapeError(f"hidden_states: expected shape (T, H) or (B, S, H), got "
+        routed = topk_ids is not None
+        if getattr(hidden_states, "ndim", 0) < 2 or (routed and hidden_states.ndim != 2):
+            raise ShapeError(f"hidden_states: expected shape (T, H){'' if routed else ' or (B, S, H)'}, got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
-        if topk_ids is None:
+        if not routed:
             return self._call_self_routed(hidden_states, *args, **kwargs)
         t = hidden_states.shape[0]
         b = self.bucket(t)
         xp, twp, idp = pad_tokens(hidden_states, topk_weights, topk_ids, b, fill_id=self.fill_id)
-        return _unpad_tree(self.fn(xp, twp, idp, *args, **kwargs), t)
+        try:
+            out = self.fn(xp, twp, idp, *args, **kwargs)
+        except ValueRangeError as err:
+            if b > t and self._refuses_fill_id(topk_ids, err):
+                raise ValueRangeError(f"fill_id: the {b - t} padded rows carry expert id {self.fill_id}, which the "
+                                      f"layer refuses (fill_id must be a valid global expert id; 0 always is): "
+                                      f"{err}") from err
+            raise
+        return _unpad_tree(out, t)
+
+    def _refuses_fill_id(self, topk_ids, err: ValueRangeError) -> bool:
+        """Whether the layer's refusal of the padded ``topk_ids`` can only be the fill id's fault: the
+        real ids are concrete, none below 0, all below ``fill_id`` (so the padded batch's one new
+        value is its largest id), and the error is about the ids' range."""
+        if self.fill_id == 0 or _is_traced(topk_ids) or not str(err).startswith("topk_ids"):
+            return False
+        ids = np.asarray(topk_ids)
+        return ids.size == 0 or bool(ids.min() >= 0 and ids.max() < self.fill_id)
 
     def _call_self_routed(self, x, *args, **kwargs):
         lead, h = tuple(x.shape[:-1]), x.shape[-1]
         t = int(np.prod(lead))
         x2d = x.reshape(t, h) if len(lead) > 1 else x
-        xp = pad_rows(x2d, self.bucket(t), 0)
+        xp = _pad(x2d, self.bucket(t), 0, "hidden_states", "bucket", "fill")
         if self._module and not args and not kwargs:
             y = _module_call()(self.fn, xp)
         else:
@@ -241,8 +346,9 @@ class BucketedMoE:
 def bucketed(fn: Callable | None = None, *, buckets: Sequence[int] = DEFAULT_BUCKETS, fill_id: int = 0):
     """``BucketedMoE(fn, buckets, fill_id=fill_id)``; also a decorator (``@bucketed`` or
     ``@bucketed(buckets=...)``)."""
-    if fn is None:
-        return lambda f: BucketedMoE(f, buckets, fill_id=fill_id)
+    if fn is None:                                  # checked now, not when the decorator is applied
+        checked, fid = check_buckets(buckets), _fill_id(fill_id)
+        return lambda f: BucketedMoE(f, checked, fill_id=fid)
     return BucketedMoE(fn, buckets, fill_id=fill_id)
 
 

@@ -40,6 +40,7 @@ reduced, as vLLM's all-reduce does).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 import jax
@@ -49,12 +50,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import executors
 from .device import Device
-from .errors import ConfigError, ShapeError, UnsupportedError
-from .moe import _warn_fallback, check_activation, fused_moe
+from .errors import ConfigError, DTypeError, ShapeError, UnsupportedError
+from .fields import check_int
+from .moe import _FLOAT_DTYPES, FORMULATIONS, _warn_fallback, check_activation, fused_moe, validate_moe_inputs
 from .schemes import QuantMethod
-from .weights import CheckpointWeights
+from .weights import CheckpointWeights, LayerStack
 
 EP_METHODS = ("allgather", "all_to_all")
+#: ``ragged=``: how the all-to-all design exchanges rows (see the module docstring)
+RAGGED_IMPLS = ("auto", "native", "emulated")
 
 
 # --------------------------------------------------------------------------- TP weights
@@ -74,11 +78,12 @@ def slice_tp(weights: CheckpointWeights, tp_size: int, tp_rank: int) -> Checkpoi
     same slice ``Checkpoint.load_layer(i, tp_size=, tp_rank=)`` reads; act-order layers must be
     loaded that way). The w2 bias is returned whole; :func:`stack_tp_shards` keeps it once."""
     if not isinstance(weights, CheckpointWeights):
-        raise UnsupportedError(f"slice_tp: expected loader-layout CheckpointWeights, got {type(weights).__name__}; "
-                               "slice before converting to a backend layout")
+        raise UnsupportedError(f"slice_tp: weights: expected loader-layout CheckpointWeights, got "
+                               f"{type(weights).__name__}; slice before converting to a backend layout")
+    weights.validate()
     s, i = weights.scheme, weights.intermediate_size
-    if not 0 <= tp_rank < tp_size:
-        raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
+    tp_size = check_int("tp_size", tp_size, low=1)
+    tp_rank = check_int("tp_rank", tp_rank, low=0, high=tp_size - 1)
     if s.act_order:
         raise UnsupportedError("slice_tp: act-order (g_idx) layers keep whole w2 scales; load them with "
                                "Checkpoint.load_layer(i, tp_size=..., tp_rank=...)")
@@ -108,13 +113,20 @@ def slice_tp(weights: CheckpointWeights, tp_size: int, tp_rank: int) -> Checkpoi
 
 
 def check_tp(intermediate_size: int, tp_size: int, pack_factor: int = 1, group_size: int = -1) -> None:
-    """Typed errors unless ``tp_size`` splits the intermediate size into whole words / groups."""
-    if tp_size < 1 or intermediate_size % tp_size:
-        raise ShapeError(f"tensor parallelism: intermediate size {intermediate_size} is not a multiple of "
-                         f"the TP mesh axis size {tp_size}")
+    """Typed errors unless ``tp_size`` splits the intermediate size into whole words / groups
+    (``group_size`` -1: channelwise, one group)."""
+    intermediate_size = check_int("intermediate_size", intermediate_size, low=1)
+    tp_size = check_int("tp_size", tp_size, low=1)
+    pack_factor = check_int("pack_factor", pack_factor, low=1)
+    group_size = check_int("group_size", group_size, low=-1)
+    if group_size == 0:
+        raise ConfigError("group_size must be -1 (channelwise) or a positive integer, got 0")
+    if intermediate_size % tp_size:
+        raise ShapeError(f"tp_size: the intermediate size {intermediate_size} is not a multiple of the TP "
+                         f"size {tp_size}")
     loc = intermediate_size // tp_size
     if loc % pack_factor or (group_size != -1 and loc % group_size):
-        raise ShapeError(f"tensor parallelism: local intermediate size {loc} (= {intermediate_size} / {tp_size}) "
+        raise ShapeError(f"tp_size: the local intermediate size {loc} (= {intermediate_size} / {tp_size}) "
                          f"must be a multiple of the pack factor {pack_factor}"
                          + (f" and the group size {group_size}" if group_size != -1 else ""))
 
@@ -137,7 +149,11 @@ def _without_w2_bias(w):
 def stack_tp_shards(shards: Sequence[Any]):
     """Stack one experts pytree per TP rank (any layout, each rank converted on its own) along a
     new leading axis (``[tp, E, ...]``). The w2 bias is zeroed on ranks > 0 so the psum over TP
-    adds it exactly once."""
+    adds it exactly once. Every shard must have shard 0's structure, shapes and dtypes."""
+    if isinstance(shards, (str, bytes, Mapping)) or not isinstance(shards, Iterable):
+        raise ConfigError(f"stack_tp_shards: shards: expected a sequence of experts pytrees (one per TP rank), "
+                          f"got {type(shards).__name__}")
+    shards = list(shards)
     if not shards:
         raise ConfigError("stack_tp_shards: no shards given")
     for r, w in enumerate(shards):
@@ -145,12 +161,20 @@ def stack_tp_shards(shards: Sequence[Any]):
         if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves):
             raise ConfigError(f"stack_tp_shards: shard {r}: expected an experts pytree of arrays, "
                               f"got {type(w).__name__}")
+    s0 = jax.tree.structure(shards[0])
+    first = jax.tree_util.tree_flatten_with_path(shards[0])[0]
+    for r, w in enumerate(shards[1:], 1):
+        if jax.tree.structure(w) != s0:
+            raise ShapeError(f"stack_tp_shards: shard {r} differs in structure from shard 0 "
+                             f"({type(w).__name__} vs {type(shards[0]).__name__}, or their static metadata)")
+        for (path, b), a in zip(first, jax.tree.leaves(w)):
+            if tuple(a.shape) != tuple(b.shape):
+                raise ShapeError(f"stack_tp_shards: shard {r}{jax.tree_util.keystr(path)}: expected shard 0's "
+                                 f"shape {tuple(b.shape)}, got {tuple(a.shape)}")
+            if np.dtype(a.dtype) != np.dtype(b.dtype):
+                raise DTypeError(f"stack_tp_shards: shard {r}{jax.tree_util.keystr(path)}: expected shard 0's "
+                                 f"dtype {np.dtype(b.dtype)}, got {np.dtype(a.dtype)}")
     fixed = [jax.tree.map(jnp.asarray, w if r == 0 else _without_w2_bias(w)) for r, w in enumerate(shards)]
-    s0 = jax.tree.structure(fixed[0])
-    for r, w in enumerate(fixed[1:], 1):
-        if jax.tree.structure(w) != s0 or any(a.shape != b.shape for a, b in
-                                              zip(jax.tree.leaves(w), jax.tree.leaves(fixed[0]))):
-            raise ShapeError(f"stack_tp_shards: shard {r} differs in structure or shapes from shard 0")
     return jax.tree.map(lambda *a: jnp.stack(a), *fixed)
 
 
@@ -159,8 +183,15 @@ def tp_shards_from_checkpoint(ckpt, layer_index: int, tp_size: int, backend: Any
     """Load ``tp_size`` TP slices of one layer (``Checkpoint.load_layer``), convert each to the
     backend layout (``None`` → dispatch table, ``"loader"`` → unchanged; on an NVIDIA GPU the
     MARLIN row prepares the engine's layout, for ``input_dtype`` activations) and stack them."""
+    from .checkpoint import Checkpoint
     from .nn import convert_experts
 
+    if not isinstance(ckpt, Checkpoint):
+        raise ConfigError(f"tp_shards_from_checkpoint: ckpt: expected a wna16_jax.checkpoint.Checkpoint, "
+                          f"got {type(ckpt).__name__}")
+    layer_index = check_int("layer_index", layer_index, low=0)
+    tp_size = check_int("tp_size", tp_size, low=1)
+    check_activation(activation)
     return stack_tp_shards([convert_experts(ckpt.load_layer(layer_index, tp_size=tp_size, tp_rank=r).experts,
                                             backend, activation=activation, input_dtype=input_dtype)[0]
                             for r in range(tp_size)])
@@ -186,53 +217,81 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     return output.at[pos.reshape(-1)].set(got.reshape(n * cap, *operand.shape[1:]), mode="drop")
 
 
+def _check_ragged(impl: Any) -> str:
+    if not isinstance(impl, str) or impl not in RAGGED_IMPLS:
+        raise ConfigError(f"ragged: expected one of {RAGGED_IMPLS}, got {impl!r}")
+    return impl
+
+
 def _ragged(impl: str):
     if impl == "native" or (impl == "auto" and jax.default_backend() != "cpu"):
         return lambda *a, axis_name, axis_size: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)
-    if impl in ("auto", "emulated"):
-        return ragged_all_to_all_emulated
-    raise ConfigError(f"ragged: expected 'auto', 'native' or 'emulated', got {impl!r}")
+    return ragged_all_to_all_emulated
 
 
 # --------------------------------------------------------------------------- the sharded layer
 
 
-def _axis_size(mesh: Mesh, name: str | None) -> int:
+def _axis_size(mesh: Mesh, arg: str, name: Any) -> int:
+    """The size of mesh axis ``name``, given as argument ``arg`` (``None``: not parallel, 1)."""
     if name is None:
         return 1
-    if name not in mesh.shape:
-        raise ConfigError(f"mesh axis {name!r}: not in the mesh axes {tuple(mesh.shape)}")
+    if not isinstance(name, str) or name not in mesh.shape:
+        raise ConfigError(f"{arg}: expected None or one of the mesh axes {tuple(mesh.axis_names)}, got {name!r}")
     return int(mesh.shape[name])
 
 
 def _layout(weights, mesh: Mesh, ep_axis: str | None, tp_axis: str | None) -> tuple[int, int, int]:
-    """``(E, ep, tp)`` of a weights pytree on the mesh, checked."""
+    """``(E, ep, tp)`` of a weights pytree on the mesh, checked: ``mesh`` is a ``Mesh``, the axes
+    are distinct axes of it, every array is ``[E, ...]`` (``[tp, E, ...]`` with ``tp_axis``: the
+    arrays are sharded on those leading axes) and the EP axis divides ``E``."""
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    ep, tp = _axis_size(mesh, "ep_axis", ep_axis), _axis_size(mesh, "tp_axis", tp_axis)
     if ep_axis is not None and ep_axis == tp_axis:
         raise ConfigError(f"ep_axis and tp_axis must differ, both are {ep_axis!r}")
-    ep, tp = _axis_size(mesh, ep_axis), _axis_size(mesh, tp_axis)
-    leaves = jax.tree.leaves(weights)
-    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves):
+    if isinstance(weights, LayerStack):
+        raise UnsupportedError("weights: a LayerStack (stacked layers) is not sharded; pass one layer's experts")
+    leaves = jax.tree_util.tree_flatten_with_path(weights)[0]
+    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for _, a in leaves):
         raise ConfigError(f"weights: expected an experts pytree of arrays, got {type(weights).__name__}")
-    lead = leaves[0]
-    if tp_axis is not None:
-        if lead.ndim < 2 or lead.shape[0] != tp:
-            raise ShapeError(f"weights: expected a leading TP axis of size {tp} (mesh axis {tp_axis!r}), "
-                             f"got shape {tuple(lead.shape)}; build it with stack_tp_shards")
-        e = int(lead.shape[1])
-    else:
-        e = int(lead.shape[0])
+    axis = 1 if tp_axis is not None else 0                     # the expert axis of every array
+    e = None
+    for path, a in leaves:
+        where, shape = f"weights{jax.tree_util.keystr(path)}", tuple(a.shape)
+        if tp_axis is not None and (len(shape) < 2 or shape[0] != tp):
+            raise ShapeError(f"{where}: expected a leading TP axis of size {tp} (mesh axis {tp_axis!r}) before "
+                             f"the expert axis, got shape {shape}; build it with stack_tp_shards")
+        if len(shape) <= axis:
+            raise ShapeError(f"{where}: expected the expert axis first (every array is sharded over the "
+                             f"experts; per-tensor arrays are not), got shape {shape}")
+        e = shape[axis] if e is None else e
+        if shape[axis] != e:
+            raise ShapeError(f"{where}: expected {e} experts on axis {axis} (as the first array), got shape {shape}")
     if e % ep:
-        raise ShapeError(f"expert parallelism: the {e} experts are not a multiple of the EP mesh axis "
-                         f"{ep_axis!r} of size {ep}")
+        raise ShapeError(f"ep_axis: the {e} experts are not a multiple of the EP mesh axis {ep_axis!r} of size {ep}")
     return e, ep, tp
 
 
 def _local_shard(weights, tp_axis: str | None, el: int):
-    """One device's shard of ``weights`` as shapes (the pytree ``fused_moe`` sees inside the body)."""
+    """One TP rank's ``weights`` restricted to ``el`` experts, as shapes: with ``el = E / ep`` the
+    pytree ``fused_moe`` sees on one device inside the body; with ``el = E``, the layer that device
+    would hold if one device held every expert (what the inputs are validated against)."""
     def one(a):
         shape = tuple(a.shape[1:]) if tp_axis is not None else tuple(a.shape)
         return jax.ShapeDtypeStruct((el, *shape[1:]), a.dtype)
     return jax.tree.map(one, weights)
+
+
+def _activation_dtype(hidden_dtype: Any) -> np.dtype:
+    """``hidden_dtype`` as a dtype the executors take (float16, bfloat16, float32), or a DTypeError."""
+    try:
+        dt = None if hidden_dtype is None else jnp.dtype(hidden_dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or dt not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+        raise DTypeError(f"hidden_dtype: expected float16, bfloat16 or float32, got {hidden_dtype!r}")
+    return dt
 
 
 def sharded_executor(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: str | None = None,
@@ -243,44 +302,56 @@ def sharded_executor(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis
     refused). Every device of the mesh runs the same program, so this one choice holds for each;
     ``device`` defaults to the mesh's first device."""
     e, ep, _ = _layout(weights, mesh, ep_axis, tp_axis)
+    dtype = _activation_dtype(hidden_dtype)
+    if device is not None and not isinstance(device, Device):
+        raise ConfigError(f"device: expected a wna16_jax.device.Device or None, got {type(device).__name__}")
     dev = device or Device.current(mesh.devices.flat[0])
-    return executors.select(_local_shard(weights, tp_axis, e // ep), hidden_dtype, executor=executor,
+    return executors.select(_local_shard(weights, tp_axis, e // ep), dtype, executor=executor,
                             device=dev, formulation=formulation)
 
 
-def sharded_fused_moe(x, topk_weights, topk_ids, weights, mesh: Mesh, *, ep_axis: str | None = "ep",
+def sharded_fused_moe(hidden_states, topk_weights, topk_ids, weights, mesh: Mesh, *, ep_axis: str | None = "ep",
                       tp_axis: str | None = None, ep_method: str = "allgather", activation: str = "silu",
                       apply_router_weight_on_input: bool = False, formulation: str | None = None,
                       ragged: str = "auto", executor: str = "auto"):
     """:func:`wna16_jax.moe.fused_moe` over a mesh. ``weights``: experts pytree ``[E, ...]``
     (``[tp, E, ...]`` from :func:`stack_tp_shards` when ``tp_axis`` is set); ``topk_ids`` are
     global expert ids. EP shards the experts (linear: shard ``r`` owns ``r·E/ep ...``) and the
-    tokens over ``ep_axis``; TP splits the intermediate size over ``tp_axis``. Returns ``[T, H]``
-    in ``x.dtype``.
+    tokens over ``ep_axis``; TP splits the intermediate size over ``tp_axis``; with neither, every
+    device computes the whole layer. Returns ``[T, H]`` in ``hidden_states.dtype``.
+
+    The inputs are validated as :func:`fused_moe` validates them, before anything is compiled
+    (out-of-range ``topk_ids`` are a :class:`ValueRangeError` when concrete; under an enclosing
+    ``jax.jit`` the affected tokens' outputs are NaN, in both EP designs). No token, or no slot
+    (``k = 0``), gives zeros ``[T, H]`` as on one device, without a program.
 
     ``executor`` as in :func:`fused_moe`, for each device's shard (:func:`sharded_executor` says
-    which runs): an engine keeps ``x``'s 16-bit dtype; the XLA executor computes in float32.
+    which runs): an engine keeps the activations' 16-bit dtype; the XLA executor computes in float32.
     """
     check_activation(activation)
-    if ep_method not in EP_METHODS:
+    if not isinstance(ep_method, str) or ep_method not in EP_METHODS:
         raise ConfigError(f"ep_method: expected one of {EP_METHODS}, got {ep_method!r}")
+    ragged = _check_ragged(ragged)
+    if not isinstance(apply_router_weight_on_input, (bool, np.bool_)):
+        raise ConfigError(f"apply_router_weight_on_input: expected True or False, got "
+                          f"{apply_router_weight_on_input!r}")
     e, ep, _ = _layout(weights, mesh, ep_axis, tp_axis)
-    if getattr(x, "ndim", None) != 2 or getattr(topk_ids, "ndim", None) != 2 \
-            or tuple(topk_ids.shape) != tuple(getattr(topk_weights, "shape", ())) or topk_ids.shape[0] != x.shape[0]:
-        raise ShapeError(f"x / topk_weights / topk_ids: expected (T, H), (T, k), (T, k), got "
-                         f"{tuple(getattr(x, 'shape', ()))}, {tuple(getattr(topk_weights, 'shape', ()))}, "
-                         f"{tuple(getattr(topk_ids, 'shape', ()))}")
+    validate_moe_inputs(hidden_states, topk_weights, topk_ids, _local_shard(weights, tp_axis, e), None, None)
     t, k = topk_ids.shape
     el = e // ep
-    choice = sharded_executor(weights, mesh, ep_axis=ep_axis, tp_axis=tp_axis, hidden_dtype=x.dtype,
+    dtype = hidden_states.dtype
+    choice = sharded_executor(weights, mesh, ep_axis=ep_axis, tp_axis=tp_axis, hidden_dtype=dtype,
                               executor=executor, formulation=formulation)
+    name = choice.executor.name
+    if name == "xla" and formulation is not None and formulation not in FORMULATIONS:
+        raise ConfigError(f"formulation: expected one of {FORMULATIONS}, got {formulation!r}")
     if choice.refused:
         _warn_fallback(_local_shard(weights, tp_axis, el), choice)
-    name = choice.executor.name
-    dtype = x.dtype
+    if t == 0 or k == 0:                 # nothing routed (and the collectives take no empty shards)
+        return jnp.zeros((t, hidden_states.shape[1]), dtype)
     cdt = jnp.float32 if name == "xla" else dtype       # the engines take 16-bit activations as they are
     pad = (-t) % ep
-    xp = jnp.pad(jnp.asarray(x).astype(cdt), ((0, pad), (0, 0)))
+    xp = jnp.pad(jnp.asarray(hidden_states).astype(cdt), ((0, pad), (0, 0)))
     twp = jnp.pad(jnp.asarray(topk_weights).astype(jnp.float32), ((0, pad), (0, 0)))
     idp = jnp.pad(jnp.asarray(topk_ids).astype(jnp.int32), ((0, pad), (0, 0)))
     f = _build(mesh, ep_axis, tp_axis, ep_method, activation, bool(apply_router_weight_on_input),
@@ -326,7 +397,8 @@ def _build(mesh, ep_axis, tp_axis, ep_method, activation, on_input, formulation,
 def _all_to_all_body(xl, twl, idl, wl, rank, ep_axis, tp_axis, n, el, exchange, kw):
     tl, k = idl.shape
     r = tl * k
-    flat = idl.reshape(-1)
+    bad = ((idl < 0) | (idl >= n * el)).any(axis=1)                    # traced ids out of range → NaN rows
+    flat = jnp.clip(idl, 0, n * el - 1).reshape(-1)
     dest = flat // el
     order = jnp.argsort(dest, stable=True)
     send = jnp.bincount(dest, length=n).astype(jnp.int32)                  # rows to each shard
@@ -355,14 +427,17 @@ def _all_to_all_body(xl, twl, idl, wl, rank, ep_axis, tp_axis, n, el, exchange, 
     back = exchange(y, jnp.zeros((r, y.shape[1]), y.dtype), recv_off, recv, home, send,
                     axis_name=ep_axis, axis_size=n)                        # in my sorted order
     rows = jnp.zeros_like(back).at[order].set(back)
-    return rows.reshape(tl, k, -1).astype(jnp.float32).sum(axis=1).astype(xl.dtype)
+    out = rows.reshape(tl, k, -1).astype(jnp.float32).sum(axis=1)
+    return jnp.where(bad[:, None], jnp.nan, out).astype(xl.dtype)
 
 
 def shard_weights(weights, mesh: Mesh, *, ep_axis: str | None = "ep", tp_axis: str | None = None):
-    """``device_put`` an experts pytree with the sharding :func:`sharded_fused_moe` expects."""
+    """``device_put`` an experts pytree with the sharding :func:`sharded_fused_moe` expects
+    (checked as it checks the weights and the mesh)."""
+    _layout(weights, mesh, ep_axis, tp_axis)
     spec = P(*(a for a in (tp_axis, ep_axis) if a is not None))
     return jax.device_put(weights, jax.tree.map(lambda _: NamedSharding(mesh, spec), weights))
 
 
 __all__ = ["sharded_fused_moe", "sharded_executor", "slice_tp", "stack_tp_shards", "tp_shards_from_checkpoint",
-           "check_tp", "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS"]
+           "check_tp", "shard_weights", "ragged_all_to_all_emulated", "EP_METHODS", "RAGGED_IMPLS"]
