@@ -30,7 +30,7 @@ from engine_helpers import gpu, needs_hopper
 from wna16_jax.errors import ConfigError, MissingTensorError, UnsupportedError
 from wna16_jax.models import load_model
 from wna16_jax.models.config import DecoderConfig
-from wna16_jax.models.decoder import LatentAttention, dense_weight
+from wna16_jax.models.decoder import LatentAttention
 from wna16_jax.models.generation import Generator
 from wna16_jax.models.synthetic import write_random_model
 from wna16_jax.schemes import QuantScheme
@@ -87,7 +87,7 @@ def _rms(x, w, eps):
 
 
 def _lin(lin, x):
-    return x @ _f64(dense_weight(lin, jnp.float32)).T
+    return x @ _f64(lin.dense(jnp.float32)).T
 
 
 def _yarn(dim, theta, factor, beta_fast, beta_slow, orig):
@@ -203,7 +203,7 @@ def reference_logits(model, raw, tokens, *, rope=None, route=None):
             y = _lin(mlp.down_proj, g / (1 + np.exp(-g)) * u)
         x = x + y
     x = _rms(x, _f64(model.norm.weight[...]), c.rms_norm_eps)
-    return x @ _f64(dense_weight(model.lm_head, jnp.float32)).T
+    return x @ _f64(model.lm_head.dense(jnp.float32)).T
 
 
 def _raw(name):
@@ -424,7 +424,8 @@ def test_linear_with_a_partial_last_group(method):
     """K = 80 in groups of 32: three groups, the last of 16 rows, as GPTQ and compressed-tensors
     store it (DeepSeek-V2-Lite's dense down_proj has K = 10944 = 85.5 groups of 128). The stored
     words and scales, decoded here bit by bit in numpy, give the layer's weight and its matmul."""
-    from wna16_jax.models.linear import QuantizedLinearWeights, quantized_matmul
+    from wna16_jax.matmul import quantized_matmul
+    from wna16_jax.weights import QuantMatrix
     from wna16_jax.models.synthetic import random_linear_tensors
 
     if method == "gptq":
@@ -450,10 +451,8 @@ def test_linear_with_a_partial_last_group(method):
     assert scales.shape == (n, 3)
     # (code - zero) · scale rounded once to float32, as the library computes it
     want = ((codes.astype(np.float32) - zero) * scales[:, np.arange(k) // 32].astype(np.float32)).astype(np.float64)
-    suffix = {"gptq": ("qweight", "scales"), "compressed-tensors": ("weight_packed", "weight_scale")}[method]
-    w = QuantizedLinearWeights(qweight=jnp.asarray(t[suffix[0]]), scales=jnp.asarray(t[suffix[1]]), scheme=scheme,
-                               out_features=n, in_features=k)
-    got = np.asarray(jax.jit(lambda w: w.dequantize(jnp.float32))(w), np.float64)
+    w = jax.tree.map(jnp.asarray, QuantMatrix.from_stored(scheme, t, n=n, k=k))
+    got = np.asarray(jax.jit(lambda w: w.dequantize(jnp.float32)[0])(w), np.float64)
     assert np.array_equal(got, want)
     x = rng.standard_normal((3, k)).astype(np.float32)
     y = np.asarray(jax.jit(lambda x, w: quantized_matmul(x, w))(jnp.asarray(x), w), np.float64)
@@ -468,7 +467,7 @@ def test_model_with_a_partial_group_dense_layer(tmp_path):
     m = _quiet_load(path, dtype=jnp.float32)
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    assert m.layers[0].mlp.down_proj.weight.get_value().scales.shape == (3, 64)     # GPTQ [groups, N]
+    assert m.layers[0].mlp.down_proj.weight.get_value().scale.shape == (1, 3, 64)   # GPTQ [1, groups, N]
     got = np.asarray(_forward(m, jnp.asarray([TOKENS], jnp.int32)))[0]
     ref = reference_logits(m, raw, TOKENS)
     assert float(np.abs(got - ref).max()) <= TOL * float(np.abs(ref).max())

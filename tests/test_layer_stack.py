@@ -17,15 +17,15 @@ import pytest
 from engine_helpers import (WGMMA_SCHEMES, gpu, layer_case, layer_close, needs_hopper, reference,
                             wgmma_reference_layer)
 from pallas_kernels.errors import KernelConfigError, KernelShapeError
-from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm_reference
 from pallas_kernels.wgmma_layer import fused_moe_wgmma
 from wna16_jax import fused_moe
 from wna16_jax.convert.wgmma import convert_wgmma
 from wna16_jax.models.decoder import _dense_experts
-from wna16_jax.models.linear import _wgmma_matmul, quantized_matmul, to_engine_linear
+from wna16_jax.convert.wgmma import WgmmaForm, wgmma_matrix
+from wna16_jax.matmul import quantized_matmul
 from wna16_jax.weights import LayerStack, at_layer
 
-from test_linear_engine import SCHEMES as LINEAR_SCHEMES, _linear
+from test_linear_engine import SCHEMES as LINEAR_SCHEMES, _linear, _reference_mm
 
 LAYERS = 3
 
@@ -114,9 +114,13 @@ def test_linear_reads_a_stack_in_place_cpu(name):
     """A dense linear on the wgmma GEMM's reference, read from a stack of layers (index traced), is
     the one layer's; the XLA executor on a stack of checkpoint-layout linears likewise."""
     lws = [_linear(LINEAR_SCHEMES[name], 192, 512, seed=s)[0] for s in np.random.default_rng().integers(0, 2**31, LAYERS)]
-    ews = [to_engine_linear(lw, jnp.bfloat16) for lw in lws]
+    ews = [wgmma_matrix(lw, jnp.bfloat16) for lw in lws]
     x = jnp.asarray(np.random.default_rng().standard_normal((3, 5, 512)), jnp.bfloat16)
-    mm = jax.jit(functools.partial(_wgmma_matmul, compute_dtype=jnp.bfloat16, gemm=wgmma_grouped_gemm_reference))
+    ref_mm = jax.jit(_reference_mm())
+
+    def mm(x, w):
+        return ref_mm(x, w, None)
+
     xla = jax.jit(functools.partial(quantized_matmul, compute_dtype=jnp.float32, out_dtype=jnp.float32))
     stacked_e, stacked_q = _stack(ews), _stack(lws)
     for layer in range(LAYERS):
@@ -142,7 +146,7 @@ def test_engine_reads_a_stack_in_place_gpu(t):
         np.testing.assert_array_equal(got, np.asarray(f(x, tw, ids, wg).astype(jnp.float32)))
         layer_close(got, reference(w, x, tw, ids, None), what=f"layer {layer}")
     lws = [_linear(LINEAR_SCHEMES["awq g128"], 2048, 1024, seed=s)[0] for s in range(LAYERS)]
-    ews = [to_engine_linear(lw, jnp.bfloat16) for lw in lws]
+    ews = [wgmma_matrix(lw, jnp.bfloat16) for lw in lws]
     x = jnp.asarray(np.random.default_rng(t).standard_normal((t, 1024)), jnp.bfloat16)
     mm = jax.jit(quantized_matmul)
     for layer in range(LAYERS):
@@ -167,16 +171,14 @@ def scanned_model_matches_float32(path, check_engine: bool, within: float = 3e-2
     prefix (a wrong model picks such a token by chance rarely: a few of 512 tokens)."""
     from wna16_jax.convert.wgmma import WgmmaWeights
     from wna16_jax.models import Generator, load_model
-    from wna16_jax.models.linear import WgmmaLinearWeights
-
     scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
     reference_model = load_model(path, dtype=jnp.float32, scan_layers=False)
     if check_engine:
         layer = scanned.layer_modules()[-1]
         assert isinstance(layer.mlp.expert_weights(), WgmmaWeights)
-        assert isinstance(layer.self_attn.o_proj.weight.get_value(), WgmmaLinearWeights)
+        assert isinstance(layer.self_attn.o_proj.weight.get_value().form, WgmmaForm)
         fused = getattr(layer.self_attn, "qkv_proj", None) or getattr(layer.self_attn, "x_proj", None)
-        assert isinstance(fused.weight.get_value(), WgmmaLinearWeights) and len(fused.splits) >= 2
+        assert isinstance(fused.weight.get_value().form, WgmmaForm) and len(fused.splits) >= 2
     rng = np.random.default_rng()
     prompts = [rng.integers(3, 512, n).tolist() for n in rng.integers(3, 21, 24)]
     ref = Generator(reference_model, batch_size=len(prompts), max_len=64).prefill_logits(prompts)
@@ -235,8 +237,8 @@ def test_layer_index_is_checked_where_concrete():
     with pytest.raises(ShapeError, match="same leading layer axis"):
         layer_stack({"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 3))}, 0)
     # traced (a scan over the layers): not checkable, taken as given
-    got = jax.jit(lambda i: layer_stack(stacked, i).at_layer().scales)(jnp.int32(1))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(lws[1].scales))
+    got = jax.jit(lambda i: layer_stack(stacked, i).at_layer().scale)(jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(lws[1].scale))
 
 
 def scanned_model_trains(path, *, check_engine):
@@ -251,14 +253,13 @@ def scanned_model_trains(path, *, check_engine):
 
     from wna16_jax.convert.wgmma import WgmmaWeights
     from wna16_jax.models import QuantizedWeight, load_model
-    from wna16_jax.models.linear import WgmmaLinearWeights
     from wna16_jax.nn import QuantizedExperts
 
     model = load_model(path, dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=True)
     if check_engine:
         layer = model.layer_modules()[-1]
         assert isinstance(layer.mlp.expert_weights(), WgmmaWeights)
-        assert isinstance(layer.self_attn.o_proj.weight.get_value(), WgmmaLinearWeights)
+        assert isinstance(layer.self_attn.o_proj.weight.get_value().form, WgmmaForm)
     reference_model = load_model(path, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers=False)
     tokens = jnp.asarray(np.random.default_rng().integers(3, 512, (8, 33)), jnp.int32)
 

@@ -28,7 +28,6 @@ from wna16_jax.errors import (ConfigError, MissingTensorError, ShapeError, Unexp
                               UnsupportedError, ValueRangeError, WNA16Error)
 from wna16_jax.models import DenseLinear, QuantizedLinear, QuantizedWeight, load_model
 from wna16_jax.models.generation import Generator, choose_tokens, generate
-from wna16_jax.models.linear import QuantizedLinearWeights
 from wna16_jax.models.synthetic import write_random_model
 from wna16_jax.schemes import QuantScheme
 from wna16_jax.serving import count_compiles
@@ -84,7 +83,7 @@ def test_every_quantized_tensor_is_read(case):
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
         assert isinstance(proj, QuantizedLinear)
         assert isinstance(proj.weight, QuantizedWeight) and not isinstance(proj.weight, nnx.Param)
-        assert proj.weight.get_value().qweight.dtype == jnp.int32
+        assert proj.weight.get_value().qvalue.dtype == jnp.int32
     assert isinstance(m.lm_head, DenseLinear)
     assert np.dtype(m.lm_head.weight[...].dtype) in (np.float16, np.dtype(jnp.bfloat16))
     from safetensors import safe_open
@@ -324,9 +323,8 @@ def _rms(x, w, eps):
 
 def _w(lin):
     if isinstance(lin, QuantizedLinear):
-        w = lin.weight.get_value()
-        b = w.bias
-        return np.asarray(w.dequantize(jnp.float32), np.float64), None if b is None else np.asarray(b, np.float64)
+        b = None if lin.bias is None else lin.bias.get_value()
+        return np.asarray(lin.dense(jnp.float32), np.float64), None if b is None else np.asarray(b, np.float64)
     b = None if lin.bias is None else np.asarray(lin.bias[...], np.float64)
     return np.asarray(lin.weight[...], np.float64), b
 
@@ -443,7 +441,7 @@ def test_families_against_numpy_reference(synth_root, name):
     m = _synthetic(synth_root, name)
     c = m.config
     if name == "qwen2":
-        assert m.lm_head is None and c.qkv_bias and m.layers[0].self_attn.q_proj.weight.get_value().bias is not None
+        assert m.lm_head is None and c.qkv_bias and m.layers[0].self_attn.q_proj.bias is not None
         assert not hasattr(m.layers[1].mlp, "router") and m.layers[0].mlp.shared_expert_gate is not None
     else:
         assert c.sliding_window == 5 and isinstance(m.lm_head, QuantizedLinear)
@@ -714,13 +712,16 @@ def test_bad_requests_raise_before_compiling():
     assert all(issubclass(e, WNA16Error) for e, _, _ in bad)
 
 
-def test_quantized_linear_weights_is_a_pytree_of_the_stored_arrays():
+def test_a_quantized_linear_is_a_one_expert_matrix_of_the_stored_arrays():
+    from wna16_jax.weights import CheckpointForm, QuantMatrix
+
     m = _model("gptq-descact-qwen3moe")
     w = m.layers[0].self_attn.q_proj.weight.get_value()
-    assert isinstance(w, QuantizedLinearWeights) and w.g_idx is not None and w.qzeros is None
+    assert isinstance(w, QuantMatrix) and isinstance(w.form, CheckpointForm)
+    assert w.g_idx is not None and w.zero_point is None and w.num_experts == 1
     leaves = jax.tree.leaves(w)
     assert [np.dtype(a.dtype) for a in leaves] == [np.int32, np.float16, np.int32]
-    assert w.dequantize().shape == (256, 256)
+    assert w.dequantize().shape == (1, 256, 256)
 
 
 # --------------------------------------------------------------------------- QuantizedLinear, format by format
@@ -754,8 +755,9 @@ def test_quantized_linear_decodes_every_format(name):
     dequantized float64 weight."""
     from wna16_jax import formats
     from wna16_jax.writers import default_scale_dtype
-    from wna16_jax.models.linear import SUFFIXES, quantized_matmul
+    from wna16_jax.matmul import quantized_matmul
     from wna16_jax.quantize import act_order_g_idx, quantize_rtn
+    from wna16_jax.weights import QuantMatrix
 
     s = _scheme(LINEAR_SCHEMES[name])
     rng = np.random.default_rng(0)
@@ -764,20 +766,13 @@ def test_quantized_linear_decodes_every_format(name):
     gi = act_order_g_idx(w, s.group_size) if s.act_order else None
     q = quantize_rtn(w, s, scale_dtype=default_scale_dtype(s), g_idx=gi)
     t = formats.pack(s, q.codes, q.scales, q.zeros, q.g_idx)
-    suff = {v: key for key, v in SUFFIXES[s.method].items()}
-    fields = {suff[key]: v for key, v in t.items() if suff[key] in ("qweight", "scales", "qzeros", "g_idx")}
-    if s.method.value == "gptq":
-        if not s.zero_point:
-            fields.pop("qzeros")
-        if not s.act_order:
-            fields.pop("g_idx")
     bias = (0.1 * rng.standard_normal(n)).astype(np.float16)
-    lw = QuantizedLinearWeights(**fields, bias=bias, scheme=s, out_features=n, in_features=k)
+    lw = QuantMatrix.from_stored(s, t, n=n, k=k)
     dec = lw.decode()
-    assert np.array_equal(np.asarray(dec.codes), q.codes)
+    assert np.array_equal(np.asarray(dec.codes)[0], q.codes)
     want_w = q.dequantize(s.bits, s.group_size)
-    assert np.array_equal(np.asarray(lw.dequantize(jnp.float32), np.float64), want_w.astype(np.float32))
+    assert np.array_equal(np.asarray(lw.dequantize(jnp.float32), np.float64)[0], want_w.astype(np.float32))
     x = rng.standard_normal((3, 5, k)).astype(np.float32)
-    y = np.asarray(jax.jit(lambda x, w: quantized_matmul(x, w))(jnp.asarray(x), jax.tree.map(jnp.asarray, lw)))
+    y = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), jax.tree.map(jnp.asarray, lw), jnp.asarray(bias)))
     ref = x.astype(np.float64) @ want_w.T + bias.astype(np.float64)
     assert y.shape == (3, 5, n) and float(np.abs(y - ref).max()) <= 1e-5 * float(np.abs(ref).max())

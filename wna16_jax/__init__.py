@@ -44,14 +44,13 @@ _EXPORTS = {
     "QuantizedMoE": "nn", "QuantizedExperts": "nn",
     # whole models
     "MoEDecoder": "models", "load_model": "models", "DecoderConfig": "models", "QuantizedLinear": "models",
-    "QuantizedLinearWeights": "models", "QuantizedWeight": "models", "DenseLinear": "models",
-    "quantized_matmul": "models", "Generator": "models", "generate": "models", "load_tokenizer": "models",
-    "write_random_model": "models",
+    "QuantizedWeight": "models", "DenseLinear": "models", "quantized_matmul": "matmul", "Generator": "models",
+    "generate": "models", "load_tokenizer": "models", "write_random_model": "models", "resolve_model_dir": "hub",
     # errors
     "WNA16Error": "errors", "ConfigError": "errors", "ShapeError": "errors", "DTypeError": "errors",
     "MissingTensorError": "errors", "UnexpectedTensorError": "errors", "ValueRangeError": "errors",
     "UnsupportedError": "errors", "BackendSelectionError": "errors", "CorruptFileError": "errors",
-    "UnsafePathError": "errors", "OutputPathError": "errors",
+    "UnsafePathError": "errors", "OutputPathError": "errors", "NotCachedError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -77,10 +76,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .checkpoint import Checkpoint, DenseWeights, MoELayer, MoEModelConfig
     from .writers import FloatMoELayer, random_checkpoint_weights, random_moe_layer, write_checkpoint
     from .errors import (BackendSelectionError, ConfigError, CorruptFileError, DTypeError,
-                         MissingTensorError, OutputPathError, ShapeError, UnexpectedTensorError,
+                         MissingTensorError, NotCachedError, OutputPathError, ShapeError, UnexpectedTensorError,
                          UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
-    from .models import (DecoderConfig, DenseLinear, Generator, MoEDecoder, QuantizedLinear, QuantizedLinearWeights,
-                         QuantizedWeight, generate, load_model, load_tokenizer, quantized_matmul, write_random_model)
+    from .models import (DecoderConfig, DenseLinear, Generator, MoEDecoder, QuantizedLinear,
+                         QuantizedWeight, generate, load_model, load_tokenizer, write_random_model)
+    from .hub import resolve_model_dir
+    from .matmul import quantized_matmul
     from .moe import EngineFallbackWarning, batched_experts_forward, fused_moe, shared_expert_moe
     from .nn import QuantizedExperts, QuantizedMoE
     from .routing import fused_topk, grouped_topk, moe_align_block_size

@@ -160,4 +160,34 @@ def fused_moe_trainable(hidden_states, topk_weights, topk_ids, weights, *, activ
     return f(hidden_states, topk_weights, topk_ids, weights, em)
 
 
-__all__ = ["fused_moe_trainable"]
+@functools.lru_cache(maxsize=None)
+def matmul_trainable(executor: str, gemm=None):
+    """An engine's dense linear ``(x, w, bias) -> x Wᵀ + b`` (float32) with a VJP: the kernels have
+    no differentiation rule, so the backward is ``dx = dy W`` on XLA, ``W`` (the layer's, for a
+    stack) dequantized to the activations' 16-bit dtype as the kernel sees it, ``dy`` rounded to
+    it, float32 accumulation; the frozen weights and the bias get zero cotangents. ``gemm``: the
+    wgmma kernel's stand-in (its jnp reference, for checks on any device)."""
+    ex = executors.BY_NAME[executor]
+    extra = {} if gemm is None else {"gemm": gemm}
+
+    def forward(x, w, bias):
+        return ex.matmul(x, w, bias, None, **extra)
+
+    f = jax.custom_vjp(forward)
+
+    def fwd(x, w, bias):
+        return forward(x, w, bias), (x, w, bias)
+
+    def bwd(res, g):
+        x, w, bias = res
+        one = at_layer(w)
+        cdt = one.scale.dtype
+        wd = one.dequantize(cdt)[0]                                           # [N, K]
+        dx = jnp.einsum("...n,nk->...k", g.astype(cdt), wd, preferred_element_type=jnp.float32)
+        return dx.astype(x.dtype), jax.tree.map(_zero_cotangent, w), _zero_cotangent(bias)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+__all__ = ["fused_moe_trainable", "matmul_trainable"]

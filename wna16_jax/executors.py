@@ -12,6 +12,11 @@ other way round: for a MARLIN-row layer on an NVIDIA GPU, the first engine whose
 ``prepares(weights, device)`` passes converts the loader layout into its own layout once, ahead
 of time; otherwise the row's own layout runs on the XLA executor.
 
+Each executor also runs the library's second operation, the dense quantized linear
+(:func:`wna16_jax.matmul.quantized_matmul`; ``matmul_supports`` / ``matmul``, and
+``prepares_matmul`` / ``prepare_matmul`` for laying a checkpoint matrix out at load): a dense
+linear is one expert that every row is routed to, so the wgmma engine runs it on its grouped GEMM.
+
 The engines adapt this library's weight pytrees to the kernels of the leaf package
 ``pallas_kernels`` (arrays and a config in, arrays out) and turn the kernels' errors into
 ``WNA16Error`` subclasses at that boundary.
@@ -23,17 +28,20 @@ import dataclasses
 import os
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.device import wgmma_device_reason
+from pallas_kernels.device import num_sms, wgmma_device_reason
 from pallas_kernels.fused_moe_tiles import batched_experts_tiles, fused_moe_tiles, fused_moe_tiles_bwd
+from pallas_kernels.wgmma_config import LayerConfig, plan_gemm
+from pallas_kernels.wgmma_gemm import wgmma_grouped_gemm
 from pallas_kernels.wgmma_layer import fused_moe_wgmma
 
 from .convert.marlin import MarlinWeights
 from .convert.tiles import TileWeights, convert_tiles, tile_unsupported_reason
-from .convert.wgmma import WgmmaWeights, convert_wgmma, wgmma_unsupported_reason
+from .convert.wgmma import WgmmaForm, WgmmaWeights, convert_wgmma, wgmma_matrix, wgmma_unsupported_reason
 from .device import Device, _dtype_name
 from .errors import ConfigError, UnsupportedError, kernel_errors
-from .weights import LayerStack
+from .weights import CheckpointForm, LayerStack
 
 _ENGINE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: ``WNA16_JAX_GPU_KERNELS``: which engine :meth:`BackendSpec.prepare` lays MARLIN layers out for.
@@ -104,15 +112,49 @@ class Executor:
             global_num_experts, block_m):
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ the dense linear (quantized_matmul)
+    def matmul_supports(self, w, device=None, *, x_dtype=None) -> str | None:
+        """Why this executor does not run ``x Wᵀ`` for the one-expert matrix ``w`` (a
+        :class:`~wna16_jax.weights.QuantMatrix`, or a :class:`~wna16_jax.weights.LayerStack` of
+        them) as it is laid out, on ``device``, for ``x_dtype`` activations (None: it does)."""
+        return f"the {self.name} executor runs no dense linear"
+
+    def prepares_matmul(self, form, device=None, input_dtype=None) -> str | None:
+        """Why this executor does not lay a checkpoint matrix of ``form`` (a
+        :class:`~wna16_jax.weights.CheckpointForm`: its sizes and scheme, known before any weight is
+        read) out for itself on ``device`` for ``input_dtype`` activations (None: it does)."""
+        return f"{self.name} converts nothing"
+
+    def prepare_matmul(self, w, input_dtype=None):
+        raise UnsupportedError(f"{self.name}: converts nothing")
+
+    def matmul(self, x, w, bias, compute_dtype):
+        """``x Wᵀ + b`` in float32 (``x [..., K]``; ``w`` the matrix or a stack of them)."""
+        raise NotImplementedError
+
 
 class XLAExecutor(Executor):
-    """Dequantizes on the fly in XLA; runs every layout on every platform."""
+    """Dequantizes on the fly in XLA; runs every layout on every platform, the fused MoE (its
+    formulations live in :mod:`wna16_jax.moe`) and the dense linear."""
 
     def supports(self, weights, device=None, **_):
         return None
 
     def run(self, *args, **kwargs):                  # the formulations live in wna16_jax.moe
-        raise NotImplementedError("the XLA executor runs inside wna16_jax.moe")
+        raise NotImplementedError("the XLA executor's fused MoE runs inside wna16_jax.moe")
+
+    def matmul_supports(self, w, device=None, *, x_dtype=None):
+        return None
+
+    def matmul(self, x, w, bias, compute_dtype):
+        """Dequantize ``W`` inside the program (exact in float32, then ``compute_dtype``) and run one
+        ``dot`` accumulating in float32 (a stack: the layer's matrix, fused into the dequantization)."""
+        cdt = jnp.dtype(compute_dtype)
+        m = w.at_layer() if isinstance(w, LayerStack) else w
+        wd = m.dequantize(cdt)[0]                                         # [N, K]
+        prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+        y = jnp.einsum("...k,nk->...n", x.astype(cdt), wd, precision=prec, preferred_element_type=jnp.float32)
+        return y if bias is None else y + bias.astype(jnp.float32)
 
 
 class WgmmaEngine(Executor):
@@ -156,6 +198,64 @@ class WgmmaEngine(Executor):
                                activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
                                expert_map=expert_map, global_num_experts=global_num_experts, block_m=block_m,
                                **stack)
+
+
+    def matmul_supports(self, w, device=None, *, x_dtype=None):
+        dev = _device(device)
+        m = w.stacked if isinstance(w, LayerStack) else w
+        if not isinstance(getattr(m, "form", None), WgmmaForm):
+            return f"{type(getattr(m, 'form', m)).__name__} is not the wgmma layout"
+        reason = _nvidia_reason(dev) or wgmma_device_reason(dev.compute_capability, dev.describe())
+        if reason:
+            return f"{reason} (this matrix was laid out for the wgmma kernels of a Hopper GPU)"
+        if x_dtype is not None and jnp.dtype(x_dtype) not in _ENGINE_DTYPES:
+            return f"activations are {jnp.dtype(x_dtype).name}; the wgmma GEMM takes bfloat16 / float16"
+        return None
+
+    def prepares_matmul(self, form, device=None, input_dtype=None):
+        """The wgmma kernels take 4-bit codes without act-order, group 128 or channelwise scales,
+        N a multiple of 64 and K of 128, 16-bit activations, on a Hopper GPU."""
+        dev = _device(device)
+        if not isinstance(form, CheckpointForm):
+            return f"{type(form).__name__} is not a checkpoint matrix"
+        s = form.scheme
+        return (_nvidia_reason(dev) or wgmma_device_reason(dev.compute_capability, dev.describe())
+                or (f"{jnp.dtype(input_dtype).name} activations (the wgmma GEMM takes bfloat16 / float16)"
+                    if input_dtype is not None and jnp.dtype(input_dtype) not in _ENGINE_DTYPES else None)
+                or (f"{s.bits}-bit codes (the wgmma kernels take 4-bit)" if s.bits != 4 else None)
+                or ("act-order (g_idx)" if s.act_order else None)
+                or (f"group size {s.group_size}" if s.group_size not in (-1, 128) else None)
+                or (f"N={form.n} is not a multiple of 64" if form.n % 64 else None)
+                or (f"K={form.k} is not a multiple of 128" if form.k % 128 else None))
+
+    def prepare_matmul(self, w, input_dtype=None):
+        dt = jnp.float16 if input_dtype is not None and jnp.dtype(input_dtype) == jnp.float16 else jnp.bfloat16
+        return jax.jit(wgmma_matrix, static_argnums=1)(w, dt)
+
+    def matmul(self, x, w, bias, compute_dtype, *, gemm=None):
+        """``x Wᵀ + b`` on the wgmma grouped GEMM as one expert that every row is routed to: the rows
+        padded to whole blocks, the GEMM's configuration from the layer's heuristics
+        (:func:`pallas_kernels.wgmma_config.plan_gemm`), float32 out. A stack of ``L`` layers' matrices
+        is read in place as ``L`` experts (every block routed to the layer's). ``gemm``: the kernel
+        (default) or its jnp reference."""
+        layer = None
+        if isinstance(w, LayerStack):
+            layer, w = jnp.asarray(w.index, jnp.int32), jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]),
+                                                                     w.stacked)
+        lead, k, n = x.shape[:-1], x.shape[-1], w.form.n
+        m = int(np.prod(lead)) if lead else 1
+        x = x.reshape(m, k)
+        bm = min(128, -(-m // 8) * 8)                    # all rows (to 8) up to 128, else blocks of 128
+        nb = -(-m // bm)
+        a = jnp.pad(x.astype(w.scale.dtype), ((0, nb * bm - m), (0, 0)))
+        cfg, _ = plan_gemm(LayerConfig(), n_blocks=nb, block_m=bm, n=n, k=k, has_zp=w.zero_point is not None,
+                           group_size=-1 if w.scale.shape[1] == 1 else 128, sms=num_sms())
+        with kernel_errors():
+            experts = jnp.zeros((nb,), jnp.int32) if layer is None else jnp.full((nb,), layer, jnp.int32)
+            out = (gemm or wgmma_grouped_gemm)(a, experts, w.qvalue, w.scale, w.zero_point, config=cfg)
+        y = out.astype(jnp.float32).sum(0)[:m]
+        y = y if bias is None else y + bias.astype(jnp.float32)
+        return y.reshape(*lead, n)
 
 
 def _input_reason(input_dtype) -> str | None:
@@ -314,5 +414,35 @@ def preparing_engine(weights, device=None, input_dtype=None, engines: tuple[Exec
     return None, tuple(refused)
 
 
+def select_matmul(w, x_dtype=None, *, executor: str = "auto", device=None) -> Choice:
+    """The executor that runs :func:`wna16_jax.matmul.quantized_matmul` for matrix ``w``: the first of
+    :data:`REGISTRY` whose ``matmul_supports`` passes (``"auto"``), or the one named (an
+    :class:`UnsupportedError` with its reason when it cannot)."""
+    if executor not in ("auto", *BY_NAME):
+        raise ConfigError(f"executor: expected 'auto' or one of {sorted(BY_NAME)}, got {executor!r}")
+    dev = _device(device)
+    refused = []
+    for ex in REGISTRY if executor == "auto" else (BY_NAME[executor],):
+        reason = ex.matmul_supports(w, dev, x_dtype=x_dtype)
+        if reason is None:
+            return Choice(ex, tuple(refused))
+        refused.append((ex.name, reason))
+    raise UnsupportedError(f"executor={executor!r}: " + "; ".join(f"{n}: {r}" for n, r in refused))
+
+
+def preparing_matmul_engine(form, device=None, input_dtype=None) -> tuple[Executor | None, tuple[tuple[str, str], ...]]:
+    """The first engine that lays a checkpoint matrix of ``form`` out for its dense-linear kernel on
+    ``device``, and the reasons of those that do not."""
+    dev = _device(device)
+    refused = []
+    for ex in ENGINES:
+        reason = ex.prepares_matmul(form, dev, input_dtype)
+        if reason is None:
+            return ex, tuple(refused)
+        refused.append((ex.name, reason))
+    return None, tuple(refused)
+
+
 __all__ = ["BY_NAME", "Choice", "ENGINES", "EXECUTOR_CHOICES", "Executor", "GPU_KERNELS", "REGISTRY", "TRITON",
-           "TRITON_INTERPRET", "WGMMA", "XLA", "fallback_warning_applies", "forced_gpu_kernels", "preparing_engine", "select"]
+           "TRITON_INTERPRET", "WGMMA", "XLA", "fallback_warning_applies", "forced_gpu_kernels", "preparing_engine",
+           "preparing_matmul_engine", "select", "select_matmul"]

@@ -119,6 +119,23 @@ class QuantMatrix:
     def take_experts(self, idx: Any) -> "QuantMatrix":
         return dataclasses.replace(self, **{f: _take(getattr(self, f), idx) for f in self.EXPERT_FIELDS})
 
+    @classmethod
+    def from_stored(cls, scheme: QuantScheme, stored: Any, *, n: int, k: int) -> "QuantMatrix":
+        """One matrix ``[n, k]`` as a checkpoint stores it (``stored``: suffix → array, the format
+        table's tensors) as a one-expert matrix in the checkpoint's form; the tensors the table
+        only checks (GPTQ's trivial ``g_idx`` and symmetric ``qzeros``, compressed-tensors'
+        ``weight_shape``) and the bias are left out. No values are checked here (the reader,
+        :func:`wna16_jax.checkpoint.read_matrix`, checks files)."""
+        from . import formats
+
+        kept = {t.suffix: t.role for t in formats.tensors(scheme, n, k).values() if t.kept and t.role != "bias"}
+        arrays = {kept[sfx]: a[None] for sfx, a in stored.items() if sfx in kept}
+        missing = sorted(set(kept.values()) - set(arrays))
+        if missing:
+            raise ShapeError(f"stored: {scheme.describe()} needs {[s for s, r in kept.items() if r in missing]}")
+        return cls(arrays["qweight"], arrays["scales"], arrays.get("qzeros"), arrays.get("g_idx"), bits=scheme.bits,
+                   group_size=scheme.group_size, form=CheckpointForm(n, k, scheme))
+
     @property
     def num_experts(self) -> int:
         return 0 if self.qvalue is None else int(self.qvalue.shape[0])

@@ -122,26 +122,29 @@ def convert_tiles(weights) -> TileWeights:
         return to_tiles()
     l13, l2 = weights.decode()
     b13, b2 = weights.decode_bias() or (None, None)
-
-    def one(lq: LogicalQuant, name):
-        perm = None
-        codes = lq.codes
-        scales = jnp.swapaxes(jnp.asarray(lq.scales), 1, 2)
-        if lq.g_idx is not None and jnp.asarray(lq.g_idx).ndim == 2:
-            codes, perm, ok = _sort_rows(lq)
-            if not isinstance(ok, jax.core.Tracer) and not bool(ok):
-                raise UnsupportedError(f"tile engine: {name}: act-order groups are not {lq.group_size} "
-                                       f"rows each after sorting")
-            scales = jnp.where(ok, scales, jnp.nan).astype(scales.dtype)
-        z = None if lq.zeros is None else jnp.swapaxes(jnp.asarray(lq.zeros), 1, 2).astype(jnp.uint8)
-        return pack_tiles(jnp.asarray(codes), lq.bits), scales, z, perm
-
-    w13, s13, z13, p13 = one(l13, "w13")
-    w2, s2, z2, p2 = one(l2, "w2")
-    return TileWeights.of(w13_qweight=w13, w2_qweight=w2, w13_scales=s13, w2_scales=s2, w13_zeros=z13, w2_zeros=z2,
-                          w13_bias=b13, w2_bias=b2, w13_perm=p13, w2_perm=p2, bits=l13.bits,
-                          group_size=l13.group_size, hidden_size=weights.hidden_size,
-                          intermediate_size=weights.intermediate_size)
+    t13, t2 = tile_matrix(l13, "w13"), tile_matrix(l2, "w2")
+    return TileWeights(t13, t2, b13, b2, bits=l13.bits, group_size=l13.group_size, hidden_size=weights.hidden_size,
+                       intermediate_size=weights.intermediate_size)
 
 
-__all__ = ["TileWeights", "convert_tiles", "tile_unsupported_reason"]
+def tile_matrix(lq: LogicalQuant, name: str = "matrix") -> QuantMatrix:
+    """One matrix's logical codes (``codes [E, N, K]``) in the engine's tile form: codes packed
+    ``[E, K/pf, N]``, scales and zero points ``[E, G, N]``, act-order rows sorted by group (the
+    order kept in ``perm``; see :func:`convert_tiles` for what happens when the groups are not
+    whole after sorting). A dense linear is one expert."""
+    perm = None
+    codes = lq.codes
+    scales = jnp.swapaxes(jnp.asarray(lq.scales), 1, 2)
+    if lq.g_idx is not None and jnp.asarray(lq.g_idx).ndim == 2:
+        codes, perm, ok = _sort_rows(lq)
+        if not isinstance(ok, jax.core.Tracer) and not bool(ok):
+            raise UnsupportedError(f"tile engine: {name}: act-order groups are not {lq.group_size} "
+                                   f"rows each after sorting")
+        scales = jnp.where(ok, scales, jnp.nan).astype(scales.dtype)
+    z = None if lq.zeros is None else jnp.swapaxes(jnp.asarray(lq.zeros), 1, 2).astype(jnp.uint8)
+    e, n, k = jnp.shape(codes)
+    return QuantMatrix(pack_tiles(jnp.asarray(codes), lq.bits), scales, z, None, perm, bits=lq.bits,
+                       group_size=lq.group_size, form=TileForm(n, k))
+
+
+__all__ = ["TileWeights", "convert_tiles", "tile_matrix", "tile_unsupported_reason"]

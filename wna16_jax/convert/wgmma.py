@@ -17,7 +17,7 @@ from pallas_kernels.wgmma_layout import (BLOCK_K, BLOCK_N, GATE_HALF, deinterlea
 
 from ..errors import UnsupportedError, kernel_errors
 from ..weights import ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
-from .tiles import TileForm, TileWeights, convert_tiles, gemm_experts, tile_unsupported_reason
+from .tiles import TileForm, TileWeights, convert_tiles, gemm_experts, tile_matrix, tile_unsupported_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,16 +135,26 @@ def convert_wgmma(weights, dtype=jnp.bfloat16) -> WgmmaWeights:
     tw = convert_tiles(weights)
     if tw.w13_scales.shape[1] not in (1, tw.hidden_size // BLOCK_K):
         raise UnsupportedError(f"wgmma engine: {tw.w13_scales.shape[1]} scale groups over K={tw.hidden_size}")
-    w13 = to_wgmma_layout(tw.w13_qweight, tw.w13_scales, tw.w13_zeros, dtype)
-    w2 = to_wgmma_layout(tw.w2_qweight, tw.w2_scales, tw.w2_zeros, dtype)
+    w13, w2 = wgmma_matrix(tw.w13, dtype), wgmma_matrix(tw.w2, dtype)
     inter = tw.intermediate_size % GATE_HALF == 0       # the gated epilogue's column order
     if inter:
-        w13 = (interleave_gate_up(w13[0], 1), interleave_gate_up(w13[1], 2),
-               None if w13[2] is None else interleave_gate_up(w13[2], 2))
-    return WgmmaWeights.of(w13_words=w13[0], w2_words=w2[0], w13_scales=w13[1], w2_scales=w2[1], w13_zeros=w13[2],
-                           w2_zeros=w2[2], w13_bias=tw.w13_bias, w2_bias=tw.w2_bias, w13_perm=tw.w13_perm,
-                           w2_perm=tw.w2_perm, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size,
-                           w13_interleaved=inter)
+        w13 = dataclasses.replace(w13, qvalue=interleave_gate_up(w13.qvalue, 1), scale=interleave_gate_up(w13.scale, 2),
+                                  zero_point=None if w13.zero_point is None else interleave_gate_up(w13.zero_point, 2),
+                                  form=WgmmaForm(w13.form.n, w13.form.k, True))
+    return WgmmaWeights(dataclasses.replace(w13, perm=tw.w13_perm), dataclasses.replace(w2, perm=tw.w2_perm),
+                        tw.w13_bias, tw.w2_bias, hidden_size=tw.hidden_size, intermediate_size=tw.intermediate_size,
+                        w13_interleaved=inter)
 
 
-__all__ = ["WgmmaWeights", "convert_wgmma", "wgmma_unsupported_reason"]
+def wgmma_matrix(m: QuantMatrix, dtype=jnp.bfloat16) -> QuantMatrix:
+    """One matrix (any form with a decode; a dense linear is one expert) in the wgmma kernels' form
+    for ``dtype`` activations, through the engine's tile form: 16-bit words ``[E, N, K/4]``,
+    scales and biased zero points ``[E, G, N]`` in ``dtype``; group 128, or -1 where there is one
+    group. Act-order matrices (a row order) are not taken here: their order stays with the tiles."""
+    tiles = m if isinstance(m.form, TileForm) else tile_matrix(m.decode())
+    words, scales, zeros = to_wgmma_layout(tiles.qvalue, tiles.scale, tiles.zero_point, dtype)
+    return QuantMatrix(words, scales, zeros, None, None, bits=4, group_size=-1 if scales.shape[1] == 1 else BLOCK_K,
+                       form=WgmmaForm(tiles.form.n, tiles.form.k, False))
+
+
+__all__ = ["WgmmaForm", "WgmmaWeights", "convert_wgmma", "wgmma_matrix", "wgmma_unsupported_reason"]

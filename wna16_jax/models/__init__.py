@@ -14,10 +14,10 @@ See ``docs/models.md``.
 from .config import SUPPORTED_FAMILIES, SUPPORTED_ROPE_TYPES, DecoderConfig
 from .decoder import MoEDecoder, load_model
 from .generation import Generator, generate
-from .linear import DenseLinear, QuantizedLinear, QuantizedLinearWeights, QuantizedWeight, quantized_matmul
+from .linear import DenseLinear, QuantizedLinear, QuantizedWeight, quantized_matmul
 from .synthetic import write_random_model
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DecoderConfig", "SUPPORTED_FAMILIES", "SUPPORTED_ROPE_TYPES", "MoEDecoder", "load_model", "Generator",
-           "generate", "QuantizedLinear", "QuantizedLinearWeights", "QuantizedWeight", "DenseLinear",
+           "generate", "QuantizedLinear", "QuantizedWeight", "DenseLinear",
            "quantized_matmul", "write_random_model", "Tokenizer", "load_tokenizer"]

@@ -42,11 +42,12 @@ from ..device import Device
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
 from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE
 from ..safetensors_io import load_json
-from ..weights import layer_stack
 from .config import DecoderConfig
 from .generation_config import read_generation_config
-from .linear import (QUANTIZED_MARKERS, DenseLinear, QuantizedLinear, QuantizedWeight, quantized_matmul,
-                     read_quantized_linear)
+from .. import formats
+from ..checkpoint import MatrixPart, read_matrix
+from ..weights import CheckpointForm
+from .linear import DenseLinear, QuantizedLinear, QuantizedWeight, engine_for, quantized_matmul
 
 _MASKED = -1e30
 
@@ -200,15 +201,14 @@ class Attention(nnx.Module):
     sliding window. With a cache, the new keys / values are written at their positions (cache
     slot = position) and the queries attend to the first ``kv_len`` slots."""
 
-    def __init__(self, config: DecoderConfig, q_proj, k_proj, v_proj, o_proj, q_norm=None, k_norm=None):
+    def __init__(self, config: DecoderConfig, qkv, o_proj, q_norm=None, k_norm=None):
+        """``qkv``: the q, k and v projections as three linears, or as one (``qkv_proj``, read as one
+        matrix of three parts where an engine runs it: one GEMM)."""
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.sliding_window = config.sliding_window
         self.inv_freq, self.rope_scale = rope_frequencies(config)
         self.softmax_scale = float(config.scale)
-        # on the wgmma kernels, q, k and v are one GEMM (``qkv_proj``; q/k/v_proj are then None)
-        self.qkv_proj = QuantizedLinear.fused([q_proj, k_proj, v_proj])
-        if self.qkv_proj is not None:
-            q_proj = k_proj = v_proj = None
+        self.qkv_proj, (q_proj, k_proj, v_proj) = (qkv, (None,) * 3) if not isinstance(qkv, tuple) else (None, qkv)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
@@ -261,17 +261,6 @@ class Attention(nnx.Module):
         return _apply(self.o_proj, out.reshape(b, 1, nh * hd), layer), cache
 
 
-def dense_weight(lin, dtype, layer=None):
-    """The ``[N, K]`` weight of linear ``lin`` in ``dtype``, dequantized inside the program when
-    ``lin`` is quantized (in a scanned decoder, ``layer``'s from the stack)."""
-    if isinstance(lin, QuantizedLinear):
-        w = lin.weight.get_value()
-        if layer is not None:
-            w = layer_stack(w, layer).at_layer()
-        return w.dequantize(dtype)
-    return lin.weight[...].astype(dtype)
-
-
 class LatentAttention(nnx.Module):
     """DeepSeek's multi-head latent attention (MLA). Queries: ``q_proj``, or ``q_a_proj`` →
     RMS norm → ``q_b_proj``; each head's query is ``qk_nope_head_dim`` plain dimensions and
@@ -286,8 +275,10 @@ class LatentAttention(nnx.Module):
     the attention-weighted latent is expanded by ``W_uv`` per head before ``o_proj``: the same
     products, in another order."""
 
-    def __init__(self, config: DecoderConfig, q_proj, q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
-                 kv_a_layernorm, kv_b_proj, o_proj):
+    def __init__(self, config: DecoderConfig, x_proj, q_a_layernorm, q_b_proj, kv_a_layernorm, kv_b_proj, o_proj):
+        """``x_proj``: the two projections of ``x`` — ``(q_proj, None, kv_a_proj_with_mqa)`` or
+        ``(None, q_a_proj, kv_a_proj_with_mqa)`` — or one linear holding both (read as one matrix of
+        two parts where an engine runs it)."""
         m = config.mla
         self.num_heads = config.num_heads
         self.nope, self.rope = m.qk_nope_head_dim, m.qk_rope_head_dim
@@ -295,11 +286,8 @@ class LatentAttention(nnx.Module):
         self.inv_freq, self.rope_scale = rope_frequencies(config)
         self.interleaved = bool(config.rope_interleaved)
         self.softmax_scale = float(config.scale)
-        # on the wgmma kernels, the two projections of x (q_proj or q_a_proj, and
-        # kv_a_proj_with_mqa) are one GEMM (``x_proj``; the two are then None)
-        self.x_proj = QuantizedLinear.fused([q_proj if q_proj is not None else q_a_proj, kv_a_proj_with_mqa])
-        if self.x_proj is not None:
-            q_proj = q_a_proj = kv_a_proj_with_mqa = None
+        self.x_proj, (q_proj, q_a_proj, kv_a_proj_with_mqa) = ((x_proj, (None,) * 3) if not isinstance(x_proj, tuple)
+                                                              else (None, x_proj))
         self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj = q_proj, q_a_proj, q_a_layernorm, q_b_proj
         self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj = kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
         self.o_proj = o_proj
@@ -325,7 +313,7 @@ class LatentAttention(nnx.Module):
         lat, kr = lat[:, 0], kr[:, 0]                                     # [B, T, rank], [B, T, rope]
         cdt = x.dtype if x.dtype == jnp.float32 or jax.default_backend() != "cpu" else jnp.float32
         prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
-        w = dense_weight(self.kv_b_proj, cdt, layer).reshape(nh, nope + self.v_dim, r)
+        w = self.kv_b_proj.dense(cdt, layer).reshape(nh, nope + self.v_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
 
         def dot(spec, a, c):
@@ -445,7 +433,8 @@ class MoEDecoder(nnx.Module):
     def logits(self, h):
         """float32 logits of hidden states ``h [..., H]`` (products accumulated in float32)."""
         if isinstance(self.lm_head, QuantizedLinear):
-            return quantized_matmul(h, self.lm_head.weight.get_value(), out_dtype=jnp.float32)
+            b = None if self.lm_head.bias is None else self.lm_head.bias.get_value()
+            return quantized_matmul(h, self.lm_head.weight.get_value(), b, out_dtype=jnp.float32)
         w = (self.embed_tokens if self.lm_head is None else self.lm_head.weight)[...].astype(h.dtype)
         prec = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
         return jnp.einsum("...h,vh->...v", h, w, precision=prec, preferred_element_type=jnp.float32)
@@ -591,38 +580,72 @@ class _Tensors:
         return a
 
 
+def _quantized_scheme(tensors: _Tensors, module: str, bias: bool):
+    """The scheme of ``module`` if the checkpoint stores it quantized (None: a 16-bit linear), its
+    bias checked against the config."""
+    found = tensors.modules.get(module, {})
+    if not any(m in found for m in formats.QUANTIZED_MARKERS):
+        return None
+    scheme = tensors.ckpt.quant_config.scheme_for(module)
+    if scheme is None:
+        raise ConfigError(f"{module}: the checkpoint stores it quantized "
+                          f"({sorted(found)}), but quantization_config leaves it unquantized "
+                          f"({tensors.ckpt.quant_config.group_for(module) or 'no matching group'})")
+    _check_bias(module, found, bias)
+    return scheme
+
+
+def _check_bias(module: str, found, bias: bool) -> None:
+    if bias and "bias" not in found:
+        raise MissingTensorError(f"{module}.bias: required by config.json (attention biases), not found")
+    if not bias and "bias" in found:
+        raise UnexpectedTensorError(f"{module}.bias: present, but config.json says the layer has no bias")
+
+
+def _quantized_linear(tensors: _Tensors, modules: Sequence[str], ns: Sequence[int], k: int, scheme, *, dtype):
+    """One :class:`QuantizedLinear` reading ``modules`` (which read the same input) as one matrix
+    of their parts along N."""
+    reason = next((formats.size_reason(scheme, n, k) for n in ns if formats.size_reason(scheme, n, k)), None)
+    if reason:
+        raise ShapeError(f"{modules[0]}: {reason}")
+    parts = [MatrixPart([dict(tensors.modules.get(m, {}))], n, m) for m, n in zip(modules, ns)]
+    m, bias = read_matrix(tensors.ckpt, scheme, parts, k=k)
+    return QuantizedLinear(m, None if bias is None else bias[0], compute_dtype=dtype, splits=ns)
+
+
 def _linear(tensors: _Tensors, module: str, n: int, k: int, *, bias: bool, dtype, param_dtype,
             dequantized: bool):
     """The linear ``module`` (``W [n, k]``): quantized if its tensors are, else 16-bit."""
-    found = tensors.modules.get(module, {})
-    ckpt = tensors.ckpt
-    if any(m in found for m in QUANTIZED_MARKERS):
-        scheme = ckpt.quant_config.scheme_for(module)
-        if scheme is None:
-            raise ConfigError(f"{module}: the checkpoint stores it quantized "
-                              f"({sorted(found)}), but quantization_config leaves it unquantized "
-                              f"({ckpt.quant_config.group_for(module) or 'no matching group'})")
-        if bias and "bias" not in found:
-            raise MissingTensorError(f"{module}.bias: required by config.json (attention biases), not found")
-        if not bias and "bias" in found:
-            raise UnexpectedTensorError(f"{module}.bias: present, but config.json says the layer has no bias")
-        w = read_quantized_linear(ckpt, module, found, scheme, out_features=n, in_features=k)
-        layer = QuantizedLinear(w, compute_dtype=dtype)
+    scheme = _quantized_scheme(tensors, module, bias)
+    if scheme is not None:
+        layer = _quantized_linear(tensors, [module], [n], k, scheme, dtype=dtype)
         return layer.dequantized(jnp.bfloat16) if dequantized else layer
+    found = tensors.modules.get(module, {})
     if "weight" not in found:
-        raise MissingTensorError(f"{module}.weight: not found in {ckpt.path!r} (nor a quantized "
+        raise MissingTensorError(f"{module}.weight: not found in {tensors.ckpt.path!r} (nor a quantized "
                                  f"{module}.qweight / {module}.weight_packed)")
     extra = sorted(set(found) - {"weight", "bias"})
     if extra:
         raise UnexpectedTensorError(f"{module}: a 16-bit linear with unexpected tensors "
                                     f"{[f'{module}.{s}' for s in extra]}")
-    if bias and "bias" not in found:
-        raise MissingTensorError(f"{module}.bias: required by config.json (attention biases), not found")
-    if not bias and "bias" in found:
-        raise UnexpectedTensorError(f"{module}.bias: present, but config.json says the layer has no bias")
+    _check_bias(module, found, bias)
     w = tensors.float_tensor(found["weight"], (n, k))
     b = tensors.float_tensor(found["bias"], (n,)) if bias else None
     return DenseLinear(w, b, compute_dtype=dtype, param_dtype=param_dtype)
+
+
+def _linears(tensors: _Tensors, modules: Sequence[str], ns: Sequence[int], k: int, biases: Sequence[bool], *,
+             dtype, param_dtype, dequantized: bool):
+    """The linears ``modules``, which read the same input: one :class:`QuantizedLinear` reading them
+    as one matrix (one GEMM) where they are quantized alike and an engine runs the whole (a
+    load-time concatenation along N), else a tuple of one linear each."""
+    schemes = [_quantized_scheme(tensors, m, b) for m, b in zip(modules, biases)]
+    s0 = schemes[0]
+    if (not dequantized and s0 is not None and all(s == s0 for s in schemes) and len(set(biases)) == 1
+            and engine_for(CheckpointForm(sum(ns), k, s0), dtype)[0] is not None):
+        return _quantized_linear(tensors, modules, ns, k, s0, dtype=dtype)
+    return tuple(_linear(tensors, m, n, k, bias=b, dtype=dtype, param_dtype=param_dtype, dequantized=dequantized)
+                 for m, n, b in zip(modules, ns, biases))
 
 
 def _dense_experts(w, dtype):
@@ -641,18 +664,23 @@ def _dense_experts(w, dtype):
 LATENT_NORM_EPS = 1e-6
 
 
-def _latent_attention(c: DecoderConfig, p: str, lin, norm) -> LatentAttention:
+def _latent_attention(c: DecoderConfig, p: str, lin, lins, norm) -> LatentAttention:
     """The :class:`LatentAttention` of module prefix ``p`` (``model.layers.{i}.self_attn``)."""
     m, h, nh = c.mla, c.hidden_size, c.num_heads
+    kv_a = (f"{p}.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, m.attention_bias)
     if m.q_lora_rank is None:
-        q = (lin(f"{p}.q_proj", nh * m.qk_head_dim, h), None, None, None)
+        x_proj = lins((f"{p}.q_proj", nh * m.qk_head_dim, False), kv_a)
+        q_a_norm = q_b = None
+        if isinstance(x_proj, tuple):
+            x_proj = (x_proj[0], None, x_proj[1])
     else:
-        q = (None, lin(f"{p}.q_a_proj", m.q_lora_rank, h, m.attention_bias),
-             norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS),
-             lin(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank))
+        x_proj = lins((f"{p}.q_a_proj", m.q_lora_rank, m.attention_bias), kv_a)
+        q_a_norm = norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS)
+        q_b = lin(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank)
+        if isinstance(x_proj, tuple):
+            x_proj = (None, x_proj[0], x_proj[1])
     return LatentAttention(
-        c, *q, lin(f"{p}.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h, m.attention_bias),
-        norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
+        c, x_proj, q_a_norm, q_b, norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
         lin(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
         lin(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
 
@@ -715,6 +743,10 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         return _linear(tensors, module, n, k, bias=bias, dtype=dtype, param_dtype=param_dtype,
                        dequantized=dequantized)
 
+    def lins(*specs, k=h):                 # (module, n, bias) of linears that read the same input
+        return _linears(tensors, [m for m, _, _ in specs], [n for _, n, _ in specs], k, [b for _, _, b in specs],
+                        dtype=dtype, param_dtype=param_dtype, dequantized=dequantized)
+
     def norm(name, size, eps=c.rms_norm_eps):
         return RMSNorm(tensors.float_tensor(name, (size,)), eps, param_dtype=param_dtype)
 
@@ -736,13 +768,13 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         if c.mla is not None:
-            attn = _latent_attention(c, f"{p}.self_attn", lin, norm)
+            attn = _latent_attention(c, f"{p}.self_attn", lin, lins, norm)
         else:
+            a = f"{p}.self_attn"
             attn = Attention(
-                c, lin(f"{p}.self_attn.q_proj", nh * hd, h, c.qkv_bias),
-                lin(f"{p}.self_attn.k_proj", nkv * hd, h, c.qkv_bias),
-                lin(f"{p}.self_attn.v_proj", nkv * hd, h, c.qkv_bias),
-                lin(f"{p}.self_attn.o_proj", h, nh * hd, c.o_bias),
+                c, lins((f"{a}.q_proj", nh * hd, c.qkv_bias), (f"{a}.k_proj", nkv * hd, c.qkv_bias),
+                        (f"{a}.v_proj", nkv * hd, c.qkv_bias)),
+                lin(f"{a}.o_proj", h, nh * hd, c.o_bias),
                 norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
                 norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
         if c.sparse_layers[i]:
@@ -788,5 +820,5 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
 
 
 __all__ = ["MoEDecoder", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",
-           "rope_frequencies", "dense_weight", "RMSNorm", "load_model", "apply_rope",
+           "rope_frequencies", "RMSNorm", "load_model", "apply_rope",
            "rope_inverse_frequencies", "default_dtype"]
