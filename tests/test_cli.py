@@ -1,4 +1,6 @@
-"""The command line: `python -m wna16_jax demo` (the README's main job) and `inspect DIR`."""
+"""The command line: `python -m wna16_jax demo` (the README's main job), `inspect DIR`, `generate`
+on a real-tool checkpoint, and bad command lines (each one stderr line, exit status 2, nothing
+written). Chat, batches, hub ids, --version / --help, pipes and Ctrl-C: tests/test_cli_chat.py."""
 
 import io
 import os
@@ -81,8 +83,9 @@ def test_generate_streams_the_reference_tokens(capsys):
     case = os.path.join(FIXTURES, "awq-qwen3moe")             # no eos in its config: no early stop
     ref = np.load(os.path.join(case, "reference.npz"))
     tok = load_tokenizer(case)
+    # the folder's generation_config.json says do_sample: --temperature 0 asks for greedy
     assert main(["generate", case, "--prompt", str(ref["prompt_text"]), "--max-new-tokens", "12",
-                 "--dtype", "float32"]) == 0
+                 "--temperature", "0", "--dtype", "float32"]) == 0
     out, err = capsys.readouterr()
     want = tok.decode(np.concatenate([ref["prompt_ids"], ref["generated_ids"][:12]]))
     assert out.strip() == want.strip()
@@ -94,13 +97,144 @@ def test_generate_streams_the_reference_tokens(capsys):
     assert out[:6] == ids.split(",") and len(out) == 9 and all(0 <= int(t) < 320 for t in out)
 
 
+# --------------------------------------------------------------------------- hostile command lines
+
+#: a tiny real-tool checkpoint: vocab_size 320, max_position_embeddings 256, eos id 2, a
+#: tokenizer.json but no chat template
+MIXTRAL = os.path.join(FIXTURES, "gptq-mixtral")
+HUGE_SEED = str(2**80)
+
+
+def _tree(root) -> dict:
+    """Every entry under ``root`` with its kind and content hash (a write anywhere changes it)."""
+    import hashlib
+
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if os.path.isdir(p):
+                out[rel] = "dir"
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tmp_path_factory):
+    """The Mixtral checkpoint without its tokenizer files."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("no_tokenizer")
+    for name in ("config.json", "generation_config.json", "model.safetensors", "quantize_config.json"):
+        shutil.copy(os.path.join(MIXTRAL, name), folder / name)
+    return folder
+
+
+G = ["generate", "{mixtral}"]
+IDS = [*G, "--prompt-ids", "1,2"]
+
+
 @pytest.mark.parametrize("args,words", [
-    (["--prompt-ids", "1,2,999"], ["ValueRangeError", "prompts[0][2]", "[0, 320)", "999"]),
-    (["--prompt-ids", "1,x"], ["ConfigError", "--prompt-ids"]),
-    (["--prompt-ids", "1", "--max-new-tokens", "300"], ["ValueRangeError", "max_len"]),
-    ([], ["ConfigError", "--prompt"]),
+    # --prompt-ids: parsed before anything is loaded
+    ([*G, "--prompt-ids", "1,,2"], ["ConfigError", "--prompt-ids", "entry 1", "empty"]),
+    ([*G, "--prompt-ids", ""], ["ConfigError", "--prompt-ids", "entry 0", "empty"]),
+    ([*G, "--prompt-ids", "1,x"], ["ConfigError", "--prompt-ids", "entry 1", "'x'"]),
+    ([*G, "--prompt-ids", "1,2.5"], ["ConfigError", "--prompt-ids", "'2.5'"]),
+    ([*G, "--prompt-ids", "1,-3"], ["ConfigError", "--prompt-ids[1]", ">= 0", "-3"]),
+    ([*G, "--prompt-ids", "1_0"], ["ConfigError", "--prompt-ids", "'1_0'"]),
+    # ids past the vocabulary, and cache sizes: the library's checks, after the load, one line
+    ([*G, "--prompt-ids", "1,2,999"], ["ValueRangeError", "--prompt-ids[2]", "[0, 320)", "999"]),
+    ([*G, "--prompt-ids", "1", "--prompt-ids", "2,320"], ["ValueRangeError", "--prompt-ids[1][1]", "320"]),
+    ([*IDS, "--max-new-tokens", "300"], ["ValueRangeError", "max_new_tokens 300", "max_len=256"]),
+    ([*IDS, "--max-len", "1000"], ["ValueRangeError", "max_len", "max_position_embeddings=256", "1000"]),
+    # which prompts
+    (G, ["ConfigError", "--prompt", "got none"]),
+    ([*G, "--prompt", "the cat", "--prompt-ids", "1"], ["ConfigError", "--prompt-ids", "not both"]),
+    ([*IDS, "--chat"], ["ConfigError", "--chat", "--prompt-ids"]),
+    ([*G, "--prompt", "the cat", "--system", "be brief"], ["ConfigError", "--system", "--chat"]),
+    ([*G, "--prompt", "the cat", "--chat"], ["ConfigError", "--chat", "no chat template", "gptq-mixtral"]),
+    ([*G, "--prompt", ""], ["ConfigError", "--prompt", "no tokens", "''"]),
+    (["generate", "{notok}", "--prompt", "hi"], ["ConfigError", "tokenizer.json", "--prompt-ids", "no_tokenizer"]),
+    (["generate", "WRONGDIR", "--prompt", "hi"], ["ConfigError", "'WRONGDIR'", "no such folder"]),
+    (["generate", "{tmp}/missing", "--prompt-ids", "1"], ["ConfigError", "missing", "no such folder"]),
+    # --prompt-file
+    ([*G, "--prompt-file", "missing.txt"], ["ConfigError", "--prompt-file", "missing.txt", "no such file"]),
+    ([*G, "--prompt-file", "{tmp}/folder"], ["ConfigError", "--prompt-file", "folder", "regular file"]),
+    ([*G, "--prompt-file", "blank.txt"], ["ConfigError", "--prompt-file", "blank.txt", "no prompt"]),
+    ([*G, "--prompt-file", "latin1.txt"], ["CorruptFileError", "--prompt-file", "latin1.txt", "UTF-8"]),
+    # numbers
+    ([*IDS, "--seed", HUGE_SEED], ["ConfigError", "--seed", HUGE_SEED, "4294967295"]),
+    ([*IDS, "--seed", "-1"], ["ConfigError", "--seed", "-1"]),
+    ([*IDS, "--seed", "x"], ["ConfigError", "--seed", "'x'"]),
+    ([*IDS, "--temperature", "-1"], ["ConfigError", "temperature", "-1"]),
+    ([*IDS, "--temperature", "nan"], ["ConfigError", "temperature", "nan"]),
+    ([*IDS, "--top-p", "0"], ["ConfigError", "top_p", "> 0"]),
+    ([*IDS, "--top-p", "1.5"], ["ConfigError", "top_p", "1.5"]),
+    ([*IDS, "--top-k", "-2"], ["ConfigError", "top_k", "-2"]),
+    ([*IDS, "--top-k", "2.5"], ["ConfigError", "--top-k", "'2.5'"]),
+    ([*IDS, "--max-new-tokens", "0"], ["ConfigError", "--max-new-tokens", "0"]),
+    ([*IDS, "--max-len", "0"], ["ConfigError", "--max-len", "0"]),
+    ([*IDS, "--dtype", "float64"], ["ConfigError", "--dtype", "float64", "bfloat16"]),
+    ([*IDS, "--revision", "../x"], ["ConfigError", "revision", "../x"]),
+    ([*IDS, "--revision", "main"], ["ConfigError", "revision='main'", "checkpoint folder"]),
+    ([*IDS, "--bogus"], ["ConfigError", "unrecognized arguments", "--bogus"]),
+    # chat
+    (["chat", "{mixtral}"], ["ConfigError", "chat", "no chat template", "gptq-mixtral"]),
+    (["chat", "{notok}"], ["ConfigError", "chat", "tokenizer.json", "no_tokenizer"]),
+    (["chat", "{mixtral}", "--seed", HUGE_SEED], ["ConfigError", "--seed", HUGE_SEED]),
+    (["chat", "{mixtral}", "--top-p", "2"], ["ConfigError", "top_p", "2"]),
+    # the other commands
+    (["inspect", "WRONGDIR"], ["ConfigError", "'WRONGDIR'", "no such folder"]),
+    (["convert", "{mixtral}", "--backend", "nope", "--out", "out"], ["ConfigError", "backend", "'nope'"]),
+    (["convert", "{mixtral}", "--backend", "marlin", "--out", "out", "--input-dtype", "fp4"],
+     ["ConfigError", "--input-dtype", "'fp4'"]),
+    (["convert", "{mixtral}", "--backend", "cpu", "--out", "out", "--expert-chunk", "0"],
+     ["ConfigError", "--expert-chunk", "0"]),
+    (["convert", "{mixtral}", "--out", "out"], ["ConfigError", "--backend", "required"]),
+    (["demo", "--tokens", "0"], ["ConfigError", "--tokens", "0"]),
+    (["demo", "--seed", "-5"], ["ConfigError", "--seed", "-5"]),
+    ([], ["ConfigError", "COMMAND", "required"]),
+    (["serve"], ["ConfigError", "invalid choice", "'serve'"]),
 ])
-def test_generate_bad_input_is_one_line_exit_2(capsys, args, words):
-    assert main(["generate", os.path.join(FIXTURES, "gptq-mixtral"), *args]) == 2
+def test_bad_command_line_is_one_line_exit_2(tmp_path, monkeypatch, capsys, no_tokenizer, args, words):
+    """Each bad command line exits with status 2 and one stderr line naming the argument, file or
+    folder; nothing is printed on stdout and nothing is written (the working folder, the
+    checkpoint and the other inputs are unchanged)."""
+    (tmp_path / "blank.txt").write_text("\n   \n\r\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    subst = {"{mixtral}": MIXTRAL, "{notok}": str(no_tokenizer), "{tmp}": str(tmp_path)}
+    argv = []
+    for a in args:
+        for k, v in subst.items():
+            a = a.replace(k, v)
+        argv.append(a)
+    before = [_tree(tmp_path), _tree(MIXTRAL), _tree(no_tokenizer)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert all(w in err for w in words), err
+    assert [_tree(tmp_path), _tree(MIXTRAL), _tree(no_tokenizer)] == before
+
+
+def test_prompt_file_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch, capsys):
+    """A --prompt-file over the cap is refused from its size (the file is never opened)."""
+    import builtins
+
+    from wna16_jax import cli
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("the cat sat\n" * 3)
+    monkeypatch.setattr(cli, "MAX_PROMPT_FILE_BYTES", 20)
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: opened.append(os.fspath(f)) or real_open(f, *a, **k))
+    assert main(["generate", MIXTRAL, "--prompt-file", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and all(w in err for w in words), err
+    assert err.count("\n") == 1 and "--prompt-file" in err and "at most 20 bytes" in err and "36 bytes" in err, err
+    assert str(path) not in opened

@@ -1,19 +1,47 @@
-"""The ``wna16-jax`` command: ``demo``, ``inspect DIR``, ``convert DIR --backend NAME --out OUT``,
-``generate DIR --prompt TEXT``."""
+"""The wna16-jax command.
+
+  demo               write a tiny MoE in every format, run every layout, compare with float64
+  inspect DIR        scheme, MoE layers, shapes and backend selection of a checkpoint
+  convert DIR        every MoE layer in a backend's layout (safetensors files + manifest.json)
+  generate DIR       continue one prompt (streamed) or a batch of prompts with the whole model
+  chat DIR           a multi-turn conversation through the checkpoint's chat template
+
+DIR is a checkpoint folder, a Hugging Face cache folder (models--ORG--NAME) or a hub id (ORG/NAME)
+already in the local Hugging Face cache; nothing is downloaded. Bad input prints one line,
+"error: <Kind>: <message>", and exits with status 2; Ctrl-C exits with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence, TextIO
 
 import numpy as np
 
 from .errors import ConfigError, OutputPathError, WNA16Error
+from .fields import _show, check_int
+
+#: the activation dtypes ``--dtype`` takes (``load_model``'s ``dtype``)
+DTYPES = ("float32", "bfloat16", "float16")
+#: the activation dtypes ``convert --input-dtype`` takes (Marlin's 8-bit activations)
+INPUT_DTYPES = ("int8", "float8_e4m3fn")
+#: a larger ``--prompt-file`` is refused by its size, before it is read
+MAX_PROMPT_FILE_BYTES = 64 * 2**20
+#: the KV-cache length ``chat`` compiles for when ``--max-len`` is not given (or the model's
+#: ``max_position_embeddings`` when that is smaller)
+CHAT_MAX_LEN = 4096
+#: the exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it)
+EXIT_INTERRUPTED = 130
+#: the exit status when stdout's reader went away (128 + SIGPIPE, as a shell reports it)
+EXIT_BROKEN_PIPE = 141
+#: what ends a chat besides the end of its input
+CHAT_EXIT = "/exit"
 
 # --------------------------------------------------------------------------- demo
 
@@ -63,19 +91,13 @@ DEMO_TOLERANCE = 2e-2
 
 
 def _route(layer, cfg, x):
-    import jax.numpy as jnp
+    """``(topk_weights, topk_ids)`` of ``x`` as the model routes it: :meth:`QuantizedMoE.route`
+    of the layer (its router, scoring, renormalisation, grouped top-k and scaling), on the
+    checkpoint's own layout (nothing converted)."""
+    from .backends import Backend
+    from .nn import QuantizedMoE
 
-    from . import routing
-
-    logits = jnp.asarray(x, jnp.float32) @ jnp.asarray(layer.router, jnp.float32).T
-    if cfg.grouped:
-        return routing.grouped_topk(
-            logits, cfg.top_k, renormalize=cfg.renormalize, num_expert_group=cfg.num_expert_group,
-            topk_group=cfg.topk_group, scoring_func=cfg.scoring_func,
-            e_score_correction_bias=None if layer.e_score_correction_bias is None
-            else jnp.asarray(layer.e_score_correction_bias),
-            routed_scaling_factor=cfg.routed_scaling_factor)
-    return routing.fused_topk(logits, cfg.top_k, renormalize=cfg.renormalize, scoring_func=cfg.scoring_func)
+    return QuantizedMoE.from_layer(layer, cfg, backend=Backend.LOADER).route(x)
 
 
 def _reference(x, tw, ids, experts) -> np.ndarray:
@@ -113,11 +135,12 @@ def _say(msg: str, out) -> None:
 
 
 def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermediate: int = 256,
-             seed: int = 0, out=sys.stdout, progress=sys.stderr, keep: str | None = None) -> int:
+             seed: int = 0, out=None, progress=None, keep: str | None = None) -> int:
     """Write the tiny MoE in every format, load, select, run under jit, compare. Returns exit code.
 
     Each row is printed (and flushed) as soon as its format is done; ``progress`` gets a line
     before each format. ``keep``: a folder (new or empty) that keeps the written checkpoints.
+    ``out`` / ``progress`` default to stdout / stderr.
     """
     import warnings
 
@@ -133,12 +156,13 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
 
     for name, v in (("--tokens", tokens), ("experts", experts), ("hidden", hidden),
                     ("intermediate", intermediate)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
+        check_int(name, v, low=1)
+    seed = check_int("--seed", seed, low=0)
     if keep is not None:
         keep = os.fspath(keep)
         if os.path.lexists(keep) and (not os.path.isdir(keep) or os.listdir(keep)):
             raise OutputPathError(f"--out {keep!r}: must be a new or empty folder")
+    out, progress = out or sys.stdout, progress or sys.stderr
     rng = np.random.default_rng(seed)
     dev = Device.current()
     _say(f"wna16-jax demo on {dev.describe()} (jax {jax.__version__}), seed {seed}: a tiny MoE "
@@ -179,11 +203,10 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
             if layer.shared_experts is not None:
                 ref = ref + _reference(np.asarray(x.astype(jnp.float32)), np.ones((tokens, 1)),
                                        np.zeros((tokens, 1), np.int64), layer.shared_experts)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", BackendFallbackWarning)
+            with warnings.catch_warnings():          # the table's refusals are listed as notes below
+                warnings.simplefilter("ignore", BackendFallbackWarning)
                 selected = select_backend(scheme, dev, has_bias=layer.experts.has_bias())
             if selected is Backend.LOADER:
-                del caught
                 reasons = backend_reasons(scheme, dev, has_bias=layer.experts.has_bias())
                 notes.append(f"{case.name}: runs the loader layout; "
                              + "; ".join(f"{b.name}: {reasons[b]}" for b in priority_backends(dev)))
@@ -226,10 +249,14 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
 # --------------------------------------------------------------------------- inspect
 
 
-def run_inspect(path: str, out=sys.stdout, device=None) -> int:
-    """Describe a checkpoint folder, or a folder written by ``wna16-jax convert``."""
+def run_inspect(path: str, out=None, device=None, *, revision: str | None = None) -> int:
+    """Describe a checkpoint folder, or a folder written by ``wna16-jax convert``; ``path`` may
+    also be a Hugging Face cache folder or a cached hub id (:func:`~wna16_jax.hub.resolve_model_dir`)."""
+    from .hub import resolve_model_dir
     from .serialize import MANIFEST
 
+    out = out or sys.stdout
+    path = resolve_model_dir(path, revision=revision)
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return _inspect_converted(path, out)
     return _inspect_checkpoint(path, out, device)
@@ -312,155 +339,477 @@ def _inspect_converted(path: str, out) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- generate
+# --------------------------------------------------------------------------- prompts
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ConfigError(f"--prompt-ids: expected comma-separated integers like 1,2,3, got {text!r}") from None
+#: one ``--prompt-ids`` entry: an optionally negative decimal integer (refused below when negative)
+_ID_TEXT = re.compile(r"-?[0-9]{1,40}", re.ASCII)
+
+
+def parse_prompt_ids(text: str, name: str = "--prompt-ids") -> list[int]:
+    """``"1,2,3"`` as ``[1, 2, 3]``: comma-separated decimal token ids (spaces around them
+    allowed); an empty entry, a non-integer or a negative id is a :class:`ConfigError` naming
+    ``name`` and the entry. The upper bound (the vocabulary) is checked where the model is known."""
+    ids = []
+    for j, entry in enumerate(text.split(",")):
+        entry = entry.strip()
+        if not entry:
+            raise ConfigError(f"{name}: entry {j} of {_show(text)} is empty (expected comma-separated token ids "
+                              "like 1,2,3)")
+        if not _ID_TEXT.fullmatch(entry):
+            raise ConfigError(f"{name}: entry {j} of {_show(text)} must be a token id (a decimal integer), "
+                              f"got {_show(entry)}")
+        ids.append(check_int(f"{name}[{j}]", int(entry), low=0))
     return ids
 
 
-def run_generate(path: str, *, prompt: str | None = None, prompt_ids: str | None = None, max_new_tokens: int = 32,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_len: int | None = None,
-                 dtype: str | None = None, use_stop: bool = True, out=None, err=None) -> int:
-    """Load the whole model at ``path``, generate after the prompt and stream the new tokens to
-    ``out`` as they come (text with ``--prompt``, token ids with ``--prompt-ids``); timing to ``err``."""
-    import jax
-    import jax.numpy as jnp
+def read_prompt_file(path: str) -> list[str]:
+    """The prompts of ``path``: one per line (``\\n`` or ``\\r\\n``), blank lines skipped. The file
+    must be a regular UTF-8 file of at most :data:`MAX_PROMPT_FILE_BYTES` (checked by its size
+    before it is read) holding at least one prompt."""
+    from .models.tokenizer import _read_text, _regular_file_size
 
+    what = "--prompt-file"
+    if _regular_file_size(path, MAX_PROMPT_FILE_BYTES, what) is None:
+        raise ConfigError(f"{what} {path!r}: no such file")
+    lines = [line.removesuffix("\r") for line in _read_text(path, MAX_PROMPT_FILE_BYTES, what).split("\n")]
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{what} {path!r}: holds no prompt (expected one prompt per line; every line is blank)")
+    return prompts
+
+
+def _tokenizer(folder: str, needed_by: str, alternative: str):
+    """The folder's tokenizer for ``needed_by`` (an argument or a command); a folder without
+    ``tokenizer.json`` is told to use ``alternative``."""
+    from .models.tokenizer import TOKENIZER_JSON, load_tokenizer
+
+    if not os.path.lexists(os.path.join(folder, TOKENIZER_JSON)):
+        raise ConfigError(f"{needed_by}: {folder!r} has no {TOKENIZER_JSON} to turn text into tokens; "
+                          f"{alternative}")
+    return load_tokenizer(folder)
+
+
+def _require_chat_template(tok, needed_by: str) -> None:
+    from .models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG
+
+    if not tok.chat_templates:
+        raise ConfigError(f"{needed_by}: {tok.folder!r} has no chat template (no 'chat_template' in "
+                          f"{TOKENIZER_CONFIG}, no {CHAT_TEMPLATE_FILE}); use generate with a plain --prompt")
+
+
+def _conversation_start(system: str | None) -> list[dict]:
+    return [] if system is None else [{"role": "system", "content": system}]
+
+
+# --------------------------------------------------------------------------- shared by generate and chat
+
+
+@dataclasses.dataclass(frozen=True)
+class _GenerationArgs:
+    """The generation settings both commands take, checked before the model is loaded (a bad
+    value is refused before minutes of loading, by the same rules the generator applies)."""
+
+    max_new_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int
+    max_len: int | None
+
+    @classmethod
+    def checked(cls, max_new_tokens, temperature, top_p, top_k, seed, max_len) -> "_GenerationArgs":
+        from .models.generation import MAX_CACHE_LEN, MAX_SEED, sampling_settings
+        from .models.generation_config import GenerationDefaults
+
+        sampling_settings(GenerationDefaults(), temperature, top_p, top_k, keyed=True)
+        return cls(check_int("--max-new-tokens", max_new_tokens, low=1), temperature, top_p, top_k,
+                   check_int("--seed", seed, low=0, high=MAX_SEED),
+                   None if max_len is None else check_int("--max-len", max_len, low=1, high=MAX_CACHE_LEN))
+
+    def key(self):
+        import jax
+
+        return jax.random.key(self.seed)
+
+
+def _load_model(folder: str, dtype: str | None):
+    """``(model, description)``: the model of ``folder`` (already resolved) in ``dtype`` (one of
+    :data:`DTYPES`; None: the library's default) and what was loaded in how long, for the user. The
+    callers print it once the request is accepted, so that a refused one prints one line."""
     from .models.decoder import load_model
-    from .models.generation import Generator, default_max_len
-    from .models.tokenizer import load_tokenizer
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype: expected one of {list(DTYPES)}, got {_show(dtype)}")
+    t0 = time.perf_counter()
+    model = load_model(folder, dtype=dtype)
+    c = model.config
+    seconds = time.perf_counter() - t0
+    return model, f"loaded {folder} ({c.family}, {c.num_layers} layers, {model.dtype}) in {seconds:.1f} s"
+
+
+class _Printer:
+    """Prints completions as the generator reports its steps (``callback(step, tokens)``).
+
+    One prompt is streamed token by token, after the prompt's own text when ``echo`` (printed with
+    the first new token, so a refused request prints nothing); a batch prints each prompt's
+    completion, labelled ``[i]``, when its row finishes. Text goes through the tokenizer
+    (``tok``); without one, ids are printed comma-separated. Stop tokens are not printed. Counts
+    the tokens and times the first one, for :meth:`summary`."""
+
+    def __init__(self, rows: Sequence[Sequence[int]], stops: Iterable[int], tok, *, echo: bool, out: TextIO):
+        self.rows, self.stops, self.tok, self.echo, self.out = rows, frozenset(stops), tok, echo, out
+        self.new: list[list[int]] = [[] for _ in rows]
+        self.done = [False] * len(rows)
+        self.streaming = len(rows) == 1
+        self.push = tok.stream_decoder(rows[0]) if self.streaming and tok is not None else None
+        self.count, self.t0, self.t_first, self.t_end = 0, time.perf_counter(), None, None
+
+    def _write(self, text: str) -> None:
+        print(text, end="", file=self.out, flush=True)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids)) if self.tok is not None else ",".join(map(str, ids))
+
+    def step(self, step: int, tokens: np.ndarray) -> None:
+        if self.t_first is None:         # the request was accepted
+            self.t_first = time.perf_counter()
+            if self.streaming and self.echo:
+                self._write(self._text(self.rows[0]))
+        for i, t in enumerate(int(t) for t in tokens):
+            if t < 0 or self.done[i]:
+                continue
+            self.count += 1
+            if t in self.stops:
+                self._finish(i)
+                continue
+            self.new[i].append(t)
+            if self.streaming:
+                self._write(self.push(t) if self.push is not None else f",{t}")
+
+    def _finish(self, i: int) -> None:
+        self.done[i] = True
+        if self.streaming:
+            self._write("\n")
+        else:
+            ids = [*self.rows[i], *self.new[i]] if self.echo else self.new[i]
+            self._write(f"[{i}] {self._text(ids)}\n")
+
+    def close(self) -> None:
+        """Print the rows that ran to ``max_new_tokens`` (they met no stop token)."""
+        self.t_end = time.perf_counter()
+        for i, done in enumerate(self.done):
+            if not done:
+                self._finish(i)
+
+    def summary(self) -> str:
+        if self.t_first is None:
+            return "no new tokens"
+        first = f"first after {self.t_first - self.t0:.2f} s (prefill, compiling included)"
+        after = self.count - len(self.rows)
+        rate = (f"{after / (self.t_end - self.t_first):.1f} tokens/s after it" if after > 0 and
+                self.t_end > self.t_first else "no decode step")
+        return f"{self.count} new tokens; {first}; {rate}"
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | None = None,
+                 prompt_ids: Sequence[str] = (), chat: bool = False, system: str | None = None,
+                 max_new_tokens: int = 32, temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, seed: int = 0, max_len: int | None = None, dtype: str | None = None,
+                 revision: str | None = None, use_stop: bool = True, out=None, err=None) -> int:
+    """Load the whole model at ``path`` and continue the prompts: text (``prompts`` and the lines
+    of ``prompt_file``, through the folder's tokenizer; with ``chat`` each one rendered as a
+    user turn, after ``system``, by the chat template) or token ids (``prompt_ids``: strings like
+    ``"1,2,3"``). All prompts run as one batch through :func:`wna16_jax.models.generation.generate`;
+    one prompt is streamed to ``out`` as it is generated, a batch printed prompt by prompt as each
+    finishes. ``temperature`` / ``top_p`` / ``top_k`` None: the model's generation_config.json
+    defaults. What was loaded and the timing go to ``err``, in one line at the end (so that a refused
+    request prints only its error). Returns the exit status (0)."""
+    from .hub import resolve_model_dir
+    from .models.generation import as_prompts, generate
 
     out, err = out or sys.stdout, err or sys.stderr
-    if (prompt is None) == (prompt_ids is None):
-        raise ConfigError("generate: give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    texts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file is not None else [])
+    if bool(texts) == bool(prompt_ids):
+        raise ConfigError("generate: give text prompts (--prompt TEXT, --prompt-file FILE) or token ids "
+                          "(--prompt-ids 1,2,3), " + ("not both" if texts else "got none"))
+    if chat and not texts:
+        raise ConfigError("--chat: renders text prompts through the chat template; --prompt-ids are token ids")
+    if system is not None and not chat:
+        raise ConfigError("--system: is the system message of a --chat prompt; pass --chat too")
+    settings = _GenerationArgs.checked(max_new_tokens, temperature, top_p, top_k, seed, max_len)
+    rows = [parse_prompt_ids(text, "--prompt-ids" if len(prompt_ids) == 1 else f"--prompt-ids[{i}]")
+            for i, text in enumerate(prompt_ids)]
+    folder = resolve_model_dir(path, revision=revision)
     tok = None
-    if prompt is not None:
-        tok = load_tokenizer(path)
-        ids = tok.encode(prompt)
-        if not ids:
-            raise ConfigError(f"--prompt: the tokenizer gives no tokens for {prompt!r}")
-    else:
-        ids = _parse_ids(prompt_ids)
-    dt = None
-    if dtype is not None:
-        dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(dtype)
-        if dt is None:
-            raise ConfigError(f"--dtype: expected float32, bfloat16 or float16, got {dtype!r}")
-    t_load = time.perf_counter()
-    model = load_model(path, dtype=dt)
-    # generation_config.json's eos ids, then config.json's (models.generation_config, read by load_model)
-    stops = list(model.config.eos_token_ids) if use_stop else []
-    if max_len is None:
-        max_len = default_max_len([ids], max_new_tokens)
-        if model.config.max_position_embeddings:
-            max_len = min(max_len, model.config.max_position_embeddings)
-    gen = Generator(model, batch_size=1, max_len=max_len)
-    gen.check_request([ids], max_new_tokens, temperature, top_p, jax.random.key(seed), stops)
-    print(f"loaded {path} ({model.config.family}, {model.config.num_layers} layers, {model.dtype}) in "
-          f"{time.perf_counter() - t_load:.1f} s; prompt {len(ids)} tokens", file=err, flush=True)
-    push = tok.stream_decoder(ids) if tok is not None else None
-    print(",".join(str(i) for i in ids) if tok is None else tok.decode(ids), end="", file=out, flush=True)
-    n, t0, t_first = 0, time.perf_counter(), None
-    for toks in gen.stream([ids], max_new_tokens, temperature=temperature, top_p=top_p,
-                           key=jax.random.key(seed), stop_tokens=stops):
-        t = int(toks[0])
-        if t < 0:
-            break
-        n += 1
-        if t_first is None:
-            t_first = time.perf_counter()
-        if t in stops:
-            break
-        if push is not None:
-            print(push(t), end="", file=out, flush=True)
-        else:
-            print(f",{t}", end="", file=out, flush=True)
-    t_end = time.perf_counter()
-    print(file=out, flush=True)
-    first = f"first after {t_first - t0:.2f} s (prefill, compiling included)" if t_first else "none"
-    rate = (f"{(n - 1) / (t_end - t_first):.1f} tokens/s after it" if n > 1 and t_end > t_first
-            else "no decode step")
-    print(f"{n} new tokens; {first}; {rate}", file=err, flush=True)
+    if texts:
+        tok = _tokenizer(folder, "--prompt", "give token ids with --prompt-ids 1,2,3 instead")
+        if chat:
+            _require_chat_template(tok, "--chat")
+        for i, text in enumerate(texts):
+            label = "--prompt" if len(texts) == 1 else f"--prompt[{i}]"
+            ids = (tok.apply_chat_template([*_conversation_start(system), {"role": "user", "content": text}])
+                   if chat else tok.encode(text))
+            if not ids:
+                raise ConfigError(f"{label}: the tokenizer gives no tokens for {_show(text)}")
+            rows.append(ids)
+    model, loaded = _load_model(folder, dtype)
+    name = "--prompt" if texts else "--prompt-ids"
+    checked = as_prompts(rows[0] if len(rows) == 1 else rows, model.config.vocab_size, name=name)
+    stops = tuple(model.config.eos_token_ids) if use_stop else ()
+    printer = _Printer(checked.rows, stops, tok, echo=not chat, out=out)
+    generate(model, checked, settings.max_new_tokens, max_len=settings.max_len, temperature=settings.temperature,
+             top_p=settings.top_p, top_k=settings.top_k, key=settings.key(), stop_tokens=stops,
+             callback=printer.step)
+    printer.close()
+    print(f"{loaded}; {len(checked.rows)} prompt(s) of {', '.join(str(len(r)) for r in checked.rows)} tokens: "
+          f"{printer.summary()}", file=err, flush=True)
     return 0
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def _user_turns(stdin: TextIO, err: TextIO) -> Iterator[str]:
+    """The user's turns: the lines of ``stdin`` (blank ones skipped) until its end or a line
+    :data:`CHAT_EXIT`; a ``> `` prompt on ``err`` before each when ``stdin`` is a terminal."""
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=err, flush=True)
+        line = stdin.readline()
+        if not line:
+            return
+        text = line.removesuffix("\n").removesuffix("\r")
+        if text.strip() == CHAT_EXIT:
+            return
+        if text.strip():
+            yield text
+
+
+def run_chat(path: str, *, system: str | None = None, max_new_tokens: int = 256, temperature: float | None = None,
+             top_p: float | None = None, top_k: int | None = None, seed: int = 0, max_len: int | None = None,
+             dtype: str | None = None, revision: str | None = None, stdin=None, out=None, err=None) -> int:
+    """A conversation with the model at ``path``: each line of ``stdin`` is a user turn; the whole
+    conversation (after ``system``, when given) is rendered by the folder's chat template with the
+    assistant's header, the reply is streamed to ``out`` as it is generated, up to the model's eos
+    ids or ``max_new_tokens``, and its decoded text joins the conversation as the assistant's turn.
+    The input's end or a line ``/exit`` ends it. One :class:`~wna16_jax.models.generation.Generator`
+    of ``max_len`` positions (default :data:`CHAT_MAX_LEN`, at most ``max_position_embeddings``)
+    serves every turn; turn ``i`` samples with ``fold_in(key(seed), i)``. Returns the exit status (0)."""
+    import jax
+
+    from .hub import resolve_model_dir
+    from .models.generation import Generator
+
+    stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
+    settings = _GenerationArgs.checked(max_new_tokens, temperature, top_p, top_k, seed, max_len)
+    folder = resolve_model_dir(path, revision=revision)
+    tok = _tokenizer(folder, "chat", "chat needs the folder's tokenizer and chat template")
+    _require_chat_template(tok, "chat")
+    model, loaded = _load_model(folder, dtype)
+    limit = model.config.max_position_embeddings
+    gen = Generator(model, batch_size=1, max_len=settings.max_len or min(CHAT_MAX_LEN, limit or CHAT_MAX_LEN))
+    print(f"{loaded}; a cache of {gen.max_len} tokens; one user turn per line, {CHAT_EXIT} or the end of the "
+          "input ends the chat", file=err, flush=True)
+    stops = tuple(model.config.eos_token_ids)
+    messages = _conversation_start(system)
+    for turn, text in enumerate(_user_turns(stdin, err)):
+        messages.append({"role": "user", "content": text})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        printer = _Printer([ids], stops, tok, echo=False, out=out)
+        gen.generate([ids], settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                     top_k=settings.top_k, key=jax.random.fold_in(settings.key(), turn), stop_tokens=stops,
+                     callback=printer.step)
+        printer.close()
+        messages.append({"role": "assistant", "content": tok.decode(printer.new[0])})
+        print(f"turn {turn + 1}: prompt {len(ids)} tokens; {printer.summary()}", file=err, flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the parser
+
+
+def package_version() -> str:
+    """The installed distribution's version, else (a source checkout) pyproject.toml's."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("wna16-jax")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    import tomllib
+
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        with open(pyproject, "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help shows its default; descriptions keep their line breaks."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors are :class:`ConfigError` (one line, exit status 2, like every
+    other bad input) instead of argparse's usage text and ``SystemExit``."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="DIR", help="checkpoint folder, Hugging Face cache folder (models--ORG--NAME) "
+                                               "or hub id (ORG/NAME) in the local cache")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id or cache folder; "
+                                                    "None: main")
+
+
+def _add_generation_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int, max_len: str) -> None:
+    """The options generate and chat share; ``max_len`` says what ``--max-len`` None means."""
+    p.add_argument("--system", default=None, help="system message, the conversation's first turn")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="most tokens generated per reply")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, 0: greedy; None: the model's generation_config.json default")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]; None: the model's")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens, 0: all; "
+                                                           "None: the model's")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling, in [0, 2**32)")
+    p.add_argument("--max-len", type=int, default=None, help=f"KV-cache length in tokens; None: {max_len}")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="activation dtype; None: float32 on the CPU, bfloat16 on GPUs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``wna16-jax`` argument parser (its usage errors raise :class:`ConfigError`)."""
+    parser = _Parser(prog="wna16-jax", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                        help="print the package version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do (each command has its own --help)")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
+
+    p = command("demo", "write a tiny MoE in every format, run it, compare with float64",
+                "Write a tiny MoE layer in every quantization format, load it, convert it to every backend "
+                "layout,\nrun each under jit and compare with a float64 reference.")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per MoE call")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights and tokens")
+    p.add_argument("--out", default=None, help="keep the written checkpoints in this new or empty folder")
+
+    p = command("inspect", "scheme, MoE layers, shapes and backend selection of a checkpoint",
+                "Describe a checkpoint (or a folder written by convert): its scheme, MoE layers, the first "
+                "layer's tensors\nand which backend is selected on this machine, with every refusal's reason.")
+    _add_model_arguments(p)
+
+    p = command("convert", "convert every MoE layer into a backend layout (safetensors + manifest)",
+                "Stream the checkpoint layer by layer into one safetensors file per layer plus manifest.json,\n"
+                "written to a temporary folder and renamed into place at the end; the input is never written.")
+    _add_model_arguments(p)
+    p.add_argument("--backend", required=True,
+                   help="the layout: cpu, xpu, marlin, batched_marlin, flashinfer_trtllm, humming or loader")
+    p.add_argument("--out", required=True, help="a new or empty folder (not inside the source)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--input-dtype", choices=INPUT_DTYPES, default=None,
+                   help="marlin only: 8-bit activations; None: 16-bit")
+    p.add_argument("--expert-chunk", type=int, default=1, help="experts converted at a time (bounds memory)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ways to slice each layer")
+    p.add_argument("--tp-rank", type=int, default=0, help="which tensor-parallel slice to write")
+
+    p = command("generate", "continue prompts with the whole quantized model",
+                "Continue prompts with the whole model (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2 / V3). One "
+                "prompt is\nstreamed as it is generated; several run as one batch, each printed, labelled [i], "
+                "when it is done.\nWhat was loaded and the timing go to stderr at the end.")
+    _add_model_arguments(p)
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text, repeatable (needs the folder's tokenizer.json and the 'tokenizers' package)")
+    p.add_argument("--prompt-file", default=None, help="a text file of prompts, one per line (blank lines skipped)")
+    p.add_argument("--prompt-ids", action="append", default=None,
+                   help="prompt token ids like 1,2,3, repeatable (for folders without tokenizer.json)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each --prompt as a user turn (after --system) through the chat template")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the model's eos tokens")
+    _add_generation_arguments(p, max_new_tokens=32, max_len="the longest prompt + --max-new-tokens rounded up "
+                                                            "to a power of two, at most max_position_embeddings")
+
+    p = command("chat", "a multi-turn conversation through the checkpoint's chat template",
+                f"Chat with the model: each line of stdin is a user turn; the conversation is rendered by the\n"
+                f"checkpoint's chat template and the reply streamed to stdout until an eos token. The end of "
+                f"the\ninput or a line {CHAT_EXIT} ends it.")
+    _add_model_arguments(p)
+    _add_generation_arguments(p, max_new_tokens=256,
+                              max_len=f"{CHAT_MAX_LEN}, or max_position_embeddings when smaller")
+    return parser
 
 
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wna16-jax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="write the tiny MoE in every format, run it, compare with float64")
-    p_demo.add_argument("--tokens", type=int, default=16)
-    p_demo.add_argument("--seed", type=int, default=0, help="random seed (default 0: the same data every run)")
-    p_demo.add_argument("--out", default=None, help="keep the written checkpoints in this new or empty folder")
-    p_inspect = sub.add_parser("inspect", help="scheme, MoE layers, shapes, backend selection of a "
-                                               "checkpoint (or of a converted folder)")
-    p_inspect.add_argument("path")
-    p_conv = sub.add_parser("convert", help="convert every MoE layer into a backend layout (safetensors + manifest)")
-    p_conv.add_argument("path")
-    p_conv.add_argument("--backend", required=True,
-                        help="cpu, xpu, marlin, batched_marlin, flashinfer_trtllm, humming, loader")
-    p_conv.add_argument("--out", required=True, help="a new or empty folder (not inside the source)")
-    p_conv.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
-    p_conv.add_argument("--input-dtype", default=None, help="marlin only: int8 or float8_e4m3fn activations")
-    p_conv.add_argument("--expert-chunk", type=int, default=1, help="experts converted at a time (memory bound)")
-    p_conv.add_argument("--tp-size", type=int, default=1)
-    p_conv.add_argument("--tp-rank", type=int, default=0)
-    p_gen = sub.add_parser("generate", help="generate text with the whole quantized model (Qwen3-MoE, Qwen2-MoE, "
-                                            "Mixtral, DeepSeek-V2 / V3), streaming the new tokens")
-    p_gen.add_argument("path")
-    p_gen.add_argument("--prompt", default=None, help="prompt text (needs the checkpoint's tokenizer.json and the "
-                                                      "'tokenizers' package)")
-    p_gen.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
-    p_gen.add_argument("--max-new-tokens", type=int, default=32)
-    p_gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p_gen.add_argument("--top-p", type=float, default=1.0)
-    p_gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
-    p_gen.add_argument("--max-len", type=int, default=None, help="KV cache length (default: prompt + new, "
-                                                                  "rounded up to a power of two)")
-    p_gen.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 activations (default: float32 "
-                                                     "on CPU, bfloat16 elsewhere)")
-    p_gen.add_argument("--no-stop", action="store_true", help="do not stop at the config's eos tokens")
-    args = parser.parse_args(argv)
+def _run(args: argparse.Namespace) -> int:
+    gen_args = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "max_len", "dtype", "revision")
+    if args.command == "demo":
+        return run_demo(tokens=args.tokens, seed=args.seed, keep=args.out)
+    if args.command == "inspect":
+        return run_inspect(args.path, revision=args.revision)
+    if args.command == "generate":
+        return run_generate(args.path, prompts=args.prompt or (), prompt_file=args.prompt_file,
+                            prompt_ids=args.prompt_ids or (), chat=args.chat, system=args.system,
+                            use_stop=not args.no_stop, **{k: getattr(args, k) for k in gen_args})
+    if args.command == "chat":
+        return run_chat(args.path, system=args.system, **{k: getattr(args, k) for k in gen_args})
+    from .hub import resolve_model_dir
+    from .serialize import convert_checkpoint
+
+    dtype = None
+    if args.input_dtype is not None:
+        import jax.numpy as jnp
+
+        dtype = jnp.dtype(args.input_dtype)
+    chunk = check_int("--expert-chunk", args.expert_chunk, low=1)
+    out = convert_checkpoint(resolve_model_dir(args.path, revision=args.revision), args.backend, args.out,
+                             input_dtype=dtype, expert_chunk=chunk, tp_size=args.tp_size,
+                             tp_rank=args.tp_rank, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what is still
+    buffered for a reader that went away does not print an error."""
     try:
-        if args.command == "demo":
-            return run_demo(tokens=args.tokens, seed=args.seed, keep=args.out)
-        if args.command == "inspect":
-            return run_inspect(args.path)
-        if args.command == "generate":
-            return run_generate(args.path, prompt=args.prompt, prompt_ids=args.prompt_ids,
-                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, max_len=args.max_len, dtype=args.dtype, use_stop=not args.no_stop)
-        if args.command == "convert":
-            from .serialize import convert_checkpoint
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file (a test's capture): nothing will be flushed to a closed pipe
 
-            dtype = None
-            if args.input_dtype:
-                import jax.numpy as jnp
 
-                dtype = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}.get(args.input_dtype)
-                if dtype is None:
-                    raise ConfigError(f"--input-dtype: expected int8 or float8_e4m3fn, got {args.input_dtype!r}")
-            if args.expert_chunk < 1:
-                raise ConfigError(f"--expert-chunk: expected a positive integer, got {args.expert_chunk}")
-            out = convert_checkpoint(args.path, args.backend, args.out, input_dtype=dtype,
-                                     expert_chunk=args.expert_chunk, tp_size=args.tp_size, tp_rank=args.tp_rank,
-                                     overwrite=args.overwrite)
-            print(f"wrote {out}")
-            return 0
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status: 0, 2
+    for bad input (one line on stderr), 130 on Ctrl-C, 141 when stdout's reader went away
+    (``wna16-jax inspect DIR | head -1``), 1 for another operating-system error."""
+    try:
+        status = _run(build_parser().parse_args(argv))
+        sys.stdout.flush()               # a reader that went away shows up here, not at exit
+        return status
     except WNA16Error as e:
         print(f"error: {type(e).__name__}: " + " | ".join(str(e).splitlines()), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    return 1  # pragma: no cover
 
 
 if __name__ == "__main__":  # pragma: no cover
