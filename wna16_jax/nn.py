@@ -241,13 +241,25 @@ class QuantizedMoE(nnx.Module):
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike | Checkpoint, layer_index: int, backend: Any = None,
                         *, rngs: nnx.Rngs | None = None, **kw) -> "QuantizedMoE":
-        """Load MoE layer ``layer_index`` of a checkpoint directory (``rngs`` is accepted for
-        the usual NNX constructor signature; nothing is randomly initialised)."""
+        """Load MoE layer ``layer_index`` of a checkpoint: a folder, a :class:`Checkpoint`, a folder
+        written by ``wna16-jax convert`` or its :class:`~wna16_jax.serialize.ConvertedCheckpoint`
+        (opened by :func:`~wna16_jax.serialize.open_checkpoint`). A converted layer's experts are
+        already in its backend's layout: ``backend`` must then be None or that backend; its shared
+        experts (stored in the loader layout) are laid out as ``backend`` says, as a source
+        checkpoint's would be. ``rngs`` is accepted for the usual NNX constructor signature;
+        nothing is randomly initialised."""
+        from .serialize import ConvertedCheckpoint, open_checkpoint
+
         del rngs
-        ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
-        if not isinstance(layer_index, (int, np.integer)) or layer_index not in ckpt.moe_layer_indices:
+        ckpt = open_checkpoint(path)
+        if isinstance(layer_index, bool) or not isinstance(layer_index, (int, np.integer)) \
+                or layer_index not in ckpt.moe_layer_indices:
             raise ValueRangeError(f"layer_index: {layer_index!r} is not a MoE layer of {ckpt.path!r}; "
                                   f"MoE layers are {ckpt.moe_layer_indices}")
+        if isinstance(ckpt, ConvertedCheckpoint) and backend is not None \
+                and Backend.parse(backend) is not ckpt.backend:
+            raise ConfigError(f"backend: {ckpt.path!r} holds experts converted to {ckpt.backend.value}; "
+                              f"expected None or {ckpt.backend.value!r}, got {backend!r}")
         return cls.from_layer(ckpt.load_layer(int(layer_index)), ckpt.model_config, backend, **kw)
 
     # ------------------------------------------------------------------ views

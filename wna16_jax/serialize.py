@@ -1,16 +1,34 @@
-"""Converted checkpoints on disk: one safetensors file per MoE layer plus a JSON manifest.
+"""Converted checkpoints on disk: whole checkpoints whose MoE experts are in a backend's layout.
 
 ``convert_checkpoint(src, backend, out)`` streams a checkpoint layer by layer (one source layer
-and its converted form resident at a time, experts converted in chunks), writes
-``layer-XXXXX.safetensors`` files and ``manifest.json`` (format version, backend, scheme, model
-config, the layout's name, every tensor's shape and dtype, the source checkpoint) into a
-temporary folder beside ``out`` and renames it into place at the end, so an interrupted run
-leaves no half-written output. ``ConvertedCheckpoint`` reads the result back into the backend
-pytrees that :func:`wna16_jax.moe.fused_moe` runs.
+and its converted form resident at a time, experts converted in chunks) and writes, into a
+temporary folder beside ``out`` that is renamed into place at the end (an interrupted run leaves
+no half-written output):
+
+* ``layer-XXXXX.safetensors``: each MoE layer's converted experts, router, shared experts;
+* ``model-XXXXX-of-XXXXX.safetensors``: every other tensor of the source (attention projections
+  quantized as stored, norms, embeddings, ``lm_head``, routers, shared experts as stored), byte
+  for byte with names and dtypes kept, at most ``max_file_bytes`` of tensor data per file, read
+  and written one tensor at a time;
+* ``config.json``, ``generation_config.json`` and the tokenizer files, copied as they are;
+* ``manifest.json``: format version, backend, scheme, model config, each layer's layout name
+  and tensor shapes and dtypes, the copied files with their sizes, which file holds each
+  non-expert tensor, and the source checkpoint.
+
+:class:`ConvertedCheckpoint` reads the result with the reading interface of
+:class:`~wna16_jax.checkpoint.Checkpoint` (``config``, ``quant_config``, ``model_config``,
+``scheme``, ``moe_layer_indices``, ``load_layer``, ``tensor_names``, ``tensor_info``,
+``read_tensor``, ``read_many``, ``locate``), so a whole-model loader takes either;
+:func:`open_checkpoint` opens a folder as whichever it is. Folders of manifest versions 1 and 2
+hold only the converted layers: ``load_layer`` reads them, the whole-model parts raise
+:class:`~wna16_jax.errors.UnsupportedError`.
 
 A manifest is data, never code: the layout it names is looked up in :data:`LAYOUTS` (a fixed
-table of this library's layout classes), every file it names must stay inside its folder, and
-every field is checked before anything is built from it.
+table of this library's layout classes), every file it names must stay inside its folder (links
+included), the files it lists must have the sizes it records, and every field is checked before
+anything is built from it. Nothing is ever written into the source folder, and no file is
+copied from it through a link that leaves it (a Hugging Face cache snapshot's links into its own
+repository's ``blobs/`` excepted: that is how the cache stores every snapshot's files).
 """
 
 from __future__ import annotations
@@ -18,25 +36,34 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
+import secrets
 import shutil
-import tempfile
-from typing import Any, Iterator
+import stat
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .backends import TABLE, Backend
-from .checkpoint import Checkpoint, DenseWeights, MoELayer, MoEModelConfig
+from .checkpoint import _EXPERT_RE, Checkpoint, DenseWeights, MoELayer, MoEModelConfig
 from .errors import (ConfigError, CorruptFileError, MissingTensorError, OutputPathError, ShapeError,
-                     UnexpectedTensorError, ValueRangeError, WNA16Error)
-from .safetensors_io import SafetensorsFile, confined_path, load_json
-from .schemes import QuantScheme
+                     UnexpectedTensorError, UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
+from .fields import REQUIRED, Fields, check_int
+from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, confined_path, load_json
+from .schemes import QuantConfig, QuantScheme
 from .weights import CheckpointWeights
 
 MANIFEST = "manifest.json"
 FORMAT = "wna16-jax-converted-moe"
-VERSION = 2
-READ_VERSIONS = (1, 2)
+#: 3: the folder is a whole checkpoint (config, tokenizer, every non-expert tensor)
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+#: the first version whose folders carry the whole model
+WHOLE_MODEL_VERSION = 3
+CONFIG = "config.json"
+#: default cap on the tensor data of one non-expert file (as Hugging Face shards, a few GB)
+DEFAULT_MAX_FILE_BYTES = 4 << 30
 
 
 def _layouts() -> dict[str, type]:
@@ -217,6 +244,50 @@ def _inside(child: str, parent: str) -> bool:
     return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def _path_arg(name: str, value: Any) -> str:
+    """``value`` as a folder path string, or a :class:`ConfigError` naming the argument."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise ConfigError(f"{name}: expected a folder path (str or os.PathLike), got "
+                          f"{type(value).__name__}") from None
+    if not isinstance(path, str):
+        raise ConfigError(f"{name}: expected a folder path as text, got {type(path).__name__} {path!r}")
+    return path
+
+
+def _confined_file(folder: str, name: Any, *, source: str, within: Sequence[str] = ()) -> str:
+    """``folder/name`` for a file name read from ``source`` (:func:`confined_path`), refused as
+    well when it resolves, through a symbolic link, to a place outside ``folder`` (and outside
+    each of ``within``)."""
+    path = confined_path(folder, name, source=source)
+    if not any(_inside(path, root) for root in (folder, *within)):
+        raise UnsafePathError(f"{source}: {name!r} is a link to {os.path.realpath(path)!r}, outside "
+                              f"{folder!r}; files are never read through a link that leaves the folder")
+    return path
+
+
+def _blob_store(src: str) -> list[str]:
+    """``[<repo>/blobs]`` when ``src`` is a Hugging Face cache snapshot ``<repo>/snapshots/<commit>``
+    (whose files are links into the repository's blob store, as :mod:`wna16_jax.hub` resolves
+    hub ids), else ``[]``: the one place outside a source folder its files may resolve to."""
+    snapshots = os.path.dirname(os.path.realpath(src))
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    return [blobs] if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs) else []
+
+
+def _new_folder(parent: str, prefix: str) -> str:
+    """A new, uniquely named folder in ``parent`` with the usual permissions (``0o777`` less the
+    umask, as ``mkdir`` gives them; ``tempfile.mkdtemp`` would give ``0o700``)."""
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(6))
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:         # pragma: no cover - a 48-bit name taken
+            continue
+
+
 def check_output_folder(src: str, out: str, *, overwrite: bool = False) -> None:
     """Refuse an output folder that is the source, lies inside it, contains it, is a file, or is
     not empty (unless ``overwrite``)."""
@@ -233,16 +304,141 @@ def check_output_folder(src: str, out: str, *, overwrite: bool = False) -> None:
                                   "pass overwrite=True (--overwrite) to replace it")
 
 
+# --------------------------------------------------------------------------- the rest of the model
+
+
+def model_file_names(src: str) -> list[str]:
+    """The files beside the tensors that a whole model needs and ``src`` has (relative names):
+    ``config.json``, ``generation_config.json``, the tokenizer's files and its chat templates
+    (``chat_template.jinja``, ``additional_chat_templates/*.jinja``) — the files
+    :func:`~wna16_jax.models.load_model` and :func:`~wna16_jax.models.load_tokenizer` read."""
+    from .models.generation_config import GENERATION_CONFIG
+    from .models.tokenizer import (CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG,
+                                   TOKENIZER_JSON)
+
+    names = [CONFIG, GENERATION_CONFIG, TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_FILE]
+    templates = _confined_file(src, CHAT_TEMPLATE_DIR, source=src, within=_blob_store(src))
+    if os.path.isdir(templates):
+        names += [f"{CHAT_TEMPLATE_DIR}/{e}" for e in sorted(os.listdir(templates))
+                  if e.endswith(".jinja") and not e.startswith(".")]
+    return [n for n in names if os.path.lexists(os.path.join(src, *n.split("/")))]
+
+
+def _checked_source_file(src: str, name: str) -> str:
+    """The path of ``src``'s file ``name``, to be copied: a regular file inside ``src``, any link
+    on the way resolving inside ``src`` too (or into a cache snapshot's blob store,
+    :func:`_blob_store`), checked before anything is written."""
+    path = _confined_file(src, name, source=f"source {src!r}", within=_blob_store(src))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CorruptFileError(f"{path}: is a link to a file that does not exist") from None
+    except OSError as e:
+        raise CorruptFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: expected a regular file to copy, got {stat.filemode(st.st_mode)}")
+    return path
+
+
+def _copy_file(path: str, dst: str) -> int:
+    """Copy the file ``path`` (checked by :func:`_checked_source_file`) into the new file ``dst``
+    byte for byte; returns the number of bytes. The resolved file is opened without following a
+    link, so one put in its place after the check is refused, not followed."""
+    try:
+        fd = os.open(os.path.realpath(path), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise CorruptFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as fin:
+        if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
+            raise ConfigError(f"{path}: expected a regular file to copy")
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "xb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+            return fout.tell()
+
+
+def non_expert_tensor_names(ckpt: Checkpoint) -> list[str]:
+    """Every tensor name of ``ckpt`` except the routed experts' (those become the layer files):
+    attention, norms, embeddings, ``lm_head``, dense MLPs, routers, shared experts."""
+    return [n for n in ckpt.tensor_names() if _EXPERT_RE.match(n) is None]
+
+
+def _plan_tensor_files(ckpt: Checkpoint, names: Sequence[str], max_file_bytes: int) -> dict[str, list[str]]:
+    """``names`` split, in order, into files of at most ``max_file_bytes`` of tensor data (a
+    larger tensor gets a file of its own), from the headers alone: file name → tensor names."""
+    groups: list[list[str]] = []
+    size = 0
+    for n in names:
+        t = ckpt.tensor_info(n)
+        if not groups or size + (t.end - t.begin) > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += t.end - t.begin
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+#: numpy dtype → the safetensors dtype name (the reader's table, inverted)
+_DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+
+
+def _write_safetensors(dst: str, layout: Sequence[tuple[str, str, tuple[int, ...]]],
+                       read: Callable[[str], np.ndarray], metadata: dict[str, str]) -> int:
+    """Write the new safetensors file ``dst`` one tensor at a time: the header from ``layout``
+    (name, dtype name, shape) first, then each tensor's bytes as ``read(name)`` returns them, in
+    the same order. The file is created as ``open`` creates files (``0o666`` less the umask;
+    the safetensors package's writer gives ``0o600``). Returns the file's size."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype_name, shape in layout:
+        nbytes = math.prod(shape) * DTYPES[dtype_name].itemsize
+        header[name] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)                 # the data starts 8-byte aligned
+    with open(dst, "xb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, _, _ in layout:
+            f.write(np.ascontiguousarray(read(name)).reshape(-1).view(np.uint8))
+        return f.tell()
+
+
+def _write_arrays(dst: str, tensors: dict[str, np.ndarray]) -> int:
+    """Write the arrays ``tensors`` (a converted layer) into the new safetensors file ``dst``."""
+    layout = []
+    for name, a in tensors.items():
+        dtype_name = _DTYPE_NAMES.get(a.dtype)
+        if dtype_name is None:
+            raise ConfigError(f"{name}: dtype {a.dtype} cannot be stored in a safetensors file "
+                              f"(known: {sorted(str(d) for d in _DTYPE_NAMES)})")
+        layout.append((name, dtype_name, a.shape))
+    return _write_safetensors(dst, layout, tensors.__getitem__, {"format": FORMAT})
+
+
+def _copy_tensors(ckpt: Checkpoint, names: Sequence[str], dst: str) -> int:
+    """Copy the tensors ``names`` of ``ckpt`` into the new safetensors file ``dst`` as stored
+    (dtype names and shapes from the source headers, bytes as read), one tensor at a time."""
+    layout = [(n, t.dtype_name, t.shape) for n, t in ((n, ckpt.tensor_info(n)) for n in names)]
+    return _write_safetensors(dst, layout, ckpt.read_tensor, {"format": "pt"})
+
+
+# --------------------------------------------------------------------------- conversion
+
+
 def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str | os.PathLike, *,
                        input_dtype: Any = None, expert_chunk: int | None = 1, progress: bool = True,
-                       tp_size: int = 1, tp_rank: int = 0, overwrite: bool = False) -> str:
-    """Convert every MoE layer of ``src`` into ``backend``'s layout under ``out`` (streaming).
+                       tp_size: int = 1, tp_rank: int = 0, overwrite: bool = False,
+                       max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> str:
+    """Convert every MoE layer of ``src`` into ``backend``'s layout under ``out`` (streaming), with
+    the rest of the model beside it (module doc): a whole checkpoint.
 
     ``out`` must not be ``src`` (or inside it), a file, or a non-empty folder unless
-    ``overwrite``. The files are written to a temporary folder beside ``out`` and renamed into
-    place when every layer is written.
+    ``overwrite``. ``max_file_bytes``: the most tensor data in one file of non-expert tensors.
+    Everything is checked (the source's files to copy included) before anything is written; the
+    files are written to a temporary folder beside ``out`` (created with the usual permissions)
+    and renamed into place when all are written.
     """
-    from safetensors.numpy import save_file
     from tqdm.auto import tqdm
 
     _check_chunk(expert_chunk)
@@ -251,16 +447,23 @@ def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str 
             raise ConfigError(f"{name}: expected an integer >= {lo}, got {v!r}")
     if tp_rank >= tp_size:
         raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
+    max_file_bytes = check_int("max_file_bytes", max_file_bytes, low=1)
     backend = Backend.parse(backend)
-    src, out = os.fspath(src), os.fspath(out)
+    src, out = _path_arg("src", src), _path_arg("out", out)
+    if os.path.isfile(os.path.join(src, MANIFEST)):
+        raise ConfigError(f"src {src!r}: holds {MANIFEST}, so it was written by wna16-jax convert; convert "
+                          "reads a source checkpoint (the one named in its manifest's 'source')")
     ckpt = Checkpoint(src)
     check_output_folder(src, out, overwrite=overwrite)
     reason = TABLE[backend].layout_supports(ckpt.scheme, input_dtype=input_dtype)
     if reason:
         raise ConfigError(f"backend {backend} cannot represent {ckpt.scheme.describe()}: {reason}")
+    to_copy = {name: _checked_source_file(src, name) for name in model_file_names(src)}
+    plan = _plan_tensor_files(ckpt, non_expert_tensor_names(ckpt), max_file_bytes)
     parent = os.path.dirname(os.path.abspath(out))
+    base = os.path.basename(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
+    tmp = _new_folder(parent, f".{base}.partial-")
     try:
         layers = {}
         for li in tqdm(ckpt.moe_layer_indices, desc=f"convert → {backend}", unit="layer",
@@ -277,10 +480,15 @@ def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str 
             if layer.shared_expert_gate is not None:
                 tensors["shared_expert_gate"] = np.ascontiguousarray(layer.shared_expert_gate)
             fname = f"layer-{li:05d}.safetensors"
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": FORMAT})
+            _write_arrays(os.path.join(tmp, fname), tensors)
             entry["file"] = fname
             layers[str(li)] = entry
             del layer, converted, tensors
+        tensor_files = {fname: {"bytes": _copy_tensors(ckpt, names, os.path.join(tmp, fname))}
+                        for fname, names in tqdm(plan.items(), desc="copy the other tensors", unit="file",
+                                                 disable=not progress)}
+        copied = {name: {"bytes": _copy_file(path, os.path.join(tmp, *name.split("/")))}
+                  for name, path in to_copy.items()}
         manifest = {
             "format": FORMAT, "version": VERSION, "backend": backend.name,
             "scheme": _meta_to_json(ckpt.scheme)["__scheme__"],
@@ -291,12 +499,14 @@ def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str 
                        ckpt.config.get("quantization_config", ckpt.config.get("compression_config"))},
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "layers": layers,
+            "model": {"copied": copied, "tensor_files": tensor_files, "max_file_bytes": max_file_bytes,
+                      "weight_map": {n: fname for fname, names in plan.items() for n in names}},
         }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.isdir(out):
             check_output_folder(src, out, overwrite=overwrite)     # nothing appeared meanwhile
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.old-", dir=parent)
+            old = _new_folder(parent, f".{base}.old-")
             os.rename(out, os.path.join(old, "out"))
             os.rename(tmp, out)
             shutil.rmtree(old)
@@ -308,15 +518,101 @@ def convert_checkpoint(src: str | os.PathLike, backend: Backend | str, out: str 
     return out
 
 
-class ConvertedCheckpoint:
-    """Read a folder written by :func:`convert_checkpoint`.
+# --------------------------------------------------------------------------- reading
 
-    Attributes: ``backend``, ``scheme``, ``model_config`` (the source's
-    :class:`~wna16_jax.checkpoint.MoEModelConfig`), ``manifest`` (the parsed JSON).
+
+def _listed_files(folder: str, listing: Fields) -> dict[str, str]:
+    """The files a manifest's ``listing`` (name → ``{"bytes": size}``) names, as name → path:
+    each inside ``folder`` (links included), present, a regular file of the recorded size."""
+    out = {}
+    for name, entry in listing.data.items():
+        where = f"{listing.where}[{name!r}]"
+        path = _confined_file(folder, name, source=where)
+        size = Fields(entry, where).integer("bytes", low=0)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise MissingTensorError(f"{where}: {name!r} is listed in the manifest but not found in "
+                                     f"{folder!r}") from None
+        except OSError as e:
+            raise CorruptFileError(f"{path}: cannot read ({e.strerror or e})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptFileError(f"{path}: expected a regular file, got {stat.filemode(st.st_mode)}")
+        if st.st_size != size:
+            raise CorruptFileError(f"{path}: {st.st_size} bytes, but the manifest records {size} bytes "
+                                   "(the file was truncated or replaced)")
+        out[name] = path
+    return out
+
+
+class _ModelFiles:
+    """The whole-model part of a converted folder (manifest version 3): the copied files and the
+    non-expert tensor files, every name, size and confinement checked on open, each tensor
+    file's header checked against the weight map, ``config.json`` parsed."""
+
+    def __init__(self, folder: str, section: Any, where: str):
+        if section is None:
+            raise ConfigError(f"{where}: required field 'model' is missing (manifest version {VERSION} "
+                              "folders carry the whole model)")
+        f = Fields(section, f"{where}: field 'model'")
+        self.folder = folder
+        self.copied = _listed_files(folder, f.object("copied", REQUIRED))
+        tensor_paths = _listed_files(folder, f.object("tensor_files", REQUIRED))
+        weight_map = f.object("weight_map", REQUIRED)
+        for name, fname in weight_map.data.items():
+            if not isinstance(fname, str) or fname not in tensor_paths:
+                raise weight_map.fail(name, f"must name one of the tensor_files {sorted(tensor_paths)}")
+        self.weight_map: dict[str, str] = dict(weight_map.data)
+        self.files = {fname: self._checked_file(path, {n for n, fn in self.weight_map.items() if fn == fname})
+                      for fname, path in tensor_paths.items()}
+        if CONFIG not in self.copied:
+            raise f.fail("copied", f"must list {CONFIG}", sorted(self.copied))
+        cfg_path = self.copied[CONFIG]
+        self.config = load_json(cfg_path, what=CONFIG)
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
+        self.quant_config = QuantConfig.from_hf_config(self.config)
+
+    @staticmethod
+    def _checked_file(path: str, listed: set[str]) -> SafetensorsFile:
+        """The safetensors file ``path`` (header checked), holding exactly the tensors ``listed``."""
+        f = SafetensorsFile(path)
+        missing, extra = sorted(listed - set(f.tensors)), sorted(set(f.tensors) - listed)
+        if missing:
+            raise MissingTensorError(f"{path}: lacks {len(missing)} tensor(s) the manifest's weight_map "
+                                     f"puts there, e.g. {missing[:3]}")
+        if extra:
+            raise UnexpectedTensorError(f"{path}: holds {len(extra)} tensor(s) the manifest's weight_map "
+                                        f"does not list, e.g. {extra[:3]}")
+        return f
+
+    def file_of(self, name: str) -> SafetensorsFile:
+        """The file holding the non-expert tensor ``name``."""
+        fname = self.weight_map.get(name) if isinstance(name, str) else None
+        if fname is None:
+            raise MissingTensorError(f"{name!r}: not a non-expert tensor of {self.folder!r} (the routed "
+                                     "experts are read with load_layer)")
+        return self.files[fname]
+
+
+class ConvertedCheckpoint:
+    """Read a folder written by :func:`convert_checkpoint`, through the reading interface of
+    :class:`~wna16_jax.checkpoint.Checkpoint`.
+
+    Attributes: ``path``, ``backend``, ``scheme`` (the experts'), ``model_config`` (the source's
+    :class:`~wna16_jax.checkpoint.MoEModelConfig`), ``manifest`` (the parsed JSON), ``version``;
+    the whole model (version 3): ``config`` (the parsed ``config.json``), ``quant_config``,
+    :meth:`tensor_names` (the non-expert tensors), :meth:`tensor_info`, :meth:`read_tensor`,
+    :meth:`read_many`, :meth:`locate`. :meth:`load_layer` gives a layer's experts in the backend
+    layout. Opening checks the manifest, that each file it names lies inside the folder (links
+    included), that the copied and non-expert files have the sizes it records and that each
+    non-expert file's header is sound and holds the tensors the manifest puts there. A
+    ConvertedCheckpoint is not a path: :func:`os.fspath` of one raises a
+    :class:`~wna16_jax.errors.ConfigError`, so an API that expects a checkpoint folder says so.
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
+        self.path = _path_arg("path", path)
         mpath = os.path.join(self.path, MANIFEST)
         if not os.path.isfile(mpath):
             raise ConfigError(f"{MANIFEST}: not found in {self.path!r} (not a converted checkpoint)")
@@ -324,13 +620,14 @@ class ConvertedCheckpoint:
         m = load_json(mpath, what="the manifest")
         if not isinstance(m, dict):
             raise CorruptFileError(f"{mpath}: expected a JSON object, got {type(m).__name__}")
-        if m.get("format") != FORMAT or m.get("version") not in READ_VERSIONS:
+        if m.get("format") != FORMAT or isinstance(m.get("version"), bool) or m.get("version") not in READ_VERSIONS:
             raise ConfigError(f"{mpath}: expected format {FORMAT!r} version {VERSION}, got "
                               f"{m.get('format')!r} version {m.get('version')!r}")
         for key in ("backend", "scheme", "layers"):
             if key not in m:
                 raise ConfigError(f"{mpath}: required field {key!r} is missing")
         self.manifest = m
+        self.version: int = m["version"]
         b = m["backend"]
         if not isinstance(b, str) or b not in Backend.__members__:
             raise ConfigError(f"{mpath}: field 'backend' must be one of {list(Backend.__members__)}, got {b!r}")
@@ -344,8 +641,76 @@ class ConvertedCheckpoint:
         for k, entry in layers.items():
             if not isinstance(entry, dict) or "experts" not in entry or "file" not in entry:
                 raise ConfigError(f"{mpath}: layers[{k!r}] must be an object with 'file' and 'experts'")
-            confined_path(self.path, entry["file"], source=f"{mpath}: layers[{k!r}].file")
+            _confined_file(self.path, entry["file"], source=f"{mpath}: layers[{k!r}].file")
+        self._model = (_ModelFiles(self.path, m.get("model"), mpath) if self.version >= WHOLE_MODEL_VERSION
+                       else None)
+        if self._model is not None:
+            self._check_config_agrees()
 
+    def __fspath__(self):
+        raise ConfigError(f"{self.path!r}: got a ConvertedCheckpoint where a checkpoint folder path (or a "
+                          "wna16_jax.Checkpoint) is expected; pass it to an API that takes a converted "
+                          "checkpoint (QuantizedMoE.from_checkpoint, wna16_jax.serialize.open_checkpoint)")
+
+    def __repr__(self) -> str:
+        return f"ConvertedCheckpoint({self.path!r}, backend={self.backend.name}, version={self.version})"
+
+    def _check_config_agrees(self) -> None:
+        cfg_path = self._model.copied[CONFIG]
+        from_config = MoEModelConfig.from_hf_config(self._model.config)
+        if self.model_config is None:
+            raise ConfigError(f"{self._mpath}: required field 'model_config' is missing")
+        diff = {f.name: (getattr(from_config, f.name), getattr(self.model_config, f.name))
+                for f in dataclasses.fields(MoEModelConfig)
+                if getattr(from_config, f.name) != getattr(self.model_config, f.name)}
+        if diff:
+            raise ConfigError(f"{cfg_path}: disagrees with the manifest's model_config: "
+                              + ", ".join(f"{k} is {a!r} there, {b!r} in the manifest" for k, (a, b) in diff.items()))
+
+    # ------------------------------------------------------------------ the whole model
+    def _whole(self, what: str) -> _ModelFiles:
+        if self._model is None:
+            raise UnsupportedError(f"{self._mpath}: manifest version {self.version} holds only the converted MoE "
+                                   f"layers, not the whole model (no {what}); convert the source again with "
+                                   f"this version of wna16-jax (manifest version {VERSION})")
+        return self._model
+
+    @property
+    def config(self) -> dict:
+        """The parsed ``config.json`` (copied from the source as it is)."""
+        return self._whole(CONFIG).config
+
+    @property
+    def quant_config(self) -> QuantConfig:
+        """The source's ``quantization_config`` (the non-expert tensors are stored as it says)."""
+        return self._whole(CONFIG).quant_config
+
+    def tensor_names(self) -> list[str]:
+        """Every non-expert tensor of the source, sorted (the routed experts: :meth:`load_layer`)."""
+        return sorted(self._whole("non-expert tensors").weight_map)
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Header entry (dtype, shape, offsets) of the non-expert tensor ``name``, no data read."""
+        return self._whole("non-expert tensors").file_of(name).info(name)
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """The non-expert tensor ``name`` as stored in the source."""
+        return self._whole("non-expert tensors").file_of(name).read(name)
+
+    def read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """As :meth:`Checkpoint.read_many`: each ``(name, destination)`` of ``into`` read straight
+        into its destination, each of ``names`` into a new array (returned by name)."""
+        files = self._whole("non-expert tensors")
+        for name, dst in into:
+            files.file_of(name).read_into(name, dst)
+        return {name: files.file_of(name).read(name) for name in names}
+
+    def locate(self, name: str) -> str:
+        """``name (in <file>)``, for messages."""
+        fname = self._model.weight_map.get(name, "?") if self._model is not None else "?"
+        return f"{name} (in {fname})"
+
+    # ------------------------------------------------------------------ the converted layers
     @property
     def moe_layer_indices(self) -> list[int]:
         return sorted(int(k) for k in self.manifest["layers"])
@@ -358,7 +723,7 @@ class ConvertedCheckpoint:
             raise ValueRangeError(f"layer_index: {layer_index!r} is not in {self.path!r}; "
                                   f"layers are {self.moe_layer_indices}")
         where = f"{self._mpath}: layers['{layer_index}']"
-        fpath = confined_path(self.path, entry["file"], source=f"{where}.file")
+        fpath = _confined_file(self.path, entry["file"], source=f"{where}.file")
         if not os.path.isfile(fpath):
             raise MissingTensorError(f"{where}.file: {entry['file']!r} not found in {self.path!r}")
         f = SafetensorsFile(fpath)
@@ -402,6 +767,16 @@ class ConvertedCheckpoint:
             yield self.load_layer(li)
 
 
+def open_checkpoint(path: str | os.PathLike | Checkpoint | ConvertedCheckpoint) -> Checkpoint | ConvertedCheckpoint:
+    """The checkpoint folder ``path`` opened as what it is: a folder holding ``manifest.json``
+    (written by :func:`convert_checkpoint`) as a :class:`ConvertedCheckpoint`, any other as a
+    :class:`~wna16_jax.checkpoint.Checkpoint`; an already opened one is returned as it is."""
+    if isinstance(path, (Checkpoint, ConvertedCheckpoint)):
+        return path
+    folder = _path_arg("path", path)
+    return ConvertedCheckpoint(folder) if os.path.isfile(os.path.join(folder, MANIFEST)) else Checkpoint(folder)
+
+
 def _model_config(d: Any, where: str) -> MoEModelConfig | None:
     if d is None:
         return None
@@ -440,5 +815,5 @@ def _check_decodes(weights: Any, where: str) -> None:
                          f"expected {(e, 2 * i, h)} and {(e, h, i)}")
 
 
-__all__ = ["convert_checkpoint", "convert_layer", "ConvertedCheckpoint", "LAYOUTS", "MANIFEST",
-           "check_output_folder"]
+__all__ = ["convert_checkpoint", "convert_layer", "ConvertedCheckpoint", "open_checkpoint", "LAYOUTS", "MANIFEST",
+           "VERSION", "check_output_folder", "model_file_names", "non_expert_tensor_names"]
