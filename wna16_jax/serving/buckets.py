@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError, ShapeError, ValueRangeError
-from .fields import check_int, check_number
+from ..errors import ConfigError, ShapeError, ValueRangeError
+from ..fields import check_int, check_number
 
 
 def power_of_two_buckets(max_size: int = 512, min_size: int = 1) -> tuple[int, ...]:
@@ -83,13 +83,14 @@ def _sequence(name: str, value: Any) -> list:
     return list(value)
 
 
-def check_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
-    """``buckets`` as a strictly increasing tuple of positive ints, or :class:`ConfigError`."""
-    b = tuple(check_int(f"buckets[{j}]", v, low=1) for j, v in enumerate(_sequence("buckets", buckets)))
+def check_buckets(buckets: Iterable[int], name: str = "buckets") -> tuple[int, ...]:
+    """``buckets`` as a strictly increasing tuple of positive ints, or :class:`ConfigError` naming
+    ``name`` (the argument or attribute that holds them)."""
+    b = tuple(check_int(f"{name}[{j}]", v, low=1) for j, v in enumerate(_sequence(name, buckets)))
     if not b:
-        raise ConfigError("buckets: expected at least one bucket size, got none")
+        raise ConfigError(f"{name}: expected at least one bucket size, got none")
     if any(x >= y for x, y in zip(b, b[1:])):
-        raise ConfigError(f"buckets: expected strictly increasing sizes, got {b!r}")
+        raise ConfigError(f"{name}: expected strictly increasing sizes, got {b!r}")
     return b
 
 
@@ -241,7 +242,7 @@ def _unpad_tree(out, num_tokens: int):
 
 def _is_nnx_module(fn) -> bool:
     try:
-        from . import _flax_compat  # noqa: F401 - before flax
+        from .. import _flax_compat  # noqa: F401 - before flax
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return False
@@ -255,7 +256,7 @@ def _module_call():
     """``nnx.jit`` of ``module(x)``: one compiled program per module graph and input shape."""
     global _MODULE_CALL
     if _MODULE_CALL is None:
-        from . import _flax_compat  # noqa: F401 - before flax
+        from .. import _flax_compat  # noqa: F401 - before flax
         from flax import nnx
 
         _MODULE_CALL = nnx.jit(lambda module, x: module(x))
