@@ -37,7 +37,8 @@ class TileForm(Form):
             inv = jnp.argsort(m.perm, axis=1)
             codes = jnp.take_along_axis(codes, inv[:, None, :], axis=2)
             k = codes.shape[-1]
-            g_idx = jnp.take_along_axis(jnp.broadcast_to(jnp.arange(k) // m.group_size, m.perm.shape),
+            group = m.group_size if m.group_size > 0 else k                   # -1: one group over K
+            g_idx = jnp.take_along_axis(jnp.broadcast_to(jnp.arange(k) // group, m.perm.shape),
                                         inv, axis=1).astype(jnp.int32)
         return LogicalQuant(codes, scales, zeros, g_idx, bits=m.bits, group_size=m.group_size)
 
