@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.generate import GPTQ_4BIT_G128, LABELS, SHAPES, measure_bandwidth, touched_bytes  # noqa: E402
 from benchmarks.kernel_profile import format_breakdown, traced_breakdown  # noqa: E402
 from wna16_jax.models import load_model, write_random_model  # noqa: E402
+from wna16_jax.models.synthetic import RandomModelSpec  # noqa: E402
 from wna16_jax.models import generation as G  # noqa: E402
 from wna16_jax.schemes import QuantScheme  # noqa: E402
 
@@ -129,7 +130,7 @@ def bench(model, batch, args, bandwidth, label):
     tokens = np.zeros((batch, p), np.int32)
     tokens[:, :args.prompt] = np.asarray(prompts, np.int32)
     lengths = jnp.full((batch,), args.prompt, jnp.int32)
-    key, zero, one = jax.random.key(0), jnp.float32(0), jnp.float32(1)
+    key, zero, one = G.row_keys(None, 0, batch), jnp.float32(0), jnp.float32(1)
 
     def prefill():
         return progs.prefill(leaves, jnp.asarray(tokens), lengths, key, zero, one, max_len=max_len, sample=False)
@@ -205,7 +206,8 @@ def main(argv=None) -> int:
             label = f"{LABELS[name]}, {shape['num_layers']} layers"
             path = os.path.join(tmp, name)
             t0 = time.perf_counter()
-            write_random_model(path, scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), seed=0, **shape)
+            write_random_model(path, RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape),
+                               seed=0)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = load_model(path, dtype=jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32,

@@ -46,6 +46,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from wna16_jax.models import load_model, write_random_model  # noqa: E402
+from wna16_jax.models.synthetic import RandomModelSpec  # noqa: E402
 from wna16_jax.models import decoder  # noqa: E402
 from wna16_jax.models import generation as G  # noqa: E402
 from wna16_jax.models.decoder import DecoderLayer, MoEDecoder  # noqa: E402
@@ -55,7 +56,7 @@ from flax import nnx  # noqa: E402 - after wna16_jax, which lets Flax import on 
 
 GPTQ_4BIT_G128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 
-#: name → write_random_model arguments (num_layers is --layers or the default here)
+#: name → RandomModelSpec fields but the scheme (num_layers is --layers or the default here)
 SHAPES = {
     "qwen3": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                   num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768,
@@ -224,7 +225,7 @@ def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: i
     tokens = np.zeros((batch, gen.bucket(prompt)), np.int32)
     tokens[:, :prompt] = np.asarray(prompts, np.int32)
     lengths = jnp.full((batch,), prompt, jnp.int32)
-    key, zero, one = jax.random.key(0), jnp.float32(0), jnp.float32(1)
+    key, zero, one = G.row_keys(None, 0, batch), jnp.float32(0), jnp.float32(1)
     tok_dev = jnp.asarray(tokens)
 
     def prefill():
@@ -278,7 +279,7 @@ def prefill_temp_bytes(model: MoEDecoder, batch: int, bucket: int, max_len: int)
     progs, leaves = G.programs(model)
     tokens = jnp.zeros((batch, bucket), jnp.int32)
     lengths = jnp.full((batch,), bucket, jnp.int32)
-    compiled = progs.prefill.lower(leaves, tokens, lengths, jax.random.key(0), jnp.float32(0), jnp.float32(1),
+    compiled = progs.prefill.lower(leaves, tokens, lengths, G.row_keys(None, 0, batch), jnp.float32(0), jnp.float32(1),
                                    max_len=max_len, sample=False).compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)
     print(f"#   prefill [{batch}, {bucket}]: {temp / 2**30:.2f} GiB of temporaries", flush=True)
@@ -393,7 +394,8 @@ def main(argv=None) -> int:
             label = f"{LABELS[name]}, {shape['num_layers']} layers"
             path = os.path.join(tmp, name)
             t0 = time.perf_counter()
-            write_random_model(path, scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), seed=0, **shape)
+            write_random_model(path, RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape),
+                               seed=0)
             print(f"# {label}: wrote the GPTQ int4 g128 checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
             variants = (([] if args.only_dequantized else ["GPTQ int4"])
                         + ([] if args.no_dequantized else ["bf16 (dequantized, XLA)"]))

@@ -32,7 +32,7 @@ def main(steps: int = 8, seed: int = 0, workdir: str | None = None) -> dict:
                                 num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
         model, result = build_and_train("tiny deepseek", path, VOCAB, rng, steps=steps, seed=seed)
     moe = model.blocks[0].moe
-    assert moe.shared_experts is not None and moe.num_expert_group == 4
+    assert moe.shared_experts is not None and moe.routing.num_expert_group == 4
     return result
 
 

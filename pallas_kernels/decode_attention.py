@@ -14,6 +14,12 @@ value sum ``acc`` over its blocks of ``block_t`` slots, and :func:`combine` merg
 with the new row (a few XLA element-wise ops and two sums).
 
 :func:`decode_attention` is the whole step; :func:`reference` is the same in plain ``jnp``.
+
+**Paged caches.** :func:`paged_decode_attention` is the same step over a block pool
+``[L, P, H, block_size, D]`` read through a block table ``[B, M]`` (sequence ``b``'s slot ``t``
+lies in block ``table[b, t // block_size]`` at ``t % block_size``): each program walks its share
+of the row's table entries, one block per loop step, and reads only the blocks below
+``lengths[b]``; :func:`paged_reference` gathers the table's blocks and calls :func:`reference`.
 """
 
 from __future__ import annotations
@@ -229,5 +235,155 @@ def reference(q, k_new, v_new, k_cache, v_cache, layer, lengths, *, scale: float
     return jnp.einsum("bhgt,bhtd->bhgd", p, vals, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["BLOCK_T", "block_t_for", "choose_splits", "combine", "decode_attention", "partials", "reference",
+# --------------------------------------------------------------------------- paged caches
+
+
+def paged_unsupported_reason(q_shape, pool_shape, dtype) -> str | None:
+    """Why :func:`paged_decode_attention` cannot take these shapes / dtype (None: it can);
+    ``pool_shape``: ``[L, P, H, block_size, D]``."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {dtype.name}: the kernel takes bfloat16 or float16"
+    d = int(q_shape[-1])
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d}: the kernel takes a power of two ≥ 16"
+    s = int(pool_shape[-2])
+    if s < 16 or s & (s - 1):
+        return f"block_size {s}: the kernel reads whole blocks, a power of two ≥ 16"
+    return None
+
+
+def _paged_kernel(layer_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_size,
+                  per_split, scale, window):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    n = len_ref[b]                                     # slots 0 .. n-1 are valid
+    q = q_ref[...]                                     # [G, D]
+    g = q.shape[0]
+    first = s * per_split
+    lo = first
+    if window is not None:                             # visible: slot > n - window
+        lo = jnp.maximum(first, (n - window + 1) // block_size)
+    hi = jnp.minimum(first + per_split, (n + block_size - 1) // block_size)   # never past the row's blocks
+    neg = jnp.float32(-jnp.inf)
+
+    def body(j, carry):
+        m, l, acc = carry
+        blk = jnp.maximum(table_ref[b, j], 0)          # entries below n's blocks are real; -1 never read
+        kb = k_ref[layer, blk, h, :, :]                                    # [S, D]
+        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * np.float32(scale)   # [G, S]
+        t = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (g, block_size), 1)
+        ok = t < n
+        if window is not None:
+            ok = ok & (t > n - window)
+        sc = jnp.where(ok, sc, neg)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == neg, 0.0, m_new)                      # a row with nothing seen yet
+        p = jnp.exp(sc - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        vb = v_ref[layer, blk, h, :, :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    m0 = jnp.full((g,), neg, jnp.float32)
+    l0 = jnp.zeros((g,), jnp.float32)
+    acc0 = jnp.zeros(q.shape, jnp.float32)
+    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, (m0, l0, acc0))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "splits", "interpret", "num_warps", "num_stages"))
+def paged_partials(q, k_pool, v_pool, layer, block_table, lengths, *, scale: float, window: int | None = None,
+                   splits: int | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+    """:func:`partials` over a block pool: ``q [B, H, G, D]`` (``G`` a power of two ≥ 16) against
+    layer ``layer`` (int32 ``[1]``) of the pools ``[L, P, H, S, D]`` read through
+    ``block_table [B, M]`` (int32), slots ``t < lengths[b]``; the ``M`` entries are split among
+    ``splits`` programs per ``(b, h)`` (default :func:`choose_splits`)."""
+    bsz, hk, g, d = q.shape
+    bs, width = int(k_pool.shape[3]), int(block_table.shape[1])
+    per_split = -(-width // (splits or choose_splits(bsz, hk, width)))
+    n_splits = -(-width // per_split)
+    kernel = functools.partial(_paged_kernel, block_size=bs, per_split=per_split, scale=float(scale), window=window)
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - the whole array
+    out_specs = [pl.BlockSpec((None, None, None, g, d), lambda b, h, s: (b, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, g), lambda b, h, s: (b, h, s, 0)),
+                 pl.BlockSpec((None, None, None, g), lambda b, h, s: (b, h, s, 0))]
+    out_shape = [jax.ShapeDtypeStruct((bsz, hk, n_splits, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, hk, n_splits, g), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, hk, n_splits, g), jnp.float32)]
+    in_specs = [full(layer), full(lengths), full(block_table),
+                pl.BlockSpec((None, None, g, d), lambda b, h, s: (b, h, 0, 0)), full(k_pool), full(v_pool)]
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(
+        kernel, grid=(bsz, hk, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name=f"paged_decode_attention_b{bsz}_h{hk}_m{width}_s{n_splits}", **kwargs,
+    )(layer, lengths, block_table, q, k_pool, v_pool)
+
+
+def _check_paged(q, k_new, v_new, k_pool, v_pool, block_table, lengths):
+    if q.ndim != 4:
+        raise KernelShapeError(f"q: expected [B, H, G, D], got shape {tuple(q.shape)}")
+    bsz, hk, _, d = q.shape
+    for name, a in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if a.ndim != 5 or a.shape[2] != hk or a.shape[4] != d:
+            raise KernelShapeError(f"{name}: expected [L, P, {hk}, block_size, {d}], got shape {tuple(a.shape)}")
+        if a.dtype != q.dtype:
+            raise KernelDTypeError(f"{name}: expected {q.dtype}, got {a.dtype}")
+    if k_pool.shape != v_pool.shape:
+        raise KernelShapeError(f"v_pool: expected the shape of k_pool {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}")
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(a.shape) != (bsz, hk, d):
+            raise KernelShapeError(f"{name}: expected [{bsz}, {hk}, {d}], got shape {tuple(a.shape)}")
+    if block_table.ndim != 2 or block_table.shape[0] != bsz or not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise KernelShapeError(f"block_table: expected an integer [{bsz}, M], got {block_table.dtype} "
+                               f"{tuple(block_table.shape)}")
+    if tuple(lengths.shape) != (bsz,):
+        raise KernelShapeError(f"lengths: expected [{bsz}], got shape {tuple(lengths.shape)}")
+    reason = paged_unsupported_reason(q.shape, k_pool.shape, q.dtype)
+    if reason:
+        raise KernelConfigError(f"paged_decode_attention: {reason}")
+
+
+def paged_decode_attention(q, k_new, v_new, k_pool, v_pool, layer, block_table, lengths, *, scale: float,
+                           window: int | None = None, splits: int | None = None, interpret: bool = False):
+    """:func:`decode_attention` over a paged cache; returns ``[B, H, G, D]`` in ``q``'s dtype.
+
+    ``k_pool``, ``v_pool`` ``[L, P, H, S, D]`` (``S`` = block_size, a power of two ≥ 16) and
+    ``layer`` (an int32 scalar, may be traced): sequence ``b``'s slot ``t`` is in block
+    ``block_table[b, t // S]`` (int32 ``[B, M]``) at ``t % S``; the entries of the slots
+    ``t < lengths[b]`` must name pool blocks (the others are never read: ``-1`` is fine).
+    ``k_new``, ``v_new`` ``[B, H, D]``: the step's own key / value, attended to, not written."""
+    _check_paged(q, k_new, v_new, k_pool, v_pool, block_table, lengths)
+    g = q.shape[2]
+    gp = max(MIN_GROUP, 1 << (g - 1).bit_length())
+    qp = q if gp == g else jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    acc, m, l = paged_partials(qp, k_pool, v_pool, layer, block_table.astype(jnp.int32), lengths.astype(jnp.int32),
+                               scale=float(scale), window=window, splits=splits, interpret=interpret)
+    return combine(acc, m, l, q, k_new, v_new, scale).astype(q.dtype)
+
+
+def paged_reference(q, k_new, v_new, k_pool, v_pool, layer, block_table, lengths, *, scale: float,
+                    window: int | None = None):
+    """:func:`paged_decode_attention` in plain ``jnp``: the table's blocks gathered into a
+    contiguous cache, then :func:`reference`."""
+    table = jnp.maximum(jnp.asarray(block_table), 0)
+
+    def gather(pool):                                  # [L, P, H, S, D] → [1, B, H, M·S, D]
+        g = jnp.take(jnp.asarray(pool)[layer], table, axis=0)              # [B, M, H, S, D]
+        b, m, h, s, d = g.shape
+        return jnp.swapaxes(g, 1, 2).reshape(1, b, h, m * s, d)
+
+    return reference(q, k_new, v_new, gather(k_pool), gather(v_pool), 0, lengths, scale=scale, window=window)
+
+
+__all__ = ["BLOCK_T", "block_t_for", "choose_splits", "combine", "decode_attention", "paged_decode_attention",
+           "paged_partials", "paged_reference", "paged_unsupported_reason", "partials", "reference",
            "split_plan", "unsupported_reason"]

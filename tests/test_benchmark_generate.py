@@ -11,6 +11,7 @@ from flax import nnx
 
 from benchmarks import generate as bench
 from wna16_jax.models import load_model, write_random_model
+from wna16_jax.models.synthetic import RandomModelSpec
 from wna16_jax.schemes import QuantScheme
 
 
@@ -33,8 +34,8 @@ def test_generate_benchmark_smoke(tmp_path, capsys):
 def test_floor_counts_every_touched_weight_once(tmp_path):
     """With a batch so large that every expert is touched, the floor's bytes are all the model's
     weights except the embedding table, plus one embedding row per token."""
-    path = write_random_model(tmp_path / "m", scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128),
-                              **dict(bench.SHAPES["tiny"], num_layers=1))
+    spec = RandomModelSpec(scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128), **bench.SHAPES["tiny"])
+    path = write_random_model(tmp_path / "m", spec.replace(num_layers=1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = load_model(path, dtype=jnp.float32)
@@ -53,8 +54,8 @@ def test_floor_of_a_scanned_model_copies_nothing(tmp_path):
     """The floor of a scanned model counts the same bytes as the unrolled model's and creates no
     device array (slicing each layer out of the stacks would hold a second copy of the weights
     while the script reads the memory in use)."""
-    path = write_random_model(tmp_path / "m", scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128),
-                              **dict(bench.SHAPES["tiny"], num_layers=3))
+    spec = RandomModelSpec(scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128), **bench.SHAPES["tiny"])
+    path = write_random_model(tmp_path / "m", spec.replace(num_layers=3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scanned = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
@@ -72,8 +73,8 @@ def test_scanned_model_without_moe_shares_its_stacks(tmp_path):
     what the unrolled model without its MoE computes."""
     import numpy as np
 
-    path = write_random_model(tmp_path / "m", scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128),
-                              **dict(bench.SHAPES["tiny"], num_layers=3))
+    spec = RandomModelSpec(scheme=QuantScheme.from_quant_config(bench.GPTQ_4BIT_G128), **bench.SHAPES["tiny"])
+    path = write_random_model(tmp_path / "m", spec.replace(num_layers=3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scanned = load_model(path, dtype=jnp.float32, scan_layers=True)

@@ -23,7 +23,7 @@ from wna16_jax.cli import main, run_inspect
 from wna16_jax.errors import (ConfigError, CorruptFileError, MissingTensorError, UnexpectedTensorError,
                               UnsafePathError, UnsupportedError, ValueRangeError)
 from wna16_jax.models.generation_config import read_generation_config
-from wna16_jax.models.synthetic import write_random_model
+from wna16_jax.models.synthetic import RandomModelSpec, write_random_model
 from wna16_jax.nn import QuantizedMoE
 from wna16_jax.schemes import QuantScheme
 from wna16_jax.serialize import ConvertedCheckpoint, convert_checkpoint, open_checkpoint
@@ -112,10 +112,11 @@ def _random_source(path) -> str:
     """A Qwen2-MoE (a shared expert with its gate, a dense MLP layer, q/k/v biases) with a fresh
     seed, and a tokenizer, generation config and chat templates (one of them a link inside the
     folder, as the Hugging Face cache lays files out)."""
-    write_random_model(path, model_type="qwen2_moe", scheme=GPTQ, num_layers=2, intermediate_size=96,
-                       shared_expert_intermediate_size=64, mlp_only_layers=[1],
-                       seed=int(np.random.default_rng().integers(1 << 30)), vocab_size=96, hidden_size=64,
-                       num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=64)
+    write_random_model(path, RandomModelSpec(model_type="qwen2_moe", scheme=GPTQ, num_layers=2, intermediate_size=96,
+                                             shared_expert_intermediate_size=64, mlp_only_layers=[1], vocab_size=96,
+                                             hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+                                             top_k=2, moe_intermediate_size=64),
+                       seed=int(np.random.default_rng().integers(1 << 30)))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copyfile(os.path.join(FIXTURES, "awq-mixtral", name), os.path.join(path, name))
     os.makedirs(os.path.join(path, "blobs"))
@@ -314,6 +315,28 @@ def test_from_checkpoint_equals_the_source_layer(case):
             assert y.shape == want.shape
             err = np.abs(y.astype(np.float64) - want).max() / np.abs(want).max()
             assert err <= FLOAT_RTOL, err
+
+
+def test_a_converted_folder_is_a_whole_model(case, capsys):
+    """load_model on the converted folder: the source model's logits (float32; the converted MoE
+    layers run their backend's layout, the rest is the source's bytes) and greedy tokens, and
+    ``wna16-jax generate OUT`` runs it."""
+    import warnings
+
+    from wna16_jax.models import Generator, load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv, src = load_model(case.out, dtype=jnp.float32), load_model(case.src, dtype=jnp.float32)
+    v = src.config.vocab_size
+    toks = np.random.default_rng().integers(0, v, (1, 9)).astype(np.int32)
+    a, b = np.asarray(conv(toks), np.float64), np.asarray(src(toks), np.float64)
+    assert np.isfinite(a).all() and np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    prompt = [toks[0].tolist()]
+    assert Generator(conv, batch_size=1, max_len=24).generate(prompt, 6) == \
+        Generator(src, batch_size=1, max_len=24).generate(prompt, 6)
+    assert main(["generate", case.out, "--prompt-ids", ",".join(map(str, prompt[0])), "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_older_manifest_versions_still_load_their_layers(tmp_path, cases):

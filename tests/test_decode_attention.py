@@ -148,13 +148,14 @@ def test_decoder_decode_steps_on_the_kernel(tmp_path, monkeypatch, model_type, s
     against the same steps on XLA. Both round in bf16; rows agree to ~1% of their largest logit
     unless a router near-tie flips (order one), so most rows, not all, must agree to 3%."""
     from wna16_jax.models import decoder, load_model, write_random_model
+    from wna16_jax.models.synthetic import RandomModelSpec
     from wna16_jax.schemes import QuantScheme
 
     window = 12 if model_type == "mixtral" else None
-    path = write_random_model(str(tmp_path / "m"), model_type=model_type, scheme=QuantScheme("gptq", 4, 128, False),
-                              vocab_size=512, hidden_size=256, num_layers=3, num_heads=8, num_kv_heads=2,
-                              head_dim=32, num_experts=4, top_k=2, moe_intermediate_size=128,
-                              seed=int(np.random.default_rng().integers(1 << 30)), sliding_window=window)
+    spec = RandomModelSpec(model_type=model_type, scheme=QuantScheme("gptq", 4, 128, False), vocab_size=512,
+                           hidden_size=256, num_layers=3, num_heads=8, num_kv_heads=2, head_dim=32, num_experts=4,
+                           top_k=2, moe_intermediate_size=128, sliding_window=window)
+    path = write_random_model(str(tmp_path / "m"), spec, seed=int(np.random.default_rng().integers(1 << 30)))
     model = load_model(path, dtype=jnp.bfloat16, scan_layers=scan)
     assert model.config.sliding_window == window
     prompts = np.random.default_rng().integers(3, 512, (6, 20))
@@ -202,3 +203,136 @@ def test_decode_kernel_mode_follows_the_device_and_the_switch(monkeypatch):
     assert decoder.decode_kernel_mode() == ("gpu" if gpu_ok else None)
     monkeypatch.setattr(decoder, "DECODE_KERNEL", False)
     assert decoder.decode_kernel_mode() is None
+
+
+# --------------------------------------------------------------------------- paged caches
+
+
+def _paged_case(rng, layers, blocks, b, h, g, bs, m, d, lengths, dtype=jnp.bfloat16):
+    """``(q, k_new, v_new, k_pool, v_pool, table)``: random pools of ``blocks`` blocks, each row's
+    table a scrambled set of distinct blocks for its ``lengths[b]`` slots, -1 after them."""
+    def r(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+    table = np.full((b, m), -1, np.int32)
+    order = rng.permutation(blocks)
+    used = 0
+    for i, n in enumerate(lengths):
+        need = -(-min(int(n), m * bs) // bs)
+        table[i, :need] = order[used:used + need]
+        used += need
+    assert used <= blocks
+    return r(b, h, g, d), r(b, h, d), r(b, h, d), r(layers, blocks, h, bs, d), r(layers, blocks, h, bs, d), table
+
+
+def _gather_ref64(q, kn, vn, kp, vp, layer, table, lengths, scale, window):
+    """float64 attention through the XLA gather path: ``KVCache.read`` of the table (every slot of
+    the row's blocks), then a softmax over slots ``< lengths[b]`` (and the window) and the new row."""
+    from wna16_jax.models.kv_cache import KVCache
+
+    keys, vals, kpos = KVCache(kp, vp, jnp.asarray(table)).at_layer(layer).read(None, jnp.float32)
+    keys, vals = (np.asarray(a, np.float64) for a in (keys, vals))
+    qq, kn, vn = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, kn, vn))
+    keys = np.concatenate([keys, kn[:, :, None]], axis=2)                  # [B, H, T + 1, D]
+    vals = np.concatenate([vals, vn[:, :, None]], axis=2)
+    n = np.asarray(lengths)[:, None]
+    slot = np.asarray(kpos)
+    ok = slot < n
+    if window is not None:
+        ok &= slot > n - window
+    ok = np.concatenate([ok, np.ones_like(ok[:, :1])], axis=1)             # the new row
+    sc = np.einsum("bhgd,bhtd->bhgt", qq, keys) * scale
+    sc = np.where(ok[:, None, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhgt,bhtd->bhgd", p, vals)
+
+
+@pytest.mark.parametrize("b, h, g, bs, m, d, window, splits", [
+    (3, 2, 8, 16, 6, 64, None, None),      # a few blocks per row, the default splits
+    (2, 4, 3, 32, 5, 32, None, 2),         # a group that is not a power of two (padded to 16)
+    (4, 2, 4, 16, 8, 64, 40, 3),           # a sliding window across blocks, uneven splits
+    (2, 1, 16, 64, 3, 128, None, 1),       # one key/value head, large blocks, one split
+])
+def test_paged_decode_attention_matches_the_gather_path(b, h, g, bs, m, d, window, splits):
+    """The paged kernel (interpret mode on the CPU) against the XLA gather path in float64, on
+    scrambled tables: a full row, an empty one (only the new row), one ending mid-block; the
+    blocks outside a row's table hold other data, so reading one would show."""
+    rng = np.random.default_rng()
+    layers, blocks = 2, b * m + 3
+    lengths = rng.integers(1, m * bs + 1, b)
+    lengths[0] = m * bs
+    lengths[1] = 0
+    if b > 2:
+        lengths[2] = bs + bs // 2
+    q, kn, vn, kp, vp, table = _paged_case(rng, layers, blocks, b, h, g, bs, m, d, lengths)
+    layer = int(rng.integers(layers))
+    scale = float(d) ** -0.5
+    fn = jax.jit(functools.partial(da.paged_decode_attention, scale=scale, window=window, splits=splits,
+                                   interpret=INTERPRET))
+    args = (q, kn, vn, kp, vp, jnp.int32(layer), jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+    got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
+    ref = _gather_ref64(q, kn, vn, kp, vp, layer, table, lengths, scale, window)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=TOL * np.abs(ref).max(), rtol=0)
+    plain = np.asarray(da.paged_reference(*args, scale=scale, window=window), np.float64)
+    np.testing.assert_allclose(plain, ref, atol=TOL * np.abs(ref).max(), rtol=0)
+    # another row's blocks (a shifted table) would be far off
+    wrong = np.roll(table, 1, axis=0)
+    other = _gather_ref64(q, kn, vn, kp, vp, layer, np.where(wrong < 0, 0, wrong), lengths, scale, window)
+    assert np.abs(got[0] - other[0]).max() > 3 * TOL * np.abs(ref[0]).max()    # row 0 reads foreign blocks: far outside the tolerance
+
+
+def test_paged_refused_shapes_name_what_they_got():
+    rng = np.random.default_rng()
+    q, kn, vn, kp, vp, table = _paged_case(rng, 2, 8, 2, 2, 4, 16, 3, 32, [5, 20])
+    lengths = jnp.asarray([5, 20], jnp.int32)
+    call = functools.partial(da.paged_decode_attention, scale=1.0, interpret=True)
+    assert "block_size 8" in da.paged_unsupported_reason(q.shape, (2, 8, 2, 8, 32), jnp.bfloat16)
+    assert "block_size 24" in da.paged_unsupported_reason(q.shape, (2, 8, 2, 24, 32), jnp.bfloat16)
+    assert "dtype float32" in da.paged_unsupported_reason(q.shape, kp.shape, jnp.float32)
+    with pytest.raises(KernelConfigError, match="block_size 8"):
+        call(q, kn, vn, kp[:, :, :, :8], vp[:, :, :, :8], 0, table, lengths)
+    with pytest.raises(KernelDTypeError, match="v_pool: expected bfloat16, got float16"):
+        call(q, kn, vn, kp, vp.astype(jnp.float16), 0, table, lengths)
+    with pytest.raises(KernelShapeError, match=r"k_pool: expected \[L, P, 2, block_size, 32\]"):
+        call(q, kn, vn, kp[0], vp, 0, table, lengths)
+    with pytest.raises(KernelShapeError, match=r"block_table: expected an integer \[2, M\]"):
+        call(q, kn, vn, kp, vp, 0, table[:1], lengths)
+    with pytest.raises(KernelShapeError, match=r"block_table: expected an integer"):
+        call(q, kn, vn, kp, vp, 0, table.astype(np.float32), lengths)
+    with pytest.raises(KernelShapeError, match=r"lengths: expected \[2\]"):
+        call(q, kn, vn, kp, vp, 0, table, lengths[:1])
+
+
+@cpu_only
+def test_paged_decode_attention_lowers_to_triton():
+    """The paged kernel lowers to Triton IR for CUDA at a serving shape: a 48-layer pool of 8192
+    blocks of 16 (past 2^32 bytes: 64-bit offsets), 64 rows of 256 table entries."""
+    s = jax.ShapeDtypeStruct
+    for window in (None, 4096):
+        args = (s((64, 4, 8, 128), jnp.bfloat16), s((64, 4, 128), jnp.bfloat16), s((64, 4, 128), jnp.bfloat16),
+                s((48, 8192, 4, 16, 128), jnp.bfloat16), s((48, 8192, 4, 16, 128), jnp.bfloat16),
+                s((), jnp.int32), s((64, 256), jnp.int32), s((64,), jnp.int32))
+        with abstract_h200():
+            text = jax.jit(functools.partial(da.paged_decode_attention, scale=0.1, window=window)).trace(
+                *args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text
+
+
+@gpu
+@needs_gpu
+def test_paged_decode_attention_at_model_shapes_gpu():
+    """Compiled on the GPU at Qwen3-30B-A3B's and Mixtral's head shapes (batch 1 / 8 / 32, blocks
+    of 16, up to 1024 slots a row) against the gather path in float64."""
+    rng = np.random.default_rng()
+    for h, g, b in ((4, 8, 1), (4, 8, 32), (8, 4, 8)):
+        bs, m = 16, 64
+        lengths = rng.integers(0, m * bs + 1, b)
+        q, kn, vn, kp, vp, table = _paged_case(rng, 4, b * m + 5, b, h, g, bs, m, 128, lengths)
+        layer = int(rng.integers(4))
+        got = np.asarray(jax.jit(functools.partial(da.paged_decode_attention, scale=128 ** -0.5))(
+            q, kn, vn, kp, vp, jnp.int32(layer), jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
+        ).astype(jnp.float32), np.float64)
+        ref = _gather_ref64(q, kn, vn, kp, vp, layer, table, lengths, 128 ** -0.5, None)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, atol=TOL * np.abs(ref).max(), rtol=0)

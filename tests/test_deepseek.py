@@ -32,7 +32,7 @@ from wna16_jax.models import load_model
 from wna16_jax.models.config import DecoderConfig
 from wna16_jax.models.decoder import LatentAttention
 from wna16_jax.models.generation import Generator
-from wna16_jax.models.synthetic import write_random_model
+from wna16_jax.models.synthetic import RandomModelSpec, write_random_model
 from wna16_jax.schemes import QuantScheme
 
 # The numpy reference and the library compute from the same dequantized weights in float64 /
@@ -229,8 +229,8 @@ def test_deepseek_logits_and_cached_decode_match_reference(name):
     prompts = [TOKENS, TOKENS[:3]]
     steps = list(gen.stream(prompts, 8, with_logits=True))
     cache = m.init_cache(2, 32)
-    assert cache[0][0].shape == (2, 1, 32, raw["kv_lora_rank"])         # the latent, not per-head keys
-    assert cache[0][1].shape == (2, 1, 32, raw["qk_rope_head_dim"])
+    assert cache.k.shape == (c.num_layers, 2, 1, 32, raw["kv_lora_rank"])    # the latent, not per-head keys
+    assert cache.v.shape == (c.num_layers, 2, 1, 32, raw["qk_rope_head_dim"])
     seqs = [p + [int(t[i]) for t, _ in steps] for i, p in enumerate(prompts)]
     width = max(len(q) for q in seqs)
     full = np.asarray(_forward(m, jnp.asarray([q + [0] * (width - len(q)) for q in seqs], jnp.int32)))
@@ -287,7 +287,7 @@ def test_scanned_deepseek_is_the_same_model():
     toks = jnp.asarray([TOKENS], jnp.int32)
     a, b = np.asarray(_forward(unrolled, toks)), np.asarray(_forward(scanned, toks))
     assert float(np.abs(a - b).max()) <= TOL * float(np.abs(a).max())
-    assert scanned.init_cache(1, 16)[0].shape == (2, 1, 1, 16, 32)
+    assert scanned.init_cache(1, 16).k.shape == (2, 1, 1, 16, 32)
     assert Generator(scanned, batch_size=1, max_len=32).generate([TOKENS], 6) == \
         Generator(unrolled, batch_size=1, max_len=32).generate([TOKENS], 6)
 
@@ -299,8 +299,7 @@ def test_leading_dense_layers_run_ahead_of_the_scan():
     unrolled, scanned = _model("v3-awq"), _quiet_load(path, dtype=jnp.float32, scan_layers=True)
     assert scanned.scan_layers and len(scanned.layers) == 1 and scanned.num_scanned_layers == 2
     assert [hasattr(layer.mlp, "router") for layer in scanned.layer_modules()] == [False, True, True]
-    head, stacked = scanned.init_cache(1, 16)
-    assert len(head) == 1 and head[0][0].shape == (1, 1, 16, 32) and stacked[0].shape == (2, 1, 1, 16, 32)
+    assert scanned.init_cache(1, 16).k.shape == (3, 1, 1, 16, 32)      # one stack: the head layer's first
     toks = jnp.asarray([TOKENS], jnp.int32)
     a, b = np.asarray(_forward(unrolled, toks)), np.asarray(_forward(scanned, toks))
     assert float(np.abs(a - b).max()) <= TOL * float(np.abs(a).max())
@@ -335,11 +334,11 @@ def _base_config():
 
 
 @pytest.mark.parametrize("change,error,words", [
-    (lambda c: c.pop("kv_lora_rank"), ConfigError, ["'kv_lora_rank'", "required", "deepseek_v2"]),
+    (lambda c: c.pop("kv_lora_rank"), ConfigError, ["'kv_lora_rank'", "required"]),
     (lambda c: c.update(qk_rope_head_dim=7), ConfigError, ["qk_rope_head_dim", "even", "7"]),
     (lambda c: c.update(q_lora_rank="big"), ConfigError, ["'q_lora_rank'", "'big'"]),
     (lambda c: c.update(first_k_dense_replace=-1), ConfigError, ["first_k_dense_replace", "-1"]),
-    (lambda c: c.update(rope_scaling={"type": "yarn"}), ConfigError, ["rope_scaling.factor", "None"]),
+    (lambda c: c.update(rope_scaling={"type": "yarn"}), ConfigError, ["rope_scaling", "'factor'", "required"]),
     (lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4, "truncate": False,
                                      "original_max_position_embeddings": 64}), UnsupportedError,
      ["truncate", "False"]),
@@ -463,7 +462,8 @@ def test_model_with_a_partial_group_dense_layer(tmp_path):
     """A DeepSeek model whose dense layer's intermediate size (80) is 2.5 groups of 32 loads and
     matches the float64 reference like the others."""
     path = str(tmp_path / "partial")
-    write_random_model(path, **PARTIAL_GROUP)
+    write_random_model(path, RandomModelSpec(**{k: v for k, v in PARTIAL_GROUP.items() if k != "seed"}),
+                       seed=PARTIAL_GROUP["seed"])
     m = _quiet_load(path, dtype=jnp.float32)
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -512,7 +512,8 @@ def test_partial_group_with_too_few_scale_rows_is_named(tmp_path):
     from wna16_jax.errors import ShapeError
 
     path = tmp_path / "partial"
-    write_random_model(str(path), **PARTIAL_GROUP)
+    write_random_model(str(path), RandomModelSpec(**{k: v for k, v in PARTIAL_GROUP.items() if k != "seed"}),
+                       seed=PARTIAL_GROUP["seed"])
     name = "model.layers.0.mlp.down_proj.scales"
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shard = path / index["weight_map"][name]
@@ -562,7 +563,7 @@ def test_engine_sized_deepseek_on_the_engine_gpu(tmp_path, name):
     prefill logits and greedy tokens, with the tolerances ``scanned_model_matches_float32`` states."""
     from test_layer_stack import scanned_model_matches_float32
 
-    path = write_random_model(str(tmp_path / name), **_ENGINE_SIZED, **ENGINE_CASES[name],
+    path = write_random_model(str(tmp_path / name), RandomModelSpec(**_ENGINE_SIZED, **ENGINE_CASES[name]),
                               seed=int(np.random.default_rng().integers(1 << 30)))
     # V3's rows are noisier in bf16: the routed experts' sum is scaled by 2.5 and q passes two
     # more rounded GEMMs (the q LoRA). The XLA bf16 model on the CPU (3 random models × 24

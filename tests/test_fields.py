@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from wna16_jax.errors import ConfigError, WNA16Error
-from wna16_jax.fields import REQUIRED, Fields, check_int, check_number
+from wna16_jax.fields import REQUIRED, Fields, check_flag, check_int, check_number, check_string, show_value
 
 
 def test_readers_return_python_types():
@@ -69,3 +69,17 @@ def test_argument_checks():
         assert isinstance(e.value, WNA16Error)
     with pytest.raises(ConfigError, match=r"top_p must be a finite number > 0 and <= 1, got 1.5"):
         check_number("top_p", 1.5, above=0, high=1)
+
+
+def test_flag_and_string_argument_checks():
+    assert check_flag("renormalize", np.bool_(False)) is False and check_flag("x", True) is True
+    for bad in (0, 1, "true", None):
+        with pytest.raises(ConfigError, match=rf"^renormalize must be true or false, got {show_value(bad)}$"):
+            check_flag("renormalize", bad)
+    assert check_string("scoring_func", "sigmoid", choices=("softmax", "sigmoid")) == "sigmoid"
+    with pytest.raises(ConfigError, match=r"^scoring_func must be one of \['softmax', 'sigmoid'\], got 'tanh'$"):
+        check_string("scoring_func", "tanh", choices=("softmax", "sigmoid"))
+    with pytest.raises(ConfigError, match=r"^cfg: field 'name' must be a string, got 3$"):
+        check_string("name", 3, where="cfg")
+    long = "x" * 200
+    assert len(show_value(long)) == 80 and show_value(long).endswith("...") and show_value(7) == "7"

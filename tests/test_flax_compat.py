@@ -36,12 +36,14 @@ def test_flax_runs_a_model_when_jax_lacks_the_names():
         import tempfile
         import jax, jax.numpy as jnp, numpy as np
         from wna16_jax.models import load_model, write_random_model
+        from wna16_jax.models.synthetic import RandomModelSpec
         from wna16_jax.schemes import QuantScheme
         from flax import nnx
         d = tempfile.mkdtemp()
-        path = write_random_model(d + "/m", model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False),
-                                  vocab_size=128, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                                  head_dim=32, num_experts=4, top_k=2, moe_intermediate_size=128, seed=3)
+        path = write_random_model(d + "/m", RandomModelSpec(
+            model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False), vocab_size=128, hidden_size=128,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=4, top_k=2,
+            moe_intermediate_size=128), seed=3)
         model = load_model(path)
         tokens = jnp.asarray(np.random.default_rng().integers(0, 128, (2, 5)))
 

@@ -32,7 +32,7 @@ from wna16_jax.models.generation import (DEFAULT_MEMORY_BUDGET, Generator, as_pr
                                          device_memory_budget, generate, kv_cache_bytes, sampling_settings)
 from wna16_jax.models.generation_config import (MAX_GENERATION_CONFIG_BYTES, GenerationDefaults,
                                                 read_generation_config)
-from wna16_jax.models.synthetic import write_random_model
+from wna16_jax.models.synthetic import RandomModelSpec, write_random_model
 from wna16_jax.schemes import QuantScheme
 from wna16_jax.serving import count_compiles
 
@@ -55,7 +55,7 @@ def _load(path, **kw):
 
 
 def _write_model(path, gen_config=None, **kw):
-    write_random_model(path, model_type="qwen3_moe", scheme=SCHEME, seed=11, **{**TINY, **kw})
+    write_random_model(path, RandomModelSpec(model_type="qwen3_moe", scheme=SCHEME, **{**TINY, **kw}), seed=11)
     if gen_config is not None:
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump(gen_config, f)
@@ -232,7 +232,9 @@ def _reference_probs(logits, temperature, top_p, top_k):
 
 @jax.jit
 def _sample_many(logits, keys, temperature, top_p, top_k):
-    return jax.vmap(lambda k: choose_tokens(logits, k, temperature, top_p, top_k, sample=True))(keys)
+    rows = logits.shape[0]
+    return jax.vmap(lambda k: choose_tokens(logits, jax.random.split(k, rows), temperature, top_p, top_k,
+                                            sample=True))(keys)
 
 
 ROWS, V, KEYS = 8, 24, 4000

@@ -199,11 +199,13 @@ def scanned_model_matches_float32(path, check_engine: bool, within: float = 3e-2
 
 def _tiny_qwen3(path):
     from wna16_jax.models import write_random_model
+    from wna16_jax.models.synthetic import RandomModelSpec
     from wna16_jax.schemes import QuantScheme
 
-    write_random_model(path, model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False), vocab_size=512,
-                       hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8,
-                       top_k=2, moe_intermediate_size=128, intermediate_size=256,
+    write_random_model(path, RandomModelSpec(model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 128, False),
+                                             vocab_size=512, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
+                                             head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=128,
+                                             intermediate_size=256),
                        seed=int(np.random.default_rng().integers(1 << 30)))
     return path
 

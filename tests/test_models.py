@@ -28,7 +28,7 @@ from wna16_jax.errors import (ConfigError, MissingTensorError, ShapeError, Unexp
                               UnsupportedError, ValueRangeError, WNA16Error)
 from wna16_jax.models import DenseLinear, QuantizedLinear, QuantizedWeight, load_model
 from wna16_jax.models.generation import Generator, choose_tokens, generate
-from wna16_jax.models.synthetic import write_random_model
+from wna16_jax.models.synthetic import RandomModelSpec, write_random_model
 from wna16_jax.schemes import QuantScheme
 from wna16_jax.serving import count_compiles
 
@@ -272,10 +272,10 @@ def test_nucleus_sampling_keeps_the_smallest_set_reaching_top_p():
     0.625 / 0.375 of the time; top_p = 1 samples all four in proportion."""
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000, jnp.float32))
     pick = jax.jit(functools.partial(choose_tokens, sample=True))
-    got = np.asarray(pick(logits, jax.random.key(0), jnp.float32(1.0), jnp.float32(0.7)))
+    got = np.asarray(pick(logits, jax.random.split(jax.random.key(0), 4000), jnp.float32(1.0), jnp.float32(0.7)))
     assert set(got.tolist()) == {0, 1}
     assert abs((got == 0).mean() - 0.625) < 0.03
-    got = np.asarray(pick(logits, jax.random.key(1), jnp.float32(1.0), jnp.float32(1.0)))
+    got = np.asarray(pick(logits, jax.random.split(jax.random.key(1), 4000), jnp.float32(1.0), jnp.float32(1.0)))
     assert np.allclose(np.bincount(got, minlength=4) / got.size, [0.5, 0.3, 0.15, 0.05], atol=0.03)
 
 
@@ -418,12 +418,12 @@ TINY = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim
 def _synthetic(tmp_root, name):
     path = os.path.join(tmp_root, name)
     if name == "qwen2":
-        write_random_model(path, model_type="qwen2_moe", scheme=GPTQ_ACT, num_layers=2, intermediate_size=96,
-                           shared_expert_intermediate_size=64, mlp_only_layers=[1], tie_word_embeddings=True,
-                           seed=1, **TINY)
+        write_random_model(path, RandomModelSpec(model_type="qwen2_moe", scheme=GPTQ_ACT, num_layers=2,
+                                                 intermediate_size=96, shared_expert_intermediate_size=64,
+                                                 mlp_only_layers=[1], tie_word_embeddings=True, **TINY), seed=1)
     elif name == "mixtral-window":
-        write_random_model(path, model_type="mixtral", scheme=CT8_ASYM, num_layers=2, sliding_window=5, seed=2,
-                           quantize_lm_head=True, **TINY)
+        write_random_model(path, RandomModelSpec(model_type="mixtral", scheme=CT8_ASYM, num_layers=2, sliding_window=5,
+                                                 quantize_lm_head=True, **TINY), seed=2)
     return _quiet_load(path, dtype=jnp.float32)
 
 
@@ -492,8 +492,9 @@ def test_scanned_layers_are_the_same_model(synth_root):
     path = os.path.join(synth_root, "mixtral-window")
     unrolled, scanned = _synthetic(synth_root, "mixtral-window"), _quiet_load(path, dtype=jnp.float32, scan_layers=True)
     assert len(scanned.layers) == 0 and len(scanned.layer_modules()) == scanned.config.num_layers
-    k, v = scanned.init_cache(2, 16)
-    assert k.shape == v.shape == (scanned.config.num_layers, 2, scanned.config.num_kv_heads, 16,
+    cache = scanned.init_cache(2, 16)
+    k, v = cache.k, cache.v
+    assert cache.block_table is None and k.shape == v.shape == (scanned.config.num_layers, 2, scanned.config.num_kv_heads, 16,
                                   scanned.config.head_dim)
     tokens = [5, 17, 3, 88, 41, 9, 60, 2]
     a, b = _logits(unrolled, tokens), _logits(scanned, tokens)
@@ -523,8 +524,8 @@ def test_deep_uniform_models_are_scanned_by_default(tmp_path):
     from wna16_jax.models.decoder import SCAN_MIN_LAYERS
 
     path = str(tmp_path / "deep")
-    write_random_model(path, model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=SCAN_MIN_LAYERS,
-                       seed=int(np.random.default_rng().integers(1 << 30)), **TINY)
+    write_random_model(path, RandomModelSpec(model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=SCAN_MIN_LAYERS,
+                                             **TINY), seed=int(np.random.default_rng().integers(1 << 30)))
     scanned, unrolled = _quiet_load(path, dtype=jnp.float32), _quiet_load(path, dtype=jnp.float32, scan_layers=False)
     assert scanned.scan_layers and not unrolled.scan_layers and len(unrolled.layers) == SCAN_MIN_LAYERS
     tokens = [5, 17, 3, 88, 41, 9]
@@ -533,8 +534,8 @@ def test_deep_uniform_models_are_scanned_by_default(tmp_path):
     assert (Generator(scanned, batch_size=1, max_len=16).generate([tokens], 6)
             == Generator(unrolled, batch_size=1, max_len=16).generate([tokens], 6))
     mixed = str(tmp_path / "mixed")
-    write_random_model(mixed, model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=SCAN_MIN_LAYERS,
-                       mlp_only_layers=[3], intermediate_size=96, seed=3, **TINY)
+    write_random_model(mixed, RandomModelSpec(model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=SCAN_MIN_LAYERS,
+                                              mlp_only_layers=[3], intermediate_size=96, **TINY), seed=3)
     assert not _quiet_load(mixed, dtype=jnp.float32).scan_layers
 
 
@@ -547,8 +548,8 @@ def test_scanned_load_stacks_layer_by_layer(tmp_path, monkeypatch):
     from wna16_jax.models import decoder as D
 
     path = str(tmp_path / "deep")
-    write_random_model(path, model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=D.SCAN_MIN_LAYERS,
-                       seed=int(np.random.default_rng().integers(1 << 30)), **TINY)
+    write_random_model(path, RandomModelSpec(model_type="qwen3_moe", scheme=GPTQ_ACT, num_layers=D.SCAN_MIN_LAYERS,
+                                             **TINY), seed=int(np.random.default_rng().integers(1 << 30)))
     unrolled = _quiet_load(path, dtype=jnp.float32, scan_layers=False)
     layer_bytes = sum(a.nbytes for a in jax.tree.leaves(nnx.state(unrolled.layers[0])))
     stack_bytes = D.SCAN_MIN_LAYERS * layer_bytes

@@ -13,9 +13,11 @@ from wna16_jax import routing
 from wna16_jax.backends import Backend
 from wna16_jax.checkpoint import Checkpoint
 from wna16_jax.writers import random_moe_layer, write_checkpoint
-from wna16_jax.errors import DTypeError, ShapeError, UnsupportedError, ValueRangeError, WNA16Error
+from wna16_jax.errors import ConfigError, DTypeError, ShapeError, UnsupportedError, ValueRangeError, WNA16Error
 from wna16_jax.nn import QuantizedExperts, QuantizedMoE, RouterBias
+from wna16_jax.routing import MoERouting
 from wna16_jax.schemes import QuantScheme
+from wna16_jax.weights import LayerStack
 
 E, H, I = 8, 64, 64
 GPTQ = QuantScheme("gptq", 4, 32, False)
@@ -48,8 +50,8 @@ def deepseek_dir(tmp_path_factory):
 def qwen2_dir(tmp_path_factory):
     rng = np.random.default_rng(_seed())
     p = tmp_path_factory.mktemp("qwen2")
-    write_checkpoint(p, GPTQ, [random_moe_layer(rng, E, H, I, shared_intermediate=64, shared_gate=True)],
-                     model_type="qwen2_moe", top_k=2, renormalize=False)
+    write_checkpoint(p, GPTQ, [random_moe_layer(rng, E, H, I, shared_intermediate=64, shared_gate=True)
+                               for _ in range(2)], model_type="qwen2_moe", top_k=2, renormalize=False)
     return p
 
 
@@ -58,8 +60,8 @@ def _logits(x2d, router):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _reference(ckpt, x2d, tw, ids):
-    layer = ckpt.load_layer(0)
+def _reference(ckpt, x2d, tw, ids, index=0):
+    layer = ckpt.load_layer(index)
     w13, w2 = dequant_checkpoint(layer.experts, ckpt.scheme)
     out = fused_moe_ref(np.asarray(x2d), np.asarray(tw), np.asarray(ids), w13, w2)
     if layer.shared_experts is not None:
@@ -181,10 +183,10 @@ def test_linen_wrapper_matches_nnx_and_trains_only_the_router(mixtral_dir):
     ckpt = Checkpoint(mixtral_dir)
     layer = ckpt.load_layer(0)
     x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((6, H)), jnp.float32)
-    lin = linen_quantized_moe(layer.experts, layer.router, top_k=2)
+    lin = linen_quantized_moe(layer.experts, layer.router, MoERouting(top_k=2))
     variables = jax.jit(lin.init)(jax.random.key(0), x)
     assert set(variables) == {"params", "QuantizedExperts"} and set(variables["params"]) == {"router"}
-    want = QuantizedMoE(layer.experts, layer.router, top_k=2)(x)
+    want = QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2))(x)
     np.testing.assert_array_equal(np.asarray(jax.jit(lin.apply)(variables, x)), np.asarray(want))
     grads = jax.jit(jax.grad(lambda p: jnp.sum(lin.apply({**variables, "params": p}, x) ** 2)))(variables["params"])
     g = np.asarray(grads["router"])
@@ -198,21 +200,21 @@ def test_typed_errors(mixtral_dir):
         QuantizedMoE.from_checkpoint(mixtral_dir, 0, "xpu")
     layer = Checkpoint(mixtral_dir).load_layer(0)
     with pytest.raises(DTypeError, match="router: expected a float dtype.*got int32"):
-        QuantizedMoE(layer.experts, np.zeros((E, H), np.int32), top_k=2)
+        QuantizedMoE(layer.experts, np.zeros((E, H), np.int32), MoERouting(top_k=2))
     with pytest.raises(ShapeError, match=r"router: expected shape \(8, 64\), got \(8, 32\)"):
-        QuantizedMoE(layer.experts, np.zeros((E, 32), np.float32), top_k=2)
-    m = QuantizedMoE(layer.experts, layer.router, top_k=2)
+        QuantizedMoE(layer.experts, np.zeros((E, 32), np.float32), MoERouting(top_k=2))
+    m = QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2))
     m.router.set_value(jnp.asarray(m.router[...], jnp.float16))
     with pytest.raises(DTypeError, match=r"router: expected dtype float32 .*got float16 with shape \(8, 64\)"):
         m(jnp.ones((3, H), jnp.float32))
-    m = QuantizedMoE(layer.experts, layer.router, top_k=2)
+    m = QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2))
     with pytest.raises(ShapeError, match=r"x: expected shape \(T, 64\).*got \(3, 65\)"):
         m(jnp.ones((3, 65), jnp.float32))
     with pytest.raises(WNA16Error, match=r"top_k: expected 1 <= top_k <= 8 .*got 9"):
-        QuantizedMoE(layer.experts, layer.router, top_k=9)
+        QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=9))
     for bad, shown in ((jnp.int8, "int8"), ("not-a-dtype", "'not-a-dtype'"), (3, "3")):
         with pytest.raises(DTypeError, match=rf"activation_dtype: expected None or a float dtype .*got .*{shown}"):
-            QuantizedMoE(layer.experts, layer.router, top_k=2, activation_dtype=bad)
+            QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2), activation_dtype=bad)
 
 
 def test_jit_without_boilerplate(mixtral_dir):
@@ -226,7 +228,7 @@ def test_jit_without_boilerplate(mixtral_dir):
 
     ckpt = Checkpoint(mixtral_dir)
     layer = ckpt.load_layer(0)
-    m = QuantizedMoE(layer.experts, layer.router, top_k=2, activation="gelu_tanh", formulation="gather")
+    m = QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2, activation="gelu_tanh"), formulation="gather")
     rng = np.random.default_rng(_seed())
     x = jnp.asarray(rng.standard_normal((2, 3, H)), jnp.float32)
     y = nnx.jit(m)(x)
@@ -267,7 +269,7 @@ def test_16bit_float_experts_run_in_16_bit(formulation):
     w2 = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
     experts = DenseWeights(w13, w2, hidden_size=h, intermediate_size=i)
     router = rng.standard_normal((e, h)).astype(np.float32)
-    moe = QuantizedMoE(experts, router, top_k=2, formulation=formulation)
+    moe = QuantizedMoE(experts, router, MoERouting(top_k=2), formulation=formulation)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     assert float_compute_dtype(experts, jnp.bfloat16) == jnp.bfloat16
     assert float_compute_dtype(experts, jnp.float32) is None           # float32 activations: float32
@@ -280,3 +282,82 @@ def test_16bit_float_experts_run_in_16_bit(formulation):
     assert np.isfinite(y).all()
     err = np.abs(y - want).max() / np.abs(want).max()
     assert err < 2e-2, err
+
+
+def _is_var(v):
+    return isinstance(v, nnx.Variable)
+
+
+def test_layers_bound_at_the_scan_boundary_match_each_layer(qwen2_dir):
+    """Two layers' QuantizedExperts (routed and shared) stacked and bound as LayerStack at the
+    scan's traced index, the rest of the state scanned over: each step is that layer's own output
+    (against float64, and against the unstacked layer run alone)."""
+    ckpt = Checkpoint(qwen2_dir)
+    mods = [QuantizedMoE.from_checkpoint(ckpt, i, activation_dtype=jnp.float32) for i in range(2)]
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((6, H)), jnp.float32)
+    graphdef, q0, rest0 = nnx.split(mods[0], QuantizedExperts, ...)
+    _, q1, rest1 = nnx.split(mods[1], QuantizedExperts, ...)
+    stack = jax.tree.map(lambda a, b: jnp.stack([a, b]), q0, q1)
+    rests = jax.tree.map(lambda a, b: jnp.stack([a, b]), rest0, rest1)
+
+    @jax.jit
+    def run(stack, rests, x):
+        def body(carry, step):
+            index, rest = step
+            bound = jax.tree.map(lambda v: v.replace(LayerStack(v.get_value(), index)), stack, is_leaf=_is_var)
+            return carry, nnx.merge(graphdef, bound, rest)(x)
+
+        return jax.lax.scan(body, None, (jnp.arange(2, dtype=jnp.int32), rests))[1]
+
+    ys = run(stack, rests, x)
+    for i, m in enumerate(mods):
+        layer = ckpt.load_layer(i)
+        tw, ids = routing.fused_topk(_logits(x, layer.router), 2, renormalize=False)
+        _check(ys[i], _reference(ckpt, x, tw, ids, i), f"scan step {i}")
+        alone = np.asarray(nnx.jit(lambda m, x: m(x))(m, x), np.float64)
+        np.testing.assert_allclose(np.asarray(ys[i], np.float64), alone, rtol=1e-6, atol=1e-6 * np.abs(alone).max())
+
+
+def test_partly_bound_experts_are_refused(mixtral_dir):
+    m = QuantizedMoE.from_checkpoint(mixtral_dir, 0)
+    v = jax.tree.leaves(m.experts, is_leaf=_is_var)[0]
+    v.set_value(LayerStack(jnp.stack([v.get_value()] * 2), jnp.int32(1)))
+    with pytest.raises(ShapeError, match=r"experts: 1 of \d+ variables hold a LayerStack"):
+        m.expert_weights()
+
+
+def test_nan_or_inf_state_is_refused_in_eager_calls(qwen2_dir, deepseek_dir):
+    """A router (set with ``[...] =`` or ``nnx.update``), score-correction bias or shared-expert
+    gate holding NaN / Inf: an eager call raises naming it, and the module is left as it was."""
+    x = jnp.asarray(np.random.default_rng(_seed()).standard_normal((3, H)), jnp.float32)
+    m = QuantizedMoE.from_checkpoint(qwen2_dir, 0, activation_dtype=jnp.float32)
+    good = np.asarray(m.router[...])
+    bad = good.copy()
+    bad[3, 5] = np.nan
+    m.router[...] = jnp.asarray(bad)
+    with pytest.raises(ValueRangeError, match=r"router: expected finite values, got 1 NaN or Inf .*\(3, 5\)"):
+        m(x)
+    with pytest.raises(ValueRangeError, match="router"):
+        m.route(x)
+    state = nnx.state(m, nnx.Param)
+    state["router"].set_value(jnp.asarray(good))
+    state["shared_expert_gate"].set_value(jnp.full((1, H), jnp.inf, jnp.float32))
+    nnx.update(m, state)
+    with pytest.raises(ValueRangeError, match=r"shared_expert_gate: expected finite values, got 64 NaN or Inf"):
+        m(x)
+    d = QuantizedMoE.from_checkpoint(deepseek_dir, 0)
+    d.e_score_correction_bias[...] = d.e_score_correction_bias[...].at[2].set(-jnp.inf)
+    with pytest.raises(ValueRangeError, match=r"e_score_correction_bias: .*index \(2,\)"):
+        d(x)
+
+
+def test_routing_argument_is_checked(mixtral_dir):
+    layer = Checkpoint(mixtral_dir).load_layer(0)
+    with pytest.raises(ConfigError, match=r"routing: expected a MoERouting, got dict \{'top_k': 2\}"):
+        QuantizedMoE(layer.experts, layer.router, {"top_k": 2})
+    with pytest.raises(ConfigError, match=r"num_expert_group: the number of experts 8 is not a multiple of .*=3"):
+        QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2, num_expert_group=3, topk_group=1))
+    with pytest.raises(ConfigError, match="e_score_correction_bias: only used by grouped"):
+        QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2), e_score_correction_bias=np.zeros(E, np.float32))
+    with pytest.raises(DTypeError, match="param_dtype: expected a float dtype, got 'nope'"):
+        QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2), param_dtype="nope")

@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent(r'''
     from wna16_jax.writers import random_checkpoint_weights
     from wna16_jax.convert.tiles import convert_tiles
     from wna16_jax.nn import QuantizedExperts, QuantizedMoE
+    from wna16_jax.routing import MoERouting
     from wna16_jax.schemes import QuantScheme
 
     seed = int(np.random.SeedSequence().entropy % 2**63)
@@ -54,7 +55,7 @@ SCRIPT = textwrap.dedent(r'''
         return float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
 
     for name, w in layouts.items():
-        m = QuantizedMoE(w, router, top_k=2, backend="loader")
+        m = QuantizedMoE(w, router, MoERouting(top_k=2), backend="loader")
         _, ids = m.route(x)
         res.setdefault("empty_expert_3", bool(not np.any(np.asarray(ids) == 3)))
         ref = nnx.jit(lambda m, x: m(x))(m, x) if RUNS[name] else None

@@ -22,6 +22,7 @@ from wna16_jax.errors import ConfigError, DTypeError, ShapeError, ValueRangeErro
 from wna16_jax.routing import (
     AlignedBlocks,
     BatchedTokens,
+    MoERouting,
     _moe_align,
     align_method,
     batched_moe_align_block_size,
@@ -746,3 +747,92 @@ def test_errors_raised_under_jit_for_static_problems():
         J_FUSED(_G, topk=9, renormalize=False)
     with pytest.raises(DTypeError, match="topk_ids"):
         J_ALIGN(np.zeros((2, 2), F32), block_size=4, num_experts=8)
+
+
+# --------------------------------------------------------------------------------------------
+# MoERouting
+# --------------------------------------------------------------------------------------------
+
+ROUTING_ERRORS = [
+    (dict(top_k=0), ["top_k", ">= 1", "0"]),
+    (dict(top_k=True), ["top_k", "True"]),
+    (dict(top_k=1.5), ["top_k", "1.5"]),
+    (dict(top_k="2"), ["top_k", "'2'"]),
+    (dict(top_k=2, renormalize=1), ["renormalize", "true or false", "1"]),
+    (dict(top_k=2, scoring_func="tanh"), ["scoring_func", "softmax", "sigmoid", "'tanh'"]),
+    (dict(top_k=2, scoring_func=None), ["scoring_func", "string", "None"]),
+    (dict(top_k=2, num_expert_group=0), ["num_expert_group", ">= 1", "0"]),
+    (dict(top_k=2, num_expert_group=4), ["topk_group", "<= 4", "None"]),
+    (dict(top_k=2, num_expert_group=4, topk_group=5), ["topk_group", "<= 4", "5"]),
+    (dict(top_k=2, num_expert_group=4, topk_group=0), ["topk_group", ">= 1", "0"]),
+    (dict(top_k=2, topk_group=2), ["topk_group", "<= 1", "2"]),
+    (dict(top_k=2, routed_scaling_factor=0), ["routed_scaling_factor", "> 0", "0"]),
+    (dict(top_k=2, routed_scaling_factor=-2.5), ["routed_scaling_factor", "> 0", "-2.5"]),
+    (dict(top_k=2, routed_scaling_factor=float("nan")), ["routed_scaling_factor", "finite", "nan"]),
+    (dict(top_k=2, routed_scaling_factor=float("inf")), ["routed_scaling_factor", "finite", "inf"]),
+    (dict(top_k=2, routed_scaling_factor=True), ["routed_scaling_factor", "True"]),
+    (dict(top_k=2, activation="relu"), ["activation", "silu", "'relu'"]),
+]
+
+
+@pytest.mark.parametrize("kw, fragments", ROUTING_ERRORS, ids=[str(c[0]) for c in ROUTING_ERRORS])
+def test_moe_routing_refuses_bad_fields(kw, fragments):
+    with pytest.raises(ConfigError) as info:
+        MoERouting(**kw)
+    for frag in fragments:
+        assert frag in str(info.value), (frag, str(info.value))
+
+
+def test_moe_routing_normalises_and_reads_configs():
+    import dataclasses
+
+    r = MoERouting(top_k=np.int64(3), num_expert_group=1, topk_group=1, routed_scaling_factor=2)
+    assert (type(r.top_k), r.num_expert_group, r.topk_group, r.grouped) == (int, None, None, False)
+    assert type(r.routed_scaling_factor) is float and r.routed_scaling_factor == 2.0
+    assert hash(r) == hash(MoERouting(top_k=3, routed_scaling_factor=2.0))    # static: hashable, equal
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.top_k = 4
+
+    class Config:                  # any object with the field names, extra attributes ignored
+        top_k, renormalize, scoring_func, num_expert_group, topk_group = 4, False, "sigmoid", 4, 2
+        routed_scaling_factor, activation, hidden_size = 2.5, "gelu", 64
+
+    g = MoERouting.of(Config())
+    assert g == MoERouting(4, False, "sigmoid", 4, 2, 2.5, "gelu") and g.grouped
+    with pytest.raises(ConfigError, match=r"config: .*SimpleNamespace without \['renormalize'"):
+        MoERouting.of(__import__("types").SimpleNamespace(top_k=2))
+    Config.routed_scaling_factor = 0.0
+    with pytest.raises(ConfigError, match="routed_scaling_factor"):
+        MoERouting.of(Config())
+
+
+def test_moe_routing_check_experts():
+    MoERouting(top_k=8).check_experts(8)
+    for r, e, frags in ((MoERouting(top_k=9), 8, ["top_k", "<= 8", "9"]),
+                        (MoERouting(top_k=2, num_expert_group=3, topk_group=1), 8, ["num_expert_group", "8", "3"]),
+                        (MoERouting(top_k=5, num_expert_group=4, topk_group=2), 8, ["top_k", "5", "= 4"])):
+        with pytest.raises(ConfigError) as info:
+            r.check_experts(e)
+        assert all(f in str(info.value) for f in frags), str(info.value)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_routing_route_matches_the_topk_functions(grouped):
+    """``route`` is the top-k function its fields name, times the scaling factor (also where plain)."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((6, 16)).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(16)).astype(np.float32)
+    r = MoERouting(top_k=3, renormalize=True, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                   **(dict(num_expert_group=4, topk_group=2) if grouped else {}))
+    w, ids = jax.jit(r.route)(logits, bias if grouped else None)
+    s = ref_scores(logits, "sigmoid")
+    c = s + bias if grouped else s
+    for t in range(6):
+        eligible = set(range(16))
+        if grouped:
+            gsc = ref_group_scores(c[t], s[t], 4, 4, True)
+            eligible = {e for e in range(16) if e // 4 in sorted(range(4), key=lambda g: -gsc[g])[:2]}
+        check_topk_row(np.asarray(ids[t]), np.asarray(w[t]), c[t], s[t], eligible, 3, True, 2.5)
+    if not grouped:
+        with pytest.raises(ConfigError, match="e_score_correction_bias"):
+            r.route(logits, bias)

@@ -200,7 +200,7 @@ def test_bucketed_quantized_moe(layer):
     ``[B, S, H]`` input is bucketed on B·S tokens."""
     seed, rng, w_np, _, r13, r2 = layer
     router = (rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32)
-    model = QuantizedMoE(w_np, router, top_k=K, formulation="dense")
+    model = QuantizedMoE(w_np, router, routing.MoERouting(top_k=K), formulation="dense")
     x = rng.standard_normal((N, H)).astype(np.float32)
     tw, ids = jax.jit(model.route)(jnp.asarray(x))
     ref = fused_moe_ref(x, np.asarray(tw), np.asarray(ids), r13, r2)

@@ -596,7 +596,7 @@ def test_oversized_files_are_refused_before_reading(tmp_path, monkeypatch, name)
             return read(path, *args, **kwargs)
         return guarded
 
-    monkeypatch.setattr(tk, "_read_text", refuse_reading(tk._read_text))
+    monkeypatch.setattr(tk, "read_text_file", refuse_reading(tk.read_text_file))
     monkeypatch.setattr(tk, "load_json", refuse_reading(tk.load_json))
     with pytest.raises(ConfigError) as e:
         Tokenizer(d)

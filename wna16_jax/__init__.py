@@ -34,7 +34,7 @@ _EXPORTS = {
     # running a layer
     "fused_moe": "moe", "shared_expert_moe": "moe", "batched_experts_forward": "moe",
     "EngineFallbackWarning": "moe",
-    "fused_topk": "routing", "grouped_topk": "routing", "moe_align_block_size": "routing",
+    "fused_topk": "routing", "grouped_topk": "routing", "moe_align_block_size": "routing", "MoERouting": "routing",
     "fused_moe_trainable": "autodiff",
     "sharded_fused_moe": "sharding",
     # serving: bounded compiles
@@ -46,6 +46,7 @@ _EXPORTS = {
     "MoEDecoder": "models", "load_model": "models", "DecoderConfig": "models", "QuantizedLinear": "models",
     "QuantizedWeight": "models", "DenseLinear": "models", "quantized_matmul": "matmul", "Generator": "models",
     "generate": "models", "load_tokenizer": "models", "write_random_model": "models", "resolve_model_dir": "hub",
+    "RandomModelSpec": "models.synthetic",
     # errors
     "WNA16Error": "errors", "ConfigError": "errors", "ShapeError": "errors", "DTypeError": "errors",
     "MissingTensorError": "errors", "UnexpectedTensorError": "errors", "ValueRangeError": "errors",
@@ -81,10 +82,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .models import (DecoderConfig, DenseLinear, Generator, MoEDecoder, QuantizedLinear,
                          QuantizedWeight, generate, load_model, load_tokenizer, write_random_model)
     from .hub import resolve_model_dir
+    from .models.synthetic import RandomModelSpec
     from .matmul import quantized_matmul
     from .moe import EngineFallbackWarning, batched_experts_forward, fused_moe, shared_expert_moe
     from .nn import QuantizedExperts, QuantizedMoE
-    from .routing import fused_topk, grouped_topk, moe_align_block_size
+    from .routing import MoERouting, fused_topk, grouped_topk, moe_align_block_size
     from .schemes import QuantConfig, QuantMethod, QuantScheme
     from .serialize import ConvertedCheckpoint, convert_checkpoint
     from .serving import DEFAULT_BUCKETS, BucketedMoE, bucket_size, pad_tokens, unpad_tokens

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
 from collections import defaultdict
@@ -46,6 +45,7 @@ from .errors import (
     ValueRangeError,
     check_divisible,
 )
+from .model_config import MoEModelConfig
 from .safetensors_io import SafetensorsFile, confined_path, load_json
 from .schemes import QuantConfig, QuantMethod, QuantScheme
 from .weights import CheckpointForm, CheckpointWeights, ExpertsMixin, QuantMatrix, pytree_dataclass
@@ -60,105 +60,6 @@ _EXPERT_RE = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp))"
     r"\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z_]+)$"
 )
-
-@dataclasses.dataclass(frozen=True)
-class MoEModelConfig:
-    """The MoE-relevant facts of a model's ``config.json``."""
-
-    model_type: str
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    moe_intermediate_size: int
-    renormalize: bool = True
-    scoring_func: str = "softmax"
-    num_expert_group: int | None = None
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
-    activation: str = "silu"
-    num_shared_experts: int = 0
-    shared_expert_intermediate_size: int | None = None
-
-    @property
-    def grouped(self) -> bool:
-        return bool(self.num_expert_group) and self.num_expert_group > 1
-
-    #: the config.json keys the sizes came from (for messages)
-    num_experts_field: str = "num_experts"
-    hidden_size_field: str = "hidden_size"
-    intermediate_size_field: str = "moe_intermediate_size"
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "MoEModelConfig":
-        if not isinstance(config, Mapping):
-            raise ConfigError(f"config.json: expected a JSON object, got {type(config).__name__}")
-        mt = config.get("model_type", "unknown")
-        if not isinstance(mt, str):
-            raise ConfigError(f"config.json: field 'model_type' must be a string, got {mt!r}")
-
-        def first(*keys) -> tuple[str, int]:
-            for k in keys:
-                if config.get(k) is not None:
-                    return k, _positive_int(config, k)
-            raise ConfigError(f"config.json: none of the fields {keys} is present (model_type {mt!r})")
-
-        def opt_int(key):
-            return None if config.get(key) is None else _positive_int(config, key)
-
-        def opt(key, kinds, default):
-            v = config.get(key)
-            if v is None:
-                return default
-            if not isinstance(v, kinds) or (bool not in kinds and isinstance(v, bool)):
-                raise ConfigError(f"config.json: field {key!r} must be {kinds[0].__name__}, got {v!r}")
-            return v
-
-        e_key, e = first("num_local_experts", "num_experts", "n_routed_experts")
-        _, top_k = first("num_experts_per_tok")
-        h_key, h = first("hidden_size")
-        i_key, i = first("moe_intermediate_size", "intermediate_size")
-        if top_k > e:
-            raise ConfigError(f"config.json: num_experts_per_tok ({top_k}) exceeds {e_key} ({e})")
-        topk_method = config.get("topk_method")
-        grouped = topk_method in ("group_limited_greedy", "noaux_tc")
-        act = opt("hidden_act", (str,), "silu")
-        act = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu",
-               "gelu_pytorch_tanh": "gelu"}.get(act, act)
-        default_renorm = mt == "mixtral" or mt.startswith("qwen3")
-        scoring = opt("scoring_func", (str,), "softmax")
-        if scoring not in ("softmax", "sigmoid"):
-            raise ConfigError(f"config.json: field 'scoring_func' must be 'softmax' or 'sigmoid', got {scoring!r}")
-        n_group = opt_int("n_group") if grouped else None
-        topk_group = opt_int("topk_group") if grouped else None
-        if n_group and e % n_group:
-            raise ConfigError(f"config.json: n_group ({n_group}) does not divide {e_key} ({e})")
-        if n_group and topk_group and topk_group > n_group:
-            raise ConfigError(f"config.json: topk_group ({topk_group}) exceeds n_group ({n_group})")
-        scale = opt("routed_scaling_factor", (int, float), 1.0) or 1.0
-        if not math.isfinite(scale):
-            raise ConfigError(f"config.json: field 'routed_scaling_factor' must be finite, got {scale!r}")
-        shared_i = opt_int("shared_expert_intermediate_size")
-        n_shared = config.get("n_shared_experts")
-        n_shared = (1 if shared_i else 0) if n_shared in (None, 0) else _positive_int(config, "n_shared_experts")
-        return cls(
-            model_type=mt,
-            num_experts=e,
-            top_k=top_k,
-            hidden_size=h,
-            moe_intermediate_size=i,
-            renormalize=opt("norm_topk_prob", (bool,), default_renorm),
-            scoring_func=scoring,
-            num_expert_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=float(scale),
-            activation=act,
-            num_shared_experts=n_shared,
-            shared_expert_intermediate_size=shared_i,
-            num_experts_field=e_key,
-            hidden_size_field=h_key,
-            intermediate_size_field=i_key,
-        )
-
 
 @pytree_dataclass(meta=("hidden_size", "intermediate_size"))
 class DenseWeights(ExpertsMixin):
@@ -266,12 +167,13 @@ def _index_names(names) -> dict[int, _LayerNames]:
     return {li: info for li, info in sorted(layers.items()) if info.experts}
 
 
-def _positive_int(config: Mapping[str, Any], key: str, where: str = "config.json") -> int:
-    v = config[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and not v.is_integer() \
-            or v < 1:
-        raise ConfigError(f"{where}: field {key!r} must be a positive integer, got {v!r}")
-    return int(v)
+def index_by_module(names) -> dict[str, dict[str, str]]:
+    """Tensor names by module and suffix: ``a.b.c.suffix`` → ``{"a.b.c": {"suffix": name}}``."""
+    modules: dict[str, dict[str, str]] = {}
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        modules.setdefault(module, {})[suffix] = name
+    return modules
 
 
 class Checkpoint:
@@ -283,7 +185,9 @@ class Checkpoint:
     (symbolic links inside it are followed); pickled ``*.bin`` weights are never read.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, model_config: MoEModelConfig | None = None):
+        """``model_config``: the MoE facts of ``config.json`` where the caller has parsed them
+        already (:func:`~wna16_jax.models.load_model` passes its config's); else parsed here."""
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise ConfigError(f"{self.path!r}: not a folder (expected a checkpoint folder with "
@@ -295,8 +199,11 @@ class Checkpoint:
         if not isinstance(self.config, dict):
             raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         self.quant_config = QuantConfig.from_hf_config(self.config)
-        self.model_config = MoEModelConfig.from_hf_config(self.config)
+        if model_config is not None and not isinstance(model_config, MoEModelConfig):
+            raise ConfigError(f"model_config: expected a MoEModelConfig or None, got {type(model_config).__name__}")
+        self._model_config = model_config or MoEModelConfig.from_hf_config(self.config)
         self._files: dict[str, SafetensorsFile] = {}
+        self._modules: dict[str, dict[str, str]] | None = None
         self._held_fds: dict[str, int] | None = None
         self._weight_map = self._read_weight_map()
         self._layers = _index_names(self._weight_map)
@@ -347,6 +254,18 @@ class Checkpoint:
 
     def tensor_names(self) -> list[str]:
         return sorted(self._weight_map)
+
+    @property
+    def model_config(self) -> MoEModelConfig:
+        """The MoE facts of ``config.json`` (parsed on opening, unless given)."""
+        return self._model_config
+
+    def module_tensors(self, module: str) -> dict[str, str]:
+        """The tensors of ``module`` by suffix (``{"qweight": "<module>.qweight", ...}``; empty
+        when it has none), indexed once."""
+        if self._modules is None:
+            self._modules = index_by_module(self._weight_map)
+        return self._modules.get(module, {})
 
     def tensor_info(self, name: str):
         """Header entry (dtype, shape, offsets) of tensor ``name``, without reading its data."""

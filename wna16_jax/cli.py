@@ -5,6 +5,7 @@
   convert DIR        every MoE layer in a backend's layout (safetensors files + manifest.json)
   generate DIR       continue one prompt (streamed) or a batch of prompts with the whole model
   chat DIR           a multi-turn conversation through the checkpoint's chat template
+  serve DIR          an OpenAI-compatible HTTP server (continuous batching, paged KV cache)
 
 DIR is a checkpoint folder, a Hugging Face cache folder (models--ORG--NAME) or a hub id (ORG/NAME)
 already in the local Hugging Face cache; nothing is downloaded. Bad input prints one line,
@@ -25,7 +26,7 @@ from typing import Iterable, Iterator, Sequence, TextIO
 import numpy as np
 
 from .errors import ConfigError, OutputPathError, WNA16Error
-from .fields import _show, check_int
+from .fields import check_int, show_value
 
 #: the activation dtypes ``--dtype`` takes (``load_model``'s ``dtype``)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -134,26 +135,103 @@ def _say(msg: str, out) -> None:
     print(msg, file=out, flush=True)
 
 
-def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermediate: int = 256,
-             seed: int = 0, out=None, progress=None, keep: str | None = None) -> int:
-    """Write the tiny MoE in every format, load, select, run under jit, compare. Returns exit code.
+def _demo_layer(case: DemoCase, rng, root: str, experts: int, hidden: int, intermediate: int):
+    """Write ``case``'s one-layer checkpoint under ``root``; ``(scheme, layer, model config)``."""
+    from .checkpoint import Checkpoint
+    from .schemes import QuantScheme
+    from .writers import random_moe_layer, write_checkpoint
 
-    Each row is printed (and flushed) as soon as its format is done; ``progress`` gets a line
-    before each format. ``keep``: a folder (new or empty) that keeps the written checkpoints.
-    ``out`` / ``progress`` default to stdout / stderr.
-    """
+    scheme = QuantScheme.from_quant_config(case.quant_config)
+    layer_f = random_moe_layer(rng, experts, hidden, intermediate, bias=case.bias,
+                               shared_intermediate=intermediate if case.shared else None,
+                               score_bias=case.grouped)
+    path = os.path.join(root, case.name.replace(" ", "_"))
+    write_checkpoint(path, scheme, [layer_f], model_type=case.model_type,
+                     top_k=2 if not case.grouped else 4,
+                     renormalize=True, scoring_func="sigmoid" if case.grouped else "softmax",
+                     num_expert_group=4 if case.grouped else None,
+                     topk_group=2 if case.grouped else None,
+                     routed_scaling_factor=2.5 if case.grouped else 1.0)
+    ckpt = Checkpoint(path)
+    return scheme, ckpt.load_layer(ckpt.moe_layer_indices[0]), ckpt.model_config
+
+
+def _demo_selected(scheme, dev, layer):
+    """``(the backend the table selects for the layer, a note)``: on a fallback to the loader
+    layout the note lists every refusal (the table's warning is silenced), else it is None."""
     import warnings
 
-    import jax
+    from .backends import Backend, BackendFallbackWarning, backend_reasons, priority_backends, select_backend
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendFallbackWarning)
+        selected = select_backend(scheme, dev, has_bias=layer.experts.has_bias())
+    if selected is not Backend.LOADER:
+        return selected, None
+    reasons = backend_reasons(scheme, dev, has_bias=layer.experts.has_bias())
+    return selected, "runs the loader layout; " + "; ".join(f"{b.name}: {reasons[b]}" for b in priority_backends(dev))
+
+
+def _demo_cells(scheme, layer, x, tw, ids, ref, selected, fused) -> tuple[list[str], str, int]:
+    """One table row's cells (each layout's relative error against ``ref``, ``-`` where the
+    layout cannot hold the format), the selected layout's milliseconds, and the failures."""
     import jax.numpy as jnp
 
-    from .backends import (TABLE, Backend, BackendFallbackWarning, Device, backend_reasons, priority_backends,
-                           select_backend)
-    from .checkpoint import Checkpoint
-    from .writers import random_moe_layer, write_checkpoint
-    from .moe import fused_moe, shared_expert_moe
-    from .schemes import QuantScheme
+    from .backends import TABLE, Backend
+    from .moe import shared_expert_moe
 
+    cells, timing, failures = [], "", 0
+    for col in _DEMO_COLUMNS:
+        b = Backend[col]
+        spec = TABLE[b]
+        if spec.layout_supports(scheme, has_bias=layer.experts.has_bias()):
+            cells.append("-")
+            continue
+        w = spec.convert(scheme, layer.experts.to_jax())
+        y = fused(x, tw, ids, w).astype(jnp.float32)
+        if layer.shared_experts is not None:
+            y = y + shared_expert_moe(x, layer.shared_experts.to_jax()).astype(jnp.float32)
+        y = np.asarray(y, np.float64)
+        err = float(np.abs(y - ref).max() / np.abs(ref).max()) if np.isfinite(y).all() else float("inf")
+        ok = err <= DEMO_TOLERANCE
+        failures += not ok
+        cells.append(f"{err:.1e}" if ok else "FAIL")
+        if b is selected:
+            timing = _demo_ms(fused, x, tw, ids, w)
+    return cells, timing, failures
+
+
+def _demo_ms(fused, x, tw, ids, w, reps: int = 5) -> str:
+    """Milliseconds of one call (after a warm-up), the mean of ``reps``."""
+    fused(x, tw, ids, w).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fused(x, tw, ids, w).block_until_ready()
+    return f"{(time.perf_counter() - t0) / reps * 1e3:.2f}"
+
+
+def _demo_row(case: DemoCase, rng, root: str, sizes: tuple[int, int, int, int], dev, fused
+              ) -> tuple[str, int, str | None]:
+    """``(the table line, failures, a fallback note or None)`` of one format: write, load, route,
+    reference, every layout."""
+    import jax.numpy as jnp
+
+    tokens, experts, hidden, intermediate = sizes
+    scheme, layer, cfg = _demo_layer(case, rng, root, experts, hidden, intermediate)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    tw, ids = _route(layer, cfg, x)
+    x64 = np.asarray(x.astype(jnp.float32))
+    ref = _reference(x64, np.asarray(tw), np.asarray(ids), layer.experts)
+    if layer.shared_experts is not None:
+        ref = ref + _reference(x64, np.ones((tokens, 1)), np.zeros((tokens, 1), np.int64), layer.shared_experts)
+    selected, note = _demo_selected(scheme, dev, layer)
+    cells, timing, failures = _demo_cells(scheme, layer, x, tw, ids, ref, selected, fused)
+    line = f"{case.name:<21}{selected.name:<8}" + "".join(f"{c:>9}" for c in cells) + f"{timing:>8}"
+    return line, failures, None if note is None else f"{case.name}: {note}"
+
+
+def _demo_options(tokens, experts, hidden, intermediate, seed, keep) -> tuple[int, str | None]:
+    """The checked ``(seed, keep)``; the sizes are checked too."""
     for name, v in (("--tokens", tokens), ("experts", experts), ("hidden", hidden),
                     ("intermediate", intermediate)):
         check_int(name, v, low=1)
@@ -162,6 +240,23 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
         keep = os.fspath(keep)
         if os.path.lexists(keep) and (not os.path.isdir(keep) or os.listdir(keep)):
             raise OutputPathError(f"--out {keep!r}: must be a new or empty folder")
+    return seed, keep
+
+
+def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermediate: int = 256,
+             seed: int = 0, out=None, progress=None, keep: str | None = None) -> int:
+    """Write the tiny MoE in every format, load, select, run under jit, compare. Returns exit code.
+
+    Each row is printed (and flushed) as soon as its format is done; ``progress`` gets a line
+    before each format. ``keep``: a folder (new or empty) that keeps the written checkpoints.
+    ``out`` / ``progress`` default to stdout / stderr.
+    """
+    import jax
+
+    from .backends import Device
+    from .moe import fused_moe
+
+    seed, keep = _demo_options(tokens, experts, hidden, intermediate, seed, keep)
     out, progress = out or sys.stdout, progress or sys.stderr
     rng = np.random.default_rng(seed)
     dev = Device.current()
@@ -175,66 +270,22 @@ def run_demo(*, tokens: int = 16, experts: int = 8, hidden: int = 256, intermedi
               + f"{'ms':>8}")
     _say(header, out)
     _say("-" * len(header), out)
-    failures = 0
-    notes = []
-    fused = jax.jit(fused_moe)
+    failures, notes, fused = 0, [], jax.jit(fused_moe)
     with tempfile.TemporaryDirectory() as tmp:
-        root = keep or tmp
         for n, case in enumerate(DEMO_CASES, 1):
             _say(f"[{n}/{len(DEMO_CASES)}] {case.name}: writing, loading, converting to every layout, "
                  "compiling and running ...", progress)
-            scheme = QuantScheme.from_quant_config(case.quant_config)
-            layer_f = random_moe_layer(rng, experts, hidden, intermediate, bias=case.bias,
-                                       shared_intermediate=intermediate if case.shared else None,
-                                       score_bias=case.grouped)
-            path = os.path.join(root, case.name.replace(" ", "_"))
-            write_checkpoint(path, scheme, [layer_f], model_type=case.model_type,
-                             top_k=2 if not case.grouped else 4,
-                             renormalize=True, scoring_func="sigmoid" if case.grouped else "softmax",
-                             num_expert_group=4 if case.grouped else None,
-                             topk_group=2 if case.grouped else None,
-                             routed_scaling_factor=2.5 if case.grouped else 1.0)
-            ckpt = Checkpoint(path)
-            layer = ckpt.load_layer(ckpt.moe_layer_indices[0])
-            cfg = ckpt.model_config
-            x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
-            tw, ids = _route(layer, cfg, x)
-            ref = _reference(np.asarray(x.astype(jnp.float32)), np.asarray(tw), np.asarray(ids), layer.experts)
-            if layer.shared_experts is not None:
-                ref = ref + _reference(np.asarray(x.astype(jnp.float32)), np.ones((tokens, 1)),
-                                       np.zeros((tokens, 1), np.int64), layer.shared_experts)
-            with warnings.catch_warnings():          # the table's refusals are listed as notes below
-                warnings.simplefilter("ignore", BackendFallbackWarning)
-                selected = select_backend(scheme, dev, has_bias=layer.experts.has_bias())
-            if selected is Backend.LOADER:
-                reasons = backend_reasons(scheme, dev, has_bias=layer.experts.has_bias())
-                notes.append(f"{case.name}: runs the loader layout; "
-                             + "; ".join(f"{b.name}: {reasons[b]}" for b in priority_backends(dev)))
-            cells, timing = [], ""
-            for col in _DEMO_COLUMNS:
-                b = Backend[col]
-                spec = TABLE[b]
-                if spec.layout_supports(scheme, has_bias=layer.experts.has_bias()):
-                    cells.append("-")
-                    continue
-                w = spec.convert(scheme, layer.experts.to_jax())
-                y = fused(x, tw, ids, w).astype(jnp.float32)
-                if layer.shared_experts is not None:
-                    y = y + shared_expert_moe(x, layer.shared_experts.to_jax()).astype(jnp.float32)
-                y = np.asarray(y, np.float64)
-                err = float(np.abs(y - ref).max() / np.abs(ref).max()) if np.isfinite(y).all() else float("inf")
-                ok = err <= DEMO_TOLERANCE
-                failures += not ok
-                cells.append(f"{err:.1e}" if ok else "FAIL")
-                if b is selected:
-                    fused(x, tw, ids, w).block_until_ready()
-                    reps = 5
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        fused(x, tw, ids, w).block_until_ready()
-                    timing = f"{(time.perf_counter() - t0) / reps * 1e3:.2f}"
-            _say(f"{case.name:<21}{selected.name:<8}" + "".join(f"{c:>9}" for c in cells) + f"{timing:>8}", out)
+            line, failed, note = _demo_row(case, rng, keep or tmp, (tokens, experts, hidden, intermediate), dev,
+                                           fused)
+            failures += failed
+            notes += [note] if note else []
+            _say(line, out)
     _say("-" * len(header), out)
+    return _demo_verdict(failures, notes, keep, out)
+
+
+def _demo_verdict(failures: int, notes: list[str], keep: str | None, out) -> int:
+    """Print the fallback notes and the verdict; the exit status (1 if any result failed)."""
     for note in notes:
         _say("fallback: " + note, out)
     if keep:
@@ -263,9 +314,7 @@ def run_inspect(path: str, out=None, device=None, *, revision: str | None = None
 
 
 def _inspect_checkpoint(path: str, out, device) -> int:
-    import warnings
-
-    from .backends import TABLE, Backend, BackendFallbackWarning, Device, priority_backends, select_backend
+    from .backends import Device
     from .checkpoint import Checkpoint
 
     ckpt = Checkpoint(path)
@@ -289,16 +338,25 @@ def _inspect_checkpoint(path: str, out, device) -> int:
     if layer.shared_experts is not None:
         print(f"  shared experts {type(layer.shared_experts).__name__} "
               f"(I={layer.shared_experts.intermediate_size})", file=out)
-    dev = device or Device.current()
+    _print_backends(s, device or Device.current(), dict(has_bias=w.has_bias(), hidden_size=w.hidden_size,
+                                                       intermediate_size=w.intermediate_size), out)
+    return 0
+
+
+def _print_backends(s, dev, req: dict, out) -> None:
+    """Every backend of the table for scheme ``s`` and the layer ``req`` on ``dev``: selected,
+    supported or the reason not, and whether its layout can hold the layer."""
+    import warnings
+
+    from .backends import TABLE, Backend, BackendFallbackWarning, backend_reasons, priority_backends, select_backend
+
     prio = priority_backends(dev)
-    req = dict(has_bias=w.has_bias(), hidden_size=w.hidden_size, intermediate_size=w.intermediate_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BackendFallbackWarning)
         selected = select_backend(s, dev, **req)
     print(f"backends on {dev.describe()} (priority: {', '.join(b.name for b in prio) or 'none'}, "
           "then LOADER):", file=out)
-    for b in Backend:
-        reason = TABLE[b].supports(s, dev, **req)
+    for b, reason in backend_reasons(s, dev, **req).items():
         if b is selected:
             status = "SELECTED" + (" (fallback: no converting row accepts this layer)"
                                    if b is Backend.LOADER else "")
@@ -307,11 +365,10 @@ def _inspect_checkpoint(path: str, out, device) -> int:
         else:
             status = "no: " + reason
         layout = TABLE[b].layout_supports(s, **req)
+        where = ("convertible here (runs via " + TABLE[b].executes_on + ")" if layout is None
+                 else "not convertible: " + layout)
         print(f"  {b.name:<18} {status}", file=out)
-        print(f"  {'':<18} layout: {TABLE[b].layout}; "
-              f"{'convertible here (runs via ' + TABLE[b].executes_on + ')' if layout is None else 'not convertible: ' + layout}",
-              file=out)
-    return 0
+        print(f"  {'':<18} layout: {TABLE[b].layout}; {where}", file=out)
 
 
 def _inspect_converted(path: str, out) -> int:
@@ -354,11 +411,11 @@ def parse_prompt_ids(text: str, name: str = "--prompt-ids") -> list[int]:
     for j, entry in enumerate(text.split(",")):
         entry = entry.strip()
         if not entry:
-            raise ConfigError(f"{name}: entry {j} of {_show(text)} is empty (expected comma-separated token ids "
+            raise ConfigError(f"{name}: entry {j} of {show_value(text)} is empty (expected comma-separated token ids "
                               "like 1,2,3)")
         if not _ID_TEXT.fullmatch(entry):
-            raise ConfigError(f"{name}: entry {j} of {_show(text)} must be a token id (a decimal integer), "
-                              f"got {_show(entry)}")
+            raise ConfigError(f"{name}: entry {j} of {show_value(text)} must be a token id (a decimal integer), "
+                              f"got {show_value(entry)}")
         ids.append(check_int(f"{name}[{j}]", int(entry), low=0))
     return ids
 
@@ -367,12 +424,12 @@ def read_prompt_file(path: str) -> list[str]:
     """The prompts of ``path``: one per line (``\\n`` or ``\\r\\n``), blank lines skipped. The file
     must be a regular UTF-8 file of at most :data:`MAX_PROMPT_FILE_BYTES` (checked by its size
     before it is read) holding at least one prompt."""
-    from .models.tokenizer import _read_text, _regular_file_size
+    from .models.tokenizer import read_text_file, regular_file_size
 
     what = "--prompt-file"
-    if _regular_file_size(path, MAX_PROMPT_FILE_BYTES, what) is None:
+    if regular_file_size(path, MAX_PROMPT_FILE_BYTES, what) is None:
         raise ConfigError(f"{what} {path!r}: no such file")
-    lines = [line.removesuffix("\r") for line in _read_text(path, MAX_PROMPT_FILE_BYTES, what).split("\n")]
+    lines = [line.removesuffix("\r") for line in read_text_file(path, MAX_PROMPT_FILE_BYTES, what).split("\n")]
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise ConfigError(f"{what} {path!r}: holds no prompt (expected one prompt per line; every line is blank)")
@@ -428,9 +485,9 @@ class _GenerationArgs:
                    None if max_len is None else check_int("--max-len", max_len, low=1, high=MAX_CACHE_LEN))
 
     def key(self):
-        import jax
+        from .models.generation import as_prng_key
 
-        return jax.random.key(self.seed)
+        return as_prng_key(self.seed)
 
 
 def _load_model(folder: str, dtype: str | None):
@@ -440,7 +497,7 @@ def _load_model(folder: str, dtype: str | None):
     from .models.decoder import load_model
 
     if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype: expected one of {list(DTYPES)}, got {_show(dtype)}")
+        raise ConfigError(f"--dtype: expected one of {list(DTYPES)}, got {show_value(dtype)}")
     t0 = time.perf_counter()
     model = load_model(folder, dtype=dtype)
     c = model.config
@@ -515,6 +572,22 @@ class _Printer:
 # --------------------------------------------------------------------------- generate
 
 
+def _text_rows(tok, texts: Sequence[str], chat: bool, system: str | None) -> list[list[int]]:
+    """The token ids of each text prompt: encoded, or with ``chat`` rendered as a user turn (after
+    ``system``) by the chat template; a prompt without tokens is refused, naming it."""
+    if chat:
+        _require_chat_template(tok, "--chat")
+    rows = []
+    for i, text in enumerate(texts):
+        label = "--prompt" if len(texts) == 1 else f"--prompt[{i}]"
+        ids = (tok.apply_chat_template([*_conversation_start(system), {"role": "user", "content": text}])
+               if chat else tok.encode(text))
+        if not ids:
+            raise ConfigError(f"{label}: the tokenizer gives no tokens for {show_value(text)}")
+        rows.append(ids)
+    return rows
+
+
 def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | None = None,
                  prompt_ids: Sequence[str] = (), chat: bool = False, system: str | None = None,
                  max_new_tokens: int = 32, temperature: float | None = None, top_p: float | None = None,
@@ -529,7 +602,7 @@ def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | N
     defaults. What was loaded and the timing go to ``err``, in one line at the end (so that a refused
     request prints only its error). Returns the exit status (0)."""
     from .hub import resolve_model_dir
-    from .models.generation import as_prompts, generate
+    from .models.generation import as_prompts, as_stop_tokens, generate
 
     out, err = out or sys.stdout, err or sys.stderr
     texts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file is not None else [])
@@ -547,19 +620,11 @@ def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | N
     tok = None
     if texts:
         tok = _tokenizer(folder, "--prompt", "give token ids with --prompt-ids 1,2,3 instead")
-        if chat:
-            _require_chat_template(tok, "--chat")
-        for i, text in enumerate(texts):
-            label = "--prompt" if len(texts) == 1 else f"--prompt[{i}]"
-            ids = (tok.apply_chat_template([*_conversation_start(system), {"role": "user", "content": text}])
-                   if chat else tok.encode(text))
-            if not ids:
-                raise ConfigError(f"{label}: the tokenizer gives no tokens for {_show(text)}")
-            rows.append(ids)
+        rows += _text_rows(tok, texts, chat, system)
     model, loaded = _load_model(folder, dtype)
     name = "--prompt" if texts else "--prompt-ids"
     checked = as_prompts(rows[0] if len(rows) == 1 else rows, model.config.vocab_size, name=name)
-    stops = tuple(model.config.eos_token_ids) if use_stop else ()
+    stops = as_stop_tokens(None if use_stop else (), model.config.eos_token_ids, model.config.vocab_size)
     printer = _Printer(checked.rows, stops, tok, echo=not chat, out=out)
     generate(model, checked, settings.max_new_tokens, max_len=settings.max_len, temperature=settings.temperature,
              top_p=settings.top_p, top_k=settings.top_k, key=settings.key(), stop_tokens=stops,
@@ -603,7 +668,7 @@ def run_chat(path: str, *, system: str | None = None, max_new_tokens: int = 256,
     import jax
 
     from .hub import resolve_model_dir
-    from .models.generation import Generator
+    from .models.generation import Generator, as_stop_tokens
 
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     settings = _GenerationArgs.checked(max_new_tokens, temperature, top_p, top_k, seed, max_len)
@@ -615,7 +680,7 @@ def run_chat(path: str, *, system: str | None = None, max_new_tokens: int = 256,
     gen = Generator(model, batch_size=1, max_len=settings.max_len or min(CHAT_MAX_LEN, limit or CHAT_MAX_LEN))
     print(f"{loaded}; a cache of {gen.max_len} tokens; one user turn per line, {CHAT_EXIT} or the end of the "
           "input ends the chat", file=err, flush=True)
-    stops = tuple(model.config.eos_token_ids)
+    stops = as_stop_tokens(None, model.config.eos_token_ids, model.config.vocab_size)
     messages = _conversation_start(system)
     for turn, text in enumerate(_user_turns(stdin, err)):
         messages.append({"role": "user", "content": text})
@@ -745,6 +810,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(p)
     _add_generation_arguments(p, max_new_tokens=256,
                               max_len=f"{CHAT_MAX_LEN}, or max_position_embeddings when smaller")
+    from .serving.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -761,6 +829,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_generate(args.path, prompts=args.prompt or (), prompt_file=args.prompt_file,
                             prompt_ids=args.prompt_ids or (), chat=args.chat, system=args.system,
                             use_stop=not args.no_stop, **{k: getattr(args, k) for k in gen_args})
+    if args.command == "serve":
+        from .serving.cli import run_serve
+
+        return run_serve(args)
     if args.command == "chat":
         return run_chat(args.path, system=args.system, **{k: getattr(args, k) for k in gen_args})
     from .hub import resolve_model_dir

@@ -14,7 +14,8 @@ found. The rules are strict where JSON makes mistakes easy:
 * an integer field takes an integral float (``8.0``) but not ``8.5``;
 * bounds are inclusive unless named ``above`` / ``below`` (exclusive).
 
-:func:`check_int` and :func:`check_number` apply the same rules to function arguments.
+:func:`check_int`, :func:`check_number`, :func:`check_flag` and :func:`check_string` apply the same
+rules to function arguments.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .errors import ConfigError
 REQUIRED: Any = object()
 
 
-def _show(v: Any) -> str:
+def show_value(v: Any) -> str:
+    """``repr(v)``, cut to 80 characters: how messages show a value they refuse."""
     s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
 
@@ -75,6 +77,10 @@ def _in_bounds(x, low, high, above, below) -> bool:
             and (below is None or x < below))
 
 
+def _named(name: str, where: str | None) -> str:
+    return f"{where}: field {name!r}" if where else name
+
+
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None,
               where: str | None = None) -> int:
     """``value`` as an int, or a :class:`ConfigError` naming ``name`` (an argument, or a field of
@@ -83,8 +89,8 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     got = _as_int(value)
     rule = _bounds_rule(low, high, None, None)
     if got is None or not _in_bounds(got, low, high, None, None):
-        what = f"{where}: field {name!r}" if where else name
-        raise ConfigError(f"{what} must be an integer{' ' + rule if rule else ''}, got {_show(value)}")
+        raise ConfigError(f"{_named(name, where)} must be an integer{' ' + rule if rule else ''}, "
+                          f"got {show_value(value)}")
     return got
 
 
@@ -94,9 +100,27 @@ def check_number(name: str, value: Any, *, low: float | None = None, high: float
     got = _as_number(value)
     rule = _bounds_rule(low, high, above, below)
     if got is None or not _in_bounds(got, low, high, above, below):
-        what = f"{where}: field {name!r}" if where else name
-        raise ConfigError(f"{what} must be a finite number{' ' + rule if rule else ''}, got {_show(value)}")
+        raise ConfigError(f"{_named(name, where)} must be a finite number{' ' + rule if rule else ''}, "
+                          f"got {show_value(value)}")
     return got
+
+
+def check_flag(name: str, value: Any, *, where: str | None = None) -> bool:
+    """``value`` as a bool, or a :class:`ConfigError` naming ``name``: True or False (not 0 / 1)."""
+    if not _is_bool(value):
+        raise ConfigError(f"{_named(name, where)} must be true or false, got {show_value(value)}")
+    return bool(value)
+
+
+def check_string(name: str, value: Any, *, choices: Iterable[str] | None = None, where: str | None = None) -> str:
+    """``value`` as a str (one of ``choices`` where given), or a :class:`ConfigError` naming ``name``."""
+    options = None if choices is None else tuple(choices)
+    if not isinstance(value, str):
+        rule = "must be a string" + (f" (one of {list(options)})" if options else "")
+        raise ConfigError(f"{_named(name, where)} {rule}, got {show_value(value)}")
+    if options is not None and value not in options:
+        raise ConfigError(f"{_named(name, where)} must be one of {list(options)}, got {show_value(value)}")
+    return value
 
 
 class Fields:
@@ -108,7 +132,7 @@ class Fields:
 
     def __init__(self, data: Any, where: str):
         if not isinstance(data, Mapping):
-            raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__} {_show(data)}")
+            raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__} {show_value(data)}")
         self.data, self.where = data, where
 
     def __contains__(self, key: str) -> bool:
@@ -131,7 +155,7 @@ class Fields:
     def fail(self, key: str, rule: str, value: Any = REQUIRED) -> ConfigError:
         """The error for ``key``: ``{where}: field 'key' {rule}, got {value}``."""
         v = self.data.get(key) if value is REQUIRED else value
-        return ConfigError(f"{self.where}: field {key!r} {rule}, got {_show(v)}")
+        return ConfigError(f"{self.where}: field {key!r} {rule}, got {show_value(v)}")
 
     def integer(self, key: str, default: Any = REQUIRED, *, low: int | None = None,
                 high: int | None = None) -> Any:
@@ -151,20 +175,13 @@ class Fields:
         v = self.data.get(key)
         if v is None:
             return self._missing(key, default)
-        if not _is_bool(v):
-            raise self.fail(key, "must be true or false")
-        return bool(v)
+        return check_flag(key, v, where=self.where)
 
     def string(self, key: str, default: Any = REQUIRED, *, choices: Iterable[str] | None = None) -> Any:
         v = self.data.get(key)
         if v is None:
             return self._missing(key, default)
-        options = None if choices is None else tuple(choices)
-        if not isinstance(v, str):
-            raise self.fail(key, "must be a string" + (f" (one of {list(options)})" if options else ""))
-        if options is not None and v not in options:
-            raise self.fail(key, f"must be one of {list(options)}")
-        return v
+        return check_string(key, v, choices=choices, where=self.where)
 
     def integers(self, key: str, default: Any = (), *, low: int | None = None, high: int | None = None,
                  scalar: bool = False, most: int | None = None) -> Any:
@@ -200,4 +217,4 @@ class Fields:
         return Fields(v, f"{self.where}: {key}")
 
 
-__all__ = ["Fields", "REQUIRED", "check_int", "check_number"]
+__all__ = ["Fields", "REQUIRED", "check_flag", "check_int", "check_number", "check_string", "show_value"]

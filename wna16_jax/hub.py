@@ -32,7 +32,7 @@ import shlex
 from typing import Any
 
 from .errors import ConfigError, CorruptFileError, NotCachedError, UnsafePathError, UnsupportedError
-from .fields import _show
+from .fields import show_value
 
 #: a commit id as the hub's cache names snapshot folders
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -98,7 +98,7 @@ def _path_text(argument: str, value: Any) -> str:
     if not isinstance(value, str):
         via = f" (its __fspath__ gives {type(value).__name__})" if value is not given else ""
         raise ConfigError(f"{argument} must be a str or os.PathLike path, got {type(given).__name__} "
-                          f"{_show(given)}{via}")
+                          f"{show_value(given)}{via}")
     if not value:
         raise ConfigError(f"{argument} must not be empty; {_ACCEPTED}")
     return value
@@ -111,10 +111,10 @@ def _check_revision(revision: Any) -> str | None:
     rule = (f"a branch, tag or 40-hex commit id: at most {_REVISION_MAX_CHARS} characters, '/'-separated "
             "parts of letters, digits, '_', '-', '+', '.', none empty or starting with '.'")
     if not isinstance(revision, str):
-        raise ConfigError(f"revision must be {rule}, got {type(revision).__name__} {_show(revision)}")
+        raise ConfigError(f"revision must be {rule}, got {type(revision).__name__} {show_value(revision)}")
     if len(revision) > _REVISION_MAX_CHARS or not all(
             _REVISION_PART.fullmatch(part) for part in revision.split("/")):
-        raise ConfigError(f"revision must be {rule}, got {_show(revision)}")
+        raise ConfigError(f"revision must be {rule}, got {show_value(revision)}")
     return revision
 
 
@@ -189,14 +189,14 @@ def _read_ref(repo: str, ref: str, snapshots: list[str]) -> str | None:
         text = data.decode("ascii")
     except UnicodeDecodeError:
         raise CorruptFileError(f"{path}: not ASCII text; expected a 40-hex commit id, got "
-                               f"{_show(data[:40])}") from None
+                               f"{show_value(data[:40])}") from None
     if _COMMIT.fullmatch(text) or text in snapshots:
         return text
     if "/" in text or "\\" in text or text.startswith("."):
-        raise UnsafePathError(f"{path}: holds a path, {_show(text)}; a ref names a commit (40 hex digits) "
+        raise UnsafePathError(f"{path}: holds a path, {show_value(text)}; a ref names a commit (40 hex digits) "
                               "under snapshots/")
     raise CorruptFileError(f"{path}: expected a 40-hex commit id (or the name of a folder under "
-                           f"snapshots/: {_shown(snapshots)}), got {_show(text)}")
+                           f"snapshots/: {_shown(snapshots)}), got {show_value(text)}")
 
 
 def _check_inside_snapshots(folder: str, repo: str) -> str:

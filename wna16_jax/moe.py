@@ -68,7 +68,8 @@ def check_activation(activation: str) -> Callable:
 # --------------------------------------------------------------------------- validation
 
 FORMULATIONS = ("gather", "dense", "blocked")
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+#: the activation dtypes the fused MoE takes
+FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 
 def _is_concrete(x) -> bool:
@@ -83,7 +84,7 @@ def validate_moe_inputs(x, topk_weights, topk_ids, weights, expert_map, global_n
     validate()
     if getattr(x, "ndim", None) != 2:
         raise ShapeError(f"hidden_states: expected shape (T, H), got {tuple(getattr(x, 'shape', ()))}")
-    check_dtype("hidden_states", x, _FLOAT_DTYPES)
+    check_dtype("hidden_states", x, FLOAT_DTYPES)
     t, h = x.shape
     if h != weights.hidden_size:
         raise ShapeError(f"hidden_states: expected hidden size {weights.hidden_size} (from the weights), "
@@ -95,7 +96,7 @@ def validate_moe_inputs(x, topk_weights, topk_ids, weights, expert_map, global_n
     if tuple(getattr(topk_weights, "shape", ())) != tuple(topk_ids.shape):
         raise ShapeError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (as topk_ids), "
                          f"got {tuple(getattr(topk_weights, 'shape', ()))}")
-    check_dtype("topk_weights", topk_weights, _FLOAT_DTYPES)
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
     e_local = weights.num_experts
     if expert_map is not None:
         if getattr(expert_map, "ndim", None) != 1:
@@ -280,7 +281,9 @@ class EngineFallbackWarning(UserWarning):
 _WARNED: set[str] = set()
 
 
-def _warn_fallback(weights, choice) -> None:
+def warn_fallback(weights, choice) -> None:
+    """Warn once per reason (:class:`EngineFallbackWarning`) when ``choice`` sent an engine layout
+    on an engine platform to the XLA executor."""
     if not executors.fallback_warning_applies(weights, choice):
         return            # not an engine layout on an engine platform: XLA is its executor
     reason = choice.reason
@@ -435,7 +438,7 @@ def fused_moe(
         global_num_experts=global_num_experts, formulation=formulation, block_m=block_m,
         compute_dtype=compute_dtype, executor=executor)
     if choice.refused:
-        _warn_fallback(at_layer(weights), choice)
+        warn_fallback(at_layer(weights), choice)
     return _fused_moe_jit(hidden_states, topk_weights, topk_ids, weights, expert_map, **options)
 
 
@@ -522,7 +525,7 @@ def batched_experts_forward(batched_hidden, expert_num_tokens, weights, *, activ
     choice = executors.select(weights, batched_hidden.dtype, executor=executor, compute_dtype=compute_dtype,
                               among=(executors.TRITON, executors.XLA))
     if choice.refused:
-        _warn_fallback(weights, choice)
+        warn_fallback(weights, choice)
     return _batched_experts_jit(batched_hidden, expert_num_tokens, weights, activation=activation,
                                 compute_dtype=None if compute_dtype is None else jnp.dtype(compute_dtype).name,
                                 executor=choice.executor.name)
@@ -554,11 +557,12 @@ def shared_expert_moe(hidden_states, weights, *, activation="silu", gate=None, *
     w = np.ones((t, 1), np.float32)
     options, choice = _resolve_options(hidden_states, w, ids, weights, activation=activation, **kw)
     if choice.refused:
-        _warn_fallback(weights, choice)
+        warn_fallback(weights, choice)
     return _shared_expert_jit(hidden_states, weights, gate, kw.get("expert_map"), **options)
 
 
 __all__ = ["fused_moe", "fused_moe_ragged_dot", "shared_expert_moe", "batched_experts_forward",
            "validate_moe_inputs", "expert_biases", "dot_f32", "check_activation", "expert_gemm1",
            "expert_gemm2", "ACTIVATIONS", "FORMULATIONS",
-           "choose_formulation", "default_block_m", "STATIC_OPTIONS", "EngineFallbackWarning"]
+           "choose_formulation", "default_block_m", "STATIC_OPTIONS", "EngineFallbackWarning", "FLOAT_DTYPES",
+           "warn_fallback"]

@@ -34,12 +34,12 @@ import numpy as np
 from . import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
 
-from . import routing
 from .backends import TABLE, Backend, select_backend
 from .checkpoint import Checkpoint, DenseWeights, MoELayer
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError
-from .moe import check_activation
-from .weights import CheckpointWeights, layer_stack
+from .fields import show_value
+from .routing import MoERouting
+from .weights import CheckpointWeights, LayerStack
 
 _FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -81,13 +81,48 @@ def plain_arrays(tree: Any):
     return jax.tree.map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
 
 
+def _is_stack(x) -> bool:
+    return isinstance(x, LayerStack)
+
+
+def bound_weights(variables: Any):
+    """The layout pytree of a tree of :class:`QuantizedExperts`: their arrays; or, where a scanned
+    decoder bound them to its layer (every value a :class:`~wna16_jax.weights.LayerStack` of the
+    stacked array at the one traced index), ``LayerStack(<the pytree of the stacked arrays>,
+    index)``, which :func:`~wna16_jax.autodiff.fused_moe_trainable` reads in place."""
+    values = plain_arrays(variables)
+    leaves = jax.tree.leaves(values, is_leaf=_is_stack)
+    bound = sum(map(_is_stack, leaves))
+    if not bound:
+        return values
+    if bound != len(leaves):
+        raise ShapeError(f"experts: {bound} of {len(leaves)} variables hold a LayerStack; a scanned decoder binds "
+                         "every variable of a layer to its index, or none")
+    return LayerStack(jax.tree.map(lambda v: v.stacked, values, is_leaf=_is_stack), leaves[0].index)
+
+
+def _check_finite(name: str, value: Any) -> None:
+    """A :class:`ValueRangeError` naming ``name`` where concrete ``value`` holds NaN or Inf
+    (traced values cannot be checked)."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    bad = ~np.isfinite(np.asarray(value, np.float32))
+    if bad.any():
+        pos = tuple(int(p) for p in np.unravel_index(int(np.argmax(bad)), bad.shape))
+        raise ValueRangeError(f"{name}: expected finite values, got {int(bad.sum())} NaN or Inf of {bad.size} "
+                              f"(the first at index {pos}) in shape {bad.shape}")
+
+
 class RouterBias(nnx.Variable):
     """Non-trainable routing buffer (DeepSeek-V3 ``e_score_correction_bias``, updated by load
     balancing, not by gradients)."""
 
 
 def _is_float(dtype) -> bool:
-    return np.dtype(dtype) in _FLOATS
+    try:
+        return np.dtype(dtype) in _FLOATS
+    except TypeError:
+        return False
 
 
 def float_compute_dtype(weights: Any, x_dtype: Any):
@@ -96,6 +131,8 @@ def float_compute_dtype(weights: Any, x_dtype: Any):
     that dtype, with float32 accumulation (a 16-bit product is exact in float32), as any 16-bit
     model runs them. None otherwise: the executor's default (quantized experts dequantize to
     float32 on the XLA executor)."""
+    if isinstance(weights, LayerStack):
+        weights = weights.stacked
     if not isinstance(weights, DenseWeights):
         return None
     dt = np.dtype(weights.w13.dtype)
@@ -145,6 +182,9 @@ class QuantizedMoE(nnx.Module):
     bias, routed scaling factor) and runs :func:`wna16_jax.autodiff.fused_moe_trainable`
     (forward = :func:`wna16_jax.moe.fused_moe`; backward multiplies by the transposed quantized
     weights one expert at a time), plus the shared experts (and their sigmoid gate) if any.
+    ``routing`` (a :class:`~wna16_jax.routing.MoERouting`) holds how: top-k, scores, groups,
+    scaling factor and the experts' activation; :meth:`from_layer` reads it from the
+    checkpoint's config (:meth:`MoERouting.of <wna16_jax.routing.MoERouting.of>`).
 
     ``activation_dtype``: the dtype of the hidden states the layer will see, if known. On an
     NVIDIA GPU the experts are laid out for the GPU engine, whose layouts hold the scales in the
@@ -154,62 +194,27 @@ class QuantizedMoE(nnx.Module):
     its ``dtype``.
     """
 
-    def __init__(self, experts: Any, router: Any, *, top_k: int, renormalize: bool = True,
-                 scoring_func: str = "softmax", num_expert_group: int | None = None,
-                 topk_group: int | None = None, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: Any = None, shared_experts: Any = None,
-                 shared_expert_gate: Any = None, activation: str = "silu", backend: Any = None,
-                 param_dtype: Any = jnp.float32, formulation: str | None = None,
-                 activation_dtype: Any = None, rngs: nnx.Rngs | None = None):
+    def __init__(self, experts: Any, router: Any, routing: MoERouting, *, e_score_correction_bias: Any = None,
+                 shared_experts: Any = None, shared_expert_gate: Any = None, backend: Any = None,
+                 param_dtype: Any = jnp.float32, formulation: str | None = None, activation_dtype: Any = None,
+                 rngs: nnx.Rngs | None = None):
         del rngs          # nothing is random: the router and experts come from the arguments
-        check_activation(activation)
-        if scoring_func not in ("softmax", "sigmoid"):
-            raise ConfigError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
-        weights, self.backend = convert_experts(experts, backend, activation=activation,
+        if not isinstance(routing, MoERouting):
+            raise ConfigError(f"routing: expected a MoERouting, got {type(routing).__name__} {show_value(routing)}")
+        if not _is_float(param_dtype):
+            raise DTypeError(f"param_dtype: expected a float dtype, got {show_value(param_dtype)}")
+        weights, self.backend = convert_experts(experts, backend, activation=routing.activation,
                                                 activation_dtype=activation_dtype)
         e, h = weights.num_experts, weights.hidden_size
+        routing.check_experts(e)
         router = self._checked_float("router", router, (e, h))
-        if not _is_float(param_dtype):
-            raise DTypeError(f"param_dtype: expected a float dtype, got {np.dtype(param_dtype)}")
-        if not 1 <= int(top_k) <= e:
-            raise ConfigError(f"top_k: expected 1 <= top_k <= {e} (the number of experts), got {top_k}")
-        grouped = bool(num_expert_group) and num_expert_group > 1
-        if grouped:
-            if e % num_expert_group:
-                raise ConfigError(f"num_expert_group: the number of experts {e} is not a multiple of "
-                                  f"num_expert_group={num_expert_group}")
-            if not topk_group or not 1 <= topk_group <= num_expert_group:
-                raise ConfigError(f"topk_group: expected 1 <= topk_group <= {num_expert_group}, got {topk_group}")
+        self.routing, self.formulation = routing, formulation
         self.param_dtype = np.dtype(param_dtype)
-        self.top_k = int(top_k)
-        self.renormalize = bool(renormalize)
-        self.scoring_func = scoring_func
-        self.num_expert_group = int(num_expert_group) if grouped else None
-        self.topk_group = int(topk_group) if grouped else None
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        self.activation = activation
-        self.formulation = formulation
         self.num_experts, self.hidden_size = e, h
         self.experts = nnx.data(as_variables(weights))
         self.router = nnx.Param(jnp.asarray(router, self.param_dtype))
-        if e_score_correction_bias is not None:
-            if not grouped:
-                raise ConfigError("e_score_correction_bias: only used by grouped top-k routing "
-                                  "(set num_expert_group > 1)")
-            e_score_correction_bias = self._checked_float("e_score_correction_bias",
-                                                          e_score_correction_bias, (e,))
-            self.e_score_correction_bias = RouterBias(jnp.asarray(e_score_correction_bias, jnp.float32))
-        else:
-            self.e_score_correction_bias = None
-        if shared_experts is not None:
-            sw, _ = convert_experts(shared_experts, backend, activation=activation,
-                                    activation_dtype=activation_dtype)
-            if sw.num_experts != 1 or sw.hidden_size != h:
-                raise ShapeError(f"shared_experts: expected one expert of hidden size {h}, got "
-                                 f"{sw.num_experts} expert(s) of hidden size {sw.hidden_size}")
-            self.shared_experts = nnx.data(as_variables(jax.tree.map(jnp.asarray, sw)))
-        else:
-            self.shared_experts = None
+        self.e_score_correction_bias = self._score_bias(e_score_correction_bias)
+        self.shared_experts = self._shared(shared_experts, backend, activation_dtype)
         if shared_expert_gate is not None:
             if shared_experts is None:
                 raise ConfigError("shared_expert_gate: given without shared_experts")
@@ -218,7 +223,32 @@ class QuantizedMoE(nnx.Module):
         else:
             self.shared_expert_gate = None
 
+    top_k = property(lambda self: self.routing.top_k, doc="``routing.top_k``")
+    renormalize = property(lambda self: self.routing.renormalize, doc="``routing.renormalize``")
+    scoring_func = property(lambda self: self.routing.scoring_func, doc="``routing.scoring_func``")
+    routed_scaling_factor = property(lambda self: self.routing.routed_scaling_factor,
+                                     doc="``routing.routed_scaling_factor``")
+
     # ------------------------------------------------------------------ construction
+    def _score_bias(self, bias: Any):
+        if bias is None:
+            return None
+        if not self.routing.grouped:
+            raise ConfigError("e_score_correction_bias: only used by grouped top-k routing "
+                              "(set num_expert_group > 1)")
+        bias = self._checked_float("e_score_correction_bias", bias, (self.num_experts,))
+        return RouterBias(jnp.asarray(bias, jnp.float32))
+
+    def _shared(self, shared_experts: Any, backend: Any, activation_dtype: Any):
+        if shared_experts is None:
+            return None
+        sw, _ = convert_experts(shared_experts, backend, activation=self.routing.activation,
+                                activation_dtype=activation_dtype)
+        if sw.num_experts != 1 or sw.hidden_size != self.hidden_size:
+            raise ShapeError(f"shared_experts: expected one expert of hidden size {self.hidden_size}, got "
+                             f"{sw.num_experts} expert(s) of hidden size {sw.hidden_size}")
+        return nnx.data(as_variables(jax.tree.map(jnp.asarray, sw)))
+
     @staticmethod
     def _checked_float(name: str, a: Any, shape: tuple[int, ...]):
         if tuple(np.shape(a)) != tuple(shape):
@@ -231,12 +261,9 @@ class QuantizedMoE(nnx.Module):
     @classmethod
     def from_layer(cls, layer: MoELayer, config, backend: Any = None, **kw) -> "QuantizedMoE":
         """From a loaded :class:`~wna16_jax.checkpoint.MoELayer` and its ``MoEModelConfig``."""
-        return cls(layer.experts, layer.router, top_k=config.top_k, renormalize=config.renormalize,
-                   scoring_func=config.scoring_func, num_expert_group=config.num_expert_group,
-                   topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
-                   e_score_correction_bias=layer.e_score_correction_bias,
-                   shared_experts=layer.shared_experts, shared_expert_gate=layer.shared_expert_gate,
-                   activation=config.activation, backend=backend, **kw)
+        return cls(layer.experts, layer.router, MoERouting.of(config),
+                   e_score_correction_bias=layer.e_score_correction_bias, shared_experts=layer.shared_experts,
+                   shared_expert_gate=layer.shared_expert_gate, backend=backend, **kw)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike | Checkpoint, layer_index: int, backend: Any = None,
@@ -264,12 +291,14 @@ class QuantizedMoE(nnx.Module):
 
     # ------------------------------------------------------------------ views
     def expert_weights(self):
-        """The routed experts as a plain layout pytree (the arrays of the frozen variables)."""
-        return plain_arrays(self.experts)
+        """The routed experts as a plain layout pytree (the arrays of the frozen variables); in a
+        scanned decoder, a :class:`~wna16_jax.weights.LayerStack` of the stacked layout at the
+        bound layer (:func:`bound_weights`)."""
+        return bound_weights(self.experts)
 
     def shared_expert_weights(self):
-        """The shared experts as a plain layout pytree, or None."""
-        return None if self.shared_experts is None else plain_arrays(self.shared_experts)
+        """The shared experts as :meth:`expert_weights` gives the routed ones, or None."""
+        return None if self.shared_experts is None else bound_weights(self.shared_experts)
 
     def quantized_arrays(self) -> dict[str, dict[str, Any]]:
         """qwix-style read-only view: ``{"w13": {"qvalue", "scale", "zero_point", ...}, "w2": ...}``
@@ -288,29 +317,33 @@ class QuantizedMoE(nnx.Module):
         return out
 
     # ------------------------------------------------------------------ forward
+    def _check_finite_state(self):
+        """Concrete (eager) state only: the router, score-correction bias and shared-expert gate
+        hold no NaN or Inf (:class:`~wna16_jax.errors.ValueRangeError` naming the first that does)."""
+        for name in ("router", "e_score_correction_bias", "shared_expert_gate"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_finite(name, v[...])
+
     def route(self, x2d):
-        """``(topk_weights [T, k] float32, topk_ids [T, k] int32)`` for ``x2d [T, H]``."""
+        """``(topk_weights [T, k] float32, topk_ids [T, k] int32)`` for ``x2d [T, H]`` (the state
+        checked as :meth:`__call__` says)."""
         router = self.router[...]
         if np.dtype(router.dtype) != self.param_dtype:
             raise DTypeError(f"router: expected dtype {self.param_dtype} (param_dtype), got "
                              f"{np.dtype(router.dtype)} with shape {tuple(router.shape)}")
+        self._check_finite_state()
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
         logits = jnp.einsum("th,eh->te", x2d.astype(jnp.float32), router.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
-        if self.num_expert_group:
-            bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
-            return routing.grouped_topk(
-                logits, self.top_k, renormalize=self.renormalize, num_expert_group=self.num_expert_group,
-                topk_group=self.topk_group, scoring_func=self.scoring_func, e_score_correction_bias=bias,
-                routed_scaling_factor=self.routed_scaling_factor)
-        w, ids = routing.fused_topk(logits, self.top_k, renormalize=self.renormalize,
-                                    scoring_func=self.scoring_func)
-        if self.routed_scaling_factor != 1.0:
-            w = w * jnp.float32(self.routed_scaling_factor)
-        return w, ids
+        return self.routing.route(logits, bias)
 
-    def __call__(self, x, layer=None):
-        """``layer``: where the experts hold several layers stacked (a scanned decoder), the one
-        to apply (an int32 scalar; the wgmma engine reads the stack in place)."""
+    def __call__(self, x):
+        """``x [T, H]`` or ``[B, S, H]`` through the layer. Called on concrete (not traced) state,
+        a router, score-correction bias or shared-expert gate holding NaN or Inf is a
+        :class:`~wna16_jax.errors.ValueRangeError` naming it; under ``jit`` the values are not
+        known and cannot be checked. In a scanned decoder the experts' variables hold
+        :class:`~wna16_jax.weights.LayerStack` values bound to the layer (see :func:`bound_weights`)."""
         from .autodiff import fused_moe_trainable
 
         if getattr(x, "ndim", None) not in (2, 3) or x.shape[-1] != self.hidden_size:
@@ -321,34 +354,37 @@ class QuantizedMoE(nnx.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.hidden_size)
         tw, ids = self.route(x2d)
-        def stacked(w):
-            return w if layer is None or w is None else layer_stack(w, layer)
-
+        act = self.routing.activation
         experts = self.expert_weights()
-        out = fused_moe_trainable(x2d, tw, ids, stacked(experts), activation=self.activation,
-                                  formulation=self.formulation, compute_dtype=float_compute_dtype(experts, x.dtype))
+        out = fused_moe_trainable(x2d, tw, ids, experts, activation=act, formulation=self.formulation,
+                                  compute_dtype=float_compute_dtype(experts, x.dtype))
         if self.shared_experts is not None:
-            t = x2d.shape[0]
-            shared = self.shared_expert_weights()
-            s = fused_moe_trainable(x2d, jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32),
-                                    stacked(shared), activation=self.activation, formulation=self.formulation,
-                                    compute_dtype=float_compute_dtype(shared, x.dtype)).astype(jnp.float32)
-            if self.shared_expert_gate is not None:
-                g = jax.nn.sigmoid(jnp.einsum("th,oh->to", x2d.astype(jnp.float32),
-                                              self.shared_expert_gate[...].astype(jnp.float32),
-                                              precision=jax.lax.Precision.HIGHEST))
-                s = s * g
-            out = (out.astype(jnp.float32) + s).astype(x.dtype)
+            out = (out.astype(jnp.float32) + self._shared_output(x2d)).astype(x.dtype)
         return out.reshape(*lead, self.hidden_size)
 
+    def _shared_output(self, x2d):
+        """The shared experts' float32 output for ``x2d``, times their sigmoid gate if any."""
+        from .autodiff import fused_moe_trainable
 
-def linen_quantized_moe(experts: Any, router: Any, **kw):
+        t = x2d.shape[0]
+        shared = self.shared_expert_weights()
+        s = fused_moe_trainable(x2d, jnp.ones((t, 1), jnp.float32), jnp.zeros((t, 1), jnp.int32), shared,
+                                activation=self.routing.activation, formulation=self.formulation,
+                                compute_dtype=float_compute_dtype(shared, x2d.dtype)).astype(jnp.float32)
+        if self.shared_expert_gate is None:
+            return s
+        gate = self.shared_expert_gate[...].astype(jnp.float32)
+        return s * jax.nn.sigmoid(jnp.einsum("th,oh->to", x2d.astype(jnp.float32), gate,
+                                             precision=jax.lax.Precision.HIGHEST))
+
+
+def linen_quantized_moe(experts: Any, router: Any, routing: MoERouting, **kw):
     """:class:`QuantizedMoE` as a Flax Linen module, through Flax's own NNX→Linen bridge
     (``flax.nnx.bridge.to_linen``). ``init`` puts the router in the ``"params"`` collection (the
     one to train) and the frozen experts in ``"QuantizedExperts"``; arguments as for
     :class:`QuantizedMoE`."""
-    return nnx.bridge.to_linen(QuantizedMoE, experts, router, **kw)
+    return nnx.bridge.to_linen(QuantizedMoE, experts, router, routing, **kw)
 
 
-__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "as_variables", "convert_experts",
+__all__ = ["QuantizedMoE", "QuantizedExperts", "RouterBias", "as_variables", "bound_weights", "convert_experts",
            "float_compute_dtype", "linen_quantized_moe", "plain_arrays", "LOADER_LAYOUT"]

@@ -36,10 +36,12 @@ from pallas_kernels.align import (ALIGN_METHODS, COMPARE_MAX_PAIRS, COMPARE_MAX_
 from pallas_kernels.align import align_method as _align_method
 
 from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError, kernel_errors
+from .fields import check_flag, check_int, check_number, check_string
 
 __all__ = [
     "AlignedBlocks",
     "BatchedTokens",
+    "MoERouting",
     "fused_topk",
     "grouped_topk",
     "moe_align_block_size",
@@ -275,6 +277,93 @@ def grouped_topk(
     # Always applied (x1.0 is exact), so a traced factor works too.
     weights = weights * jnp.asarray(routed_scaling_factor, jnp.float32)
     return weights.astype(jnp.float32), ids.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoERouting:
+    """How a MoE layer routes its tokens and activates its experts (static, hashable).
+
+    ``top_k`` experts per token (>= 1); ``scoring_func`` ``"softmax"`` or ``"sigmoid"``;
+    ``renormalize``: the ``top_k`` weights rescaled to sum to 1; ``num_expert_group`` > 1 selects
+    DeepSeek's group-limited top-k over the best ``topk_group`` (1 to ``num_expert_group``)
+    groups (None or 1: plain top-k, and both are stored as None); ``routed_scaling_factor``
+    (finite, > 0) multiplies the weights; ``activation`` is the experts' gated activation
+    (:func:`wna16_jax.moe.check_activation`). Every field is checked on construction and raises
+    :class:`ConfigError` naming it. :meth:`of` reads the same names from any config object.
+    """
+
+    top_k: int
+    renormalize: bool = True
+    scoring_func: str = "softmax"
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    activation: str = "silu"
+
+    def __post_init__(self):
+        from .moe import check_activation   # moe imports this module
+
+        check_activation(self.activation)
+        groups = None if self.num_expert_group is None else check_int("num_expert_group", self.num_expert_group,
+                                                                       low=1)
+        topk_group = self.topk_group
+        if topk_group is not None or (groups or 1) > 1:
+            topk_group = check_int("topk_group", topk_group, low=1, high=groups or 1)
+        grouped = (groups or 1) > 1
+        facts = dict(top_k=check_int("top_k", self.top_k, low=1),
+                     renormalize=check_flag("renormalize", self.renormalize),
+                     scoring_func=check_string("scoring_func", self.scoring_func, choices=SCORING_FUNCS),
+                     num_expert_group=groups if grouped else None, topk_group=topk_group if grouped else None,
+                     routed_scaling_factor=check_number("routed_scaling_factor", self.routed_scaling_factor,
+                                                        above=0))
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def of(cls, config: Any) -> "MoERouting":
+        """The routing of ``config``: any object with this class's field names as attributes (the
+        checkpoint's ``MoEModelConfig``, a decoder's config)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if not hasattr(config, n)]
+        if missing:
+            raise ConfigError(f"config: expected an object with the attributes {names}, got "
+                              f"{type(config).__name__} without {missing}")
+        return cls(**{n: getattr(config, n) for n in names})
+
+    @property
+    def grouped(self) -> bool:
+        return self.num_expert_group is not None
+
+    def check_experts(self, num_experts: int) -> None:
+        """Raise :class:`ConfigError` unless a layer of ``num_experts`` experts can route this way."""
+        e, k = num_experts, self.top_k
+        if k > e:
+            raise ConfigError(f"top_k: expected 1 <= top_k <= {e} (the number of experts), got {k}")
+        if self.grouped:
+            g = self.num_expert_group
+            if e % g:
+                raise ConfigError(f"num_expert_group: the number of experts {e} is not a multiple of "
+                                  f"num_expert_group={g}")
+            if k > self.topk_group * (e // g):
+                raise ConfigError(f"top_k: {k} exceeds the experts of the kept groups (topk_group * E / "
+                                  f"num_expert_group = {self.topk_group * (e // g)})")
+
+    def route(self, logits, e_score_correction_bias=None):
+        """``(topk_weights [T, k] float32, topk_ids [T, k] int32)`` for router ``logits [T, E]``
+        (:func:`grouped_topk` where grouped, else :func:`fused_topk` times the scaling factor);
+        ``e_score_correction_bias [E]`` only with grouped routing."""
+        if self.grouped:
+            return grouped_topk(logits, self.top_k, renormalize=self.renormalize,
+                                num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                                scoring_func=self.scoring_func, e_score_correction_bias=e_score_correction_bias,
+                                routed_scaling_factor=self.routed_scaling_factor)
+        if e_score_correction_bias is not None:
+            raise ConfigError("e_score_correction_bias: only used by grouped top-k routing "
+                              "(set num_expert_group > 1)")
+        w, ids = fused_topk(logits, self.top_k, renormalize=self.renormalize, scoring_func=self.scoring_func)
+        if self.routed_scaling_factor != 1.0:
+            w = w * jnp.float32(self.routed_scaling_factor)
+        return w, ids
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .backends import TABLE, Backend
-from .checkpoint import _EXPERT_RE, Checkpoint, DenseWeights, MoELayer, MoEModelConfig
+from .checkpoint import _EXPERT_RE, Checkpoint, DenseWeights, MoELayer, MoEModelConfig, index_by_module
 from .errors import (ConfigError, CorruptFileError, MissingTensorError, OutputPathError, ShapeError,
                      UnexpectedTensorError, UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
 from .fields import REQUIRED, Fields, check_int
@@ -563,6 +563,7 @@ class _ModelFiles:
             if not isinstance(fname, str) or fname not in tensor_paths:
                 raise weight_map.fail(name, f"must name one of the tensor_files {sorted(tensor_paths)}")
         self.weight_map: dict[str, str] = dict(weight_map.data)
+        self.modules: dict[str, dict[str, str]] | None = None       # by module, when first asked
         self.files = {fname: self._checked_file(path, {n for n, fn in self.weight_map.items() if fn == fname})
                       for fname, path in tensor_paths.items()}
         if CONFIG not in self.copied:
@@ -704,6 +705,13 @@ class ConvertedCheckpoint:
         for name, dst in into:
             files.file_of(name).read_into(name, dst)
         return {name: files.file_of(name).read(name) for name in names}
+
+    def module_tensors(self, module: str) -> dict[str, str]:
+        """As :meth:`Checkpoint.module_tensors`, over the non-expert tensors."""
+        files = self._whole("non-expert tensors")
+        if files.modules is None:
+            files.modules = index_by_module(files.weight_map)
+        return files.modules.get(module, {})
 
     def locate(self, name: str) -> str:
         """``name (in <file>)``, for messages."""

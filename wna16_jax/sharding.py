@@ -52,7 +52,7 @@ from . import executors
 from .device import Device
 from .errors import ConfigError, DTypeError, ShapeError, UnsupportedError
 from .fields import check_int
-from .moe import _FLOAT_DTYPES, FORMULATIONS, _warn_fallback, check_activation, fused_moe, validate_moe_inputs
+from .moe import FLOAT_DTYPES, FORMULATIONS, check_activation, fused_moe, validate_moe_inputs, warn_fallback
 from .schemes import QuantMethod
 from .weights import CheckpointWeights, LayerStack
 
@@ -289,7 +289,7 @@ def _activation_dtype(hidden_dtype: Any) -> np.dtype:
         dt = None if hidden_dtype is None else jnp.dtype(hidden_dtype)
     except (TypeError, ValueError):
         dt = None
-    if dt is None or dt not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    if dt is None or dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise DTypeError(f"hidden_dtype: expected float16, bfloat16 or float32, got {hidden_dtype!r}")
     return dt
 
@@ -346,7 +346,7 @@ def sharded_fused_moe(hidden_states, topk_weights, topk_ids, weights, mesh: Mesh
     if name == "xla" and formulation is not None and formulation not in FORMULATIONS:
         raise ConfigError(f"formulation: expected one of {FORMULATIONS}, got {formulation!r}")
     if choice.refused:
-        _warn_fallback(_local_shard(weights, tp_axis, el), choice)
+        warn_fallback(_local_shard(weights, tp_axis, el), choice)
     if t == 0 or k == 0:                 # nothing routed (and the collectives take no empty shards)
         return jnp.zeros((t, hidden_states.shape[1]), dtype)
     cdt = jnp.float32 if name == "xla" else dtype       # the engines take 16-bit activations as they are

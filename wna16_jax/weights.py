@@ -300,6 +300,29 @@ class ExpertsMixin:
         return jax.tree_util.tree_map(np.asarray, self)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout(ExpertsMixin):
+    """The fields every quantized experts layout has, first in its field order: the two matrices,
+    the biases (or None) and the static sizes. A layout subclasses this (or :class:`SchemeLayout`),
+    adds its own static fields after these and is made a pytree by :func:`pytree_dataclass`, whose
+    ``meta=`` lists every static field (these sizes included)."""
+
+    w13: QuantMatrix
+    w2: QuantMatrix
+    w13_bias: Any = None
+    w2_bias: Any = None
+    hidden_size: int = 0
+    intermediate_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemeLayout(ExpertsLayout):
+    """:class:`ExpertsLayout` with the checkpoint's :class:`~wna16_jax.schemes.QuantScheme` as a
+    static field (the layouts whose decode depends on it)."""
+
+    scheme: QuantScheme = None  # type: ignore[assignment]
+
+
 def _structure_key(w: Any) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(w)
     return (treedef, tuple((tuple(x.shape), str(np.dtype(x.dtype))) for x in leaves))
@@ -418,19 +441,11 @@ def layout_names(qvalue: str, scale: str, zero: str | None = None, *, g_idx: str
 
 
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
-class CheckpointWeights(ExpertsMixin):
+class CheckpointWeights(SchemeLayout):
     """One MoE layer's routed experts in the layout vLLM's FusedMoE loader holds (see module doc)."""
 
     LAYOUT: ClassVar[str] = "checkpoint"
     NAMES: ClassVar[dict] = layout_names("{}_qweight", "{}_scales", "{}_qzeros", g_idx="{}_g_idx")
-
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
 
     @classmethod
     def forms(cls, *, scheme, hidden_size, intermediate_size):

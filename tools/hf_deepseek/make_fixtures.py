@@ -64,13 +64,14 @@ CASES = {
 
 def write() -> None:
     sys.path.insert(0, ROOT)
-    from wna16_jax.models.synthetic import write_random_model
+    from wna16_jax.models.synthetic import RandomModelSpec, write_random_model
     from wna16_jax.schemes import QuantScheme
 
     for name, case in CASES.items():
-        args = {**TINY, **{k: v for k, v in case.items() if k != "quant"}}
+        args = {**TINY, **{k: v for k, v in case.items() if k not in ("quant", "seed")}}
         path = os.path.join(OUT, name)
-        write_random_model(path, scheme=QuantScheme.from_quant_config(case["quant"]), **args)
+        spec = RandomModelSpec(scheme=QuantScheme.from_quant_config(case["quant"]), **args)
+        write_random_model(path, spec, seed=case["seed"])
         print(f"wrote {path}")
 
 

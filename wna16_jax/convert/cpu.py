@@ -55,7 +55,7 @@ from ..errors import (
     ConfigError, ShapeError, UnsupportedError, check_divisible, check_dtype, check_rank, check_shape,
 )
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
+from ..weights import CheckpointWeights, Form, LogicalQuant, QuantMatrix, SchemeLayout, layout_names, pytree_dataclass
 from .common import check_input_dtype, check_same_scheme
 
 BLOCK_N = 32  # block_size_n() = 2 · TILE_N
@@ -226,7 +226,7 @@ class CPUForm(Form):
 
 
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
-class CPUWeights(ExpertsMixin):
+class CPUWeights(SchemeLayout):
     """CPU blocked int4 layout of one MoE layer.
 
     ``w13_weight [E, 2I/32, H/bk13, 16·bk13 + 128] uint8``, ``w2_weight [E, H/32, I/bk2, 16·bk2 + 128]``
@@ -239,13 +239,6 @@ class CPUWeights(ExpertsMixin):
     LAYOUT: ClassVar[str] = "cpu"
     NAMES: ClassVar[dict] = layout_names("{}_weight", "{}_scales", "{}_zeros")
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
 
     @classmethod
     def forms(cls, *, scheme, hidden_size, intermediate_size):

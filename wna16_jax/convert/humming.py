@@ -44,8 +44,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names,
-                       pytree_dataclass)
+from ..weights import CheckpointWeights, Form, LogicalQuant, QuantMatrix, SchemeLayout, layout_names, pytree_dataclass
 from .common import check_input_dtype, check_same_scheme
 
 
@@ -231,7 +230,7 @@ class HummingForm(Form):
 
 
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
-class HummingWeights(ExpertsMixin):
+class HummingWeights(SchemeLayout):
     """Humming canonical schema of one MoE layer (before Humming's opaque kernel transform).
 
     ``w13_weight [E, 2I, H·b/32] int32`` (packed along K), ``w13_weight_scale [E, 2I, G13]``,
@@ -242,13 +241,6 @@ class HummingWeights(ExpertsMixin):
     LAYOUT: ClassVar[str] = "humming"
     NAMES: ClassVar[dict] = layout_names("{}_weight", "{}_weight_scale", "{}_zero_point")
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
 
     @classmethod
     def forms(cls, *, scheme, hidden_size, intermediate_size):

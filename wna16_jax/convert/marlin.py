@@ -39,7 +39,6 @@ from jax import lax
 
 from .. import packing
 from ..errors import (
-    ConfigError,
     DTypeError,
     MissingTensorError,
     ShapeError,
@@ -47,8 +46,7 @@ from ..errors import (
     check_shape,
 )
 from ..schemes import QuantMethod, QuantScheme
-from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names,
-                       pytree_dataclass)
+from ..weights import CheckpointWeights, Form, LogicalQuant, QuantMatrix, SchemeLayout, layout_names, pytree_dataclass
 from .common import check_same_scheme
 
 __all__ = [
@@ -730,7 +728,7 @@ _decode_matrix_jit = jax.jit(lambda m: m.form._decode(m))
 
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size", "padded_intermediate_size",
                         "is_a_8bit", "input_dtype"))
-class MarlinWeights(ExpertsMixin):
+class MarlinWeights(SchemeLayout):
     """One MoE layer's experts in the Marlin layout (docs/formats.md §3.10); ``Ip`` = padded intermediate,
     ``G13 = H/g``, ``G2p = Ip/g`` (1 when channelwise). Flat names (vLLM's):
 
@@ -760,13 +758,6 @@ class MarlinWeights(ExpertsMixin):
     NAMES: ClassVar[dict] = layout_names("{}_qweight", "{}_scales", "{}_qzeros", g_idx="{}_g_idx",
                                          perm="{}_g_idx_sort_indices", global_scale="{}_input_global_scale")
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
     padded_intermediate_size: int = 0
     is_a_8bit: bool = False
     input_dtype: str | None = None

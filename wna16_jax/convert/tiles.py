@@ -20,7 +20,7 @@ from pallas_kernels.experts import GemmExperts
 from pallas_kernels.wna16_grouped_gemm import pack_tiles, tile_bk, unpack_tiles
 
 from ..errors import UnsupportedError, kernel_errors
-from ..weights import ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
+from ..weights import ExpertsLayout, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def gemm_experts(m: QuantMatrix, bias: Any) -> GemmExperts:
 
 
 @pytree_dataclass(meta=("bits", "group_size", "hidden_size", "intermediate_size"))
-class TileWeights(ExpertsMixin):
+class TileWeights(ExpertsLayout):
     """``w13 [E, H/pf, 2I]``, ``w2 [E, I/pf, H]`` int32 tiles; scales ``[E, G, N]``; zero points
     ``[E, G, N]`` uint8 or None; biases ``[E, 2I]`` / ``[E, H]`` or None; act-order row orders
     ``w13_perm [E, H]`` / ``w2_perm [E, I]`` int32 (row ``j`` of the tiles is input row
@@ -60,14 +60,8 @@ class TileWeights(ExpertsMixin):
     INTERMEDIATE_AXES: ClassVar[dict] = dict(w13_qweight=2, w13_scales=2, w13_zeros=2, w13_bias=1,
                                              w2_qweight=1, w2_scales=1, w2_zeros=1, w2_perm=1)
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
     bits: int = 4
     group_size: int = 128
-    hidden_size: int = 0
-    intermediate_size: int = 0
 
     @classmethod
     def forms(cls, *, hidden_size, intermediate_size, **_):

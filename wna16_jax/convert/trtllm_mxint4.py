@@ -40,8 +40,7 @@ import numpy as np
 from .. import packing
 from ..errors import DTypeError, UnsupportedError, check_divisible, check_rank, check_shape
 from ..schemes import QuantScheme
-from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix,
-                       pytree_dataclass)
+from ..weights import CheckpointWeights, Form, LogicalQuant, QuantMatrix, SchemeLayout, pytree_dataclass
 from .common import check_input_dtype, check_same_scheme
 from .humming import canonical_n_first
 
@@ -203,7 +202,7 @@ class Mxint4Form(Form):
 
 
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
-class TrtllmMxint4Weights(ExpertsMixin):
+class TrtllmMxint4Weights(SchemeLayout):
     """FlashInfer TRT-LLM MXINT4 layout of one MoE layer (flat names as vLLM's dict keys).
 
     ``gemm1_weights [E, H/256, 2I, 128] uint8``, ``gemm1_scales [E, pad128(2I)·pad4(H/32)] bf16``,
@@ -215,13 +214,6 @@ class TrtllmMxint4Weights(ExpertsMixin):
     NAMES: ClassVar[dict] = {"gemm1_weights": ("w13", "qvalue"), "gemm1_scales": ("w13", "scale"),
                              "gemm2_weights": ("w2", "qvalue"), "gemm2_scales": ("w2", "scale")}
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
 
     @classmethod
     def forms(cls, *, scheme, hidden_size, intermediate_size):

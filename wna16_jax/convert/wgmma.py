@@ -7,7 +7,7 @@ group 128 or channelwise."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -16,7 +16,7 @@ from pallas_kernels.wgmma_layout import (BLOCK_K, BLOCK_N, GATE_HALF, deinterlea
                                          interleave_gate_up, magic_value, to_wgmma_layout)
 
 from ..errors import UnsupportedError, kernel_errors
-from ..weights import ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
+from ..weights import ExpertsLayout, Form, LogicalQuant, QuantMatrix, layout_names, pytree_dataclass
 from .tiles import TileForm, TileWeights, convert_tiles, gemm_experts, tile_matrix, tile_unsupported_reason
 
 
@@ -45,7 +45,7 @@ class WgmmaForm(Form):
 
 
 @pytree_dataclass(meta=("hidden_size", "intermediate_size", "w13_interleaved"))
-class WgmmaWeights(ExpertsMixin):
+class WgmmaWeights(ExpertsLayout):
     """One layer in the wgmma kernels' layout (:func:`convert_wgmma`): 16-bit words
     ``w13_words [E, 2I, H/4]``, ``w2_words [E, H, I/4]``; scales ``[E, G, N]`` and zero points
     (stored biased by the magic number, or None) in the activations' dtype; biases and act-order
@@ -59,12 +59,6 @@ class WgmmaWeights(ExpertsMixin):
     INTERMEDIATE_AXES: ClassVar[dict] = dict(w13_words=1, w13_scales=2, w13_zeros=2, w13_bias=1,
                                              w2_words=2, w2_scales=1, w2_zeros=1, w2_perm=1)
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    hidden_size: int = 0
-    intermediate_size: int = 0
     w13_interleaved: bool = False
 
     @classmethod

@@ -34,8 +34,7 @@ from jax import lax
 
 from ..errors import ShapeError, UnsupportedError, check_dtype, check_rank
 from ..schemes import QuantScheme
-from ..weights import (CheckpointWeights, ExpertsMixin, Form, LogicalQuant, QuantMatrix, layout_names,
-                       pytree_dataclass)
+from ..weights import CheckpointWeights, Form, LogicalQuant, QuantMatrix, SchemeLayout, layout_names, pytree_dataclass
 from .common import check_input_dtype, check_same_scheme
 from .humming import canonical_n_first
 
@@ -104,7 +103,7 @@ class XPUForm(Form):
 
 
 @pytree_dataclass(meta=("scheme", "hidden_size", "intermediate_size"))
-class XPUWeights(ExpertsMixin):
+class XPUWeights(SchemeLayout):
     """XPU int4 layout of one MoE layer.
 
     ``w13_weight [E, 2I, H/2] uint8``, ``w2_weight [E, H, I/2] uint8`` (low nibble = even k,
@@ -115,13 +114,6 @@ class XPUWeights(ExpertsMixin):
     LAYOUT: ClassVar[str] = "xpu"
     NAMES: ClassVar[dict] = layout_names("{}_weight", "{}_scales")
 
-    w13: QuantMatrix
-    w2: QuantMatrix
-    w13_bias: Any = None
-    w2_bias: Any = None
-    scheme: QuantScheme = None  # type: ignore[assignment]
-    hidden_size: int = 0
-    intermediate_size: int = 0
 
     @classmethod
     def forms(cls, *, scheme, hidden_size, intermediate_size):

@@ -13,7 +13,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from ..errors import ConfigError, UnsupportedError
+from ..errors import UnsupportedError
+from ..fields import REQUIRED, Fields
+from ..model_config import ACTIVATIONS, EXPERT_FIELDS, MAX_SIZE, MoEModelConfig
 from .generation_config import GenerationDefaults
 
 #: model_type → human name of the family
@@ -26,6 +28,13 @@ _DEFAULT_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "d
                   "deepseek_v3": 10000.0}
 _DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "deepseek_v2": 1e-6, "deepseek_v3": 1e-6}
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+#: the largest values a config may give (beyond them a typo, not a model: a 10⁹-layer config is
+#: refused before the loader builds anything)
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 30
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -76,7 +85,10 @@ class DecoderConfig:
     or None. ``eos_token_ids``: the config's ``eos_token_id`` as a tuple (may be empty);
     :func:`~wna16_jax.models.load_model` puts ``generation_config.json``'s first
     (:meth:`GenerationDefaults.stop_token_ids`). ``generation``: the folder's generation defaults
-    (:mod:`wna16_jax.models.generation_config`), set by ``load_model``.
+    (:mod:`wna16_jax.models.generation_config`), set by ``load_model``. ``moe``: the MoE
+    layers' facts (:class:`~wna16_jax.model_config.MoEModelConfig`, parsed from the same fields),
+    or None where the config has no routed experts. ``num_nextn_predict_layers``: DeepSeek-V3's
+    multi-token-prediction modules, stored as layers after the last decoder layer (not loaded).
     """
 
     model_type: str
@@ -106,6 +118,8 @@ class DecoderConfig:
     mla: MLAConfig | None = None
     softmax_scale: float | None = None
     generation: GenerationDefaults = GenerationDefaults()
+    moe: MoEModelConfig | None = None
+    num_nextn_predict_layers: int = 0
 
     @property
     def rope_dim(self) -> int:
@@ -125,179 +139,152 @@ class DecoderConfig:
         return [i for i, s in enumerate(self.sparse_layers) if s]
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "DecoderConfig":
-        if not isinstance(config, Mapping):
-            raise ConfigError(f"config.json: expected a JSON object, got {type(config).__name__}")
-        mt = config.get("model_type")
-        if mt not in SUPPORTED_FAMILIES:
-            raise UnsupportedError(f"config.json: model_type {mt!r} is not supported by wna16_jax.models; "
+    def from_hf_config(cls, config: Mapping[str, Any], where: str = "config.json") -> "DecoderConfig":
+        """Parse ``config.json`` once (see the module doc); the MoE facts become :attr:`moe`."""
+        f = Fields(config, where)
+        mt = f.get("model_type")
+        if not isinstance(mt, str) or mt not in SUPPORTED_FAMILIES:
+            raise UnsupportedError(f"{where}: model_type {mt!r} is not supported by wna16_jax.models; "
                                    f"supported families: {supported_families_text()}")
-        is_mla = mt in _MLA_FAMILIES
+        sizes = _sizes(f, mt)
+        experts = f.first(*EXPERT_FIELDS)             # none, or 0 (DeepSeek's n_routed_experts): no MoE layer
+        moe = MoEModelConfig.from_fields(f) if experts and f.integer(experts, low=0) else None
+        _check_activation(f, moe)
+        sparse, inter = _mlp_layers(f, mt, sizes["num_layers"], moe is not None)
+        vocab = sizes["vocab_size"]
+        return cls(model_type=mt, **sizes, intermediate_size=inter, sparse_layers=sparse, **_rope(f, mt, sizes),
+                   **_attention_options(f, mt, sizes["mla"]), tie_word_embeddings=f.flag("tie_word_embeddings", False),
+                   max_position_embeddings=f.integer("max_position_embeddings", None, low=1, high=MAX_POSITIONS),
+                   eos_token_ids=f.integers("eos_token_id", (), low=0, high=vocab - 1, scalar=True),
+                   bos_token_id=f.integer("bos_token_id", None, low=0, high=vocab - 1), moe=moe,
+                   num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, low=0, high=MAX_LAYERS)
+                   if mt in _MLA_FAMILIES else 0)
 
-        def pos_int(key, default=...):
-            v = config.get(key)
-            if v is None:
-                if default is ...:
-                    raise ConfigError(f"config.json: field {key!r} is required for {mt}, but missing")
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or float(v) != int(v) or v < 1:
-                raise ConfigError(f"config.json: field {key!r} must be a positive integer, got {v!r}")
-            return int(v)
 
-        def flag(key, default):
-            v = config.get(key)
-            if v is None:
-                return default
-            if not isinstance(v, bool):
-                raise ConfigError(f"config.json: field {key!r} must be true or false, got {v!r}")
-            return v
+def _sizes(f: Fields, mt: str) -> dict:
+    """Vocabulary, widths, layer and head counts, and DeepSeek's latent-attention sizes."""
+    is_mla = mt in _MLA_FAMILIES
+    h = f.integer("hidden_size", low=1, high=MAX_SIZE)
+    heads = f.integer("num_attention_heads", low=1, high=MAX_HEADS)
+    kv = heads if is_mla else f.integer("num_key_value_heads", heads, low=1, high=heads)
+    if heads % kv:
+        raise f.fail("num_key_value_heads", f"must divide num_attention_heads ({heads})")
+    mla = _mla(f) if is_mla else None
+    if mla is None:
+        if "head_dim" not in f and h % heads:
+            raise f.fail("hidden_size", f"must be a multiple of num_attention_heads ({heads}) where there is no "
+                         "head_dim")
+        hd = f.integer("head_dim", h // heads, low=2, high=MAX_HEAD_DIM)
+        if hd % 2:
+            raise f.fail("head_dim", "must be even for rotary embeddings")
+    return dict(vocab_size=f.integer("vocab_size", low=1, high=MAX_VOCAB), hidden_size=h,
+                num_layers=f.integer("num_hidden_layers", low=1, high=MAX_LAYERS), num_heads=heads,
+                num_kv_heads=kv, head_dim=hd if mla is None else mla.qk_head_dim,
+                rms_norm_eps=f.number("rms_norm_eps", _DEFAULT_EPS[mt], above=0.0), mla=mla)
 
-        def pos_float(where, v):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"config.json: field {where} must be a positive number, got {v!r}")
-            return float(v)
 
-        vocab = pos_int("vocab_size")
-        h = pos_int("hidden_size")
-        layers = pos_int("num_hidden_layers")
-        heads = pos_int("num_attention_heads")
-        kv = pos_int("num_key_value_heads", heads) if not is_mla else heads
-        if heads % kv:
-            raise ConfigError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
-                              f"num_key_value_heads ({kv})")
-        mla = None
-        if is_mla:
-            qr = config.get("q_lora_rank")
-            mla = MLAConfig(q_lora_rank=None if qr is None else pos_int("q_lora_rank"),
-                            kv_lora_rank=pos_int("kv_lora_rank"), qk_nope_head_dim=pos_int("qk_nope_head_dim"),
-                            qk_rope_head_dim=pos_int("qk_rope_head_dim"), v_head_dim=pos_int("v_head_dim"),
-                            attention_bias=flag("attention_bias", False))
-            if mla.qk_rope_head_dim % 2:
-                raise ConfigError(f"config.json: qk_rope_head_dim must be even for rotary embeddings, "
-                                  f"got {mla.qk_rope_head_dim}")
-            hd = mla.qk_head_dim
-        else:
-            if config.get("head_dim") is None and h % heads:
-                raise ConfigError(f"config.json: hidden_size ({h}) is not a multiple of num_attention_heads "
-                                  f"({heads}) and there is no head_dim")
-            hd = pos_int("head_dim", h // heads)
-            if hd % 2:
-                raise ConfigError(f"config.json: head_dim must be even for rotary embeddings, got {hd}")
-        eps = pos_float("'rms_norm_eps'", config.get("rms_norm_eps", _DEFAULT_EPS[mt]))
-        act = config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedError(f"config.json: hidden_act {act!r} is not supported by the dense "
-                                   "layers of wna16_jax.models; supported: 'silu'")
+def _mla(f: Fields) -> MLAConfig:
+    mla = MLAConfig(q_lora_rank=f.integer("q_lora_rank", None, low=1, high=MAX_SIZE),
+                    kv_lora_rank=f.integer("kv_lora_rank", low=1, high=MAX_SIZE),
+                    qk_nope_head_dim=f.integer("qk_nope_head_dim", low=1, high=MAX_HEAD_DIM),
+                    qk_rope_head_dim=f.integer("qk_rope_head_dim", low=2, high=MAX_HEAD_DIM),
+                    v_head_dim=f.integer("v_head_dim", low=1, high=MAX_HEAD_DIM),
+                    attention_bias=f.flag("attention_bias", False))
+    if mla.qk_rope_head_dim % 2:
+        raise f.fail("qk_rope_head_dim", "must be even for rotary embeddings")
+    return mla
 
-        # rotary embeddings: transformers 5 'rope_parameters', or 4's 'rope_theta' + 'rope_scaling'
-        rp = config.get("rope_parameters")
-        if rp is not None:
-            if not isinstance(rp, Mapping):
-                raise ConfigError(f"config.json: field 'rope_parameters' must be an object, got {rp!r}")
-            if all(isinstance(v, Mapping) for v in rp.values()) and rp:
-                raise UnsupportedError("config.json: per-layer-type 'rope_parameters' are not supported; "
-                                       f"got keys {sorted(rp)}")
-            theta = pos_float("'rope_parameters.rope_theta'",
-                              rp.get("rope_theta", config.get("rope_theta", _DEFAULT_THETA[mt])))
-            scaling = rp
-        else:
-            theta = pos_float("'rope_theta'", config.get("rope_theta", _DEFAULT_THETA[mt]))
-            scaling = config.get("rope_scaling")
-        rope_type, factor, yarn, softmax_scale = "default", 1.0, None, None
-        max_pos = config.get("max_position_embeddings")
-        if scaling is not None:
-            if not isinstance(scaling, Mapping):
-                raise ConfigError(f"config.json: field 'rope_scaling' must be an object or null, got {scaling!r}")
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise UnsupportedError(f"config.json: rope type {rope_type!r} is not supported; "
-                                       f"supported rope types: {SUPPORTED_ROPE_TYPES}")
-            if rope_type in ("linear", "yarn"):
-                factor = pos_float("'rope_scaling.factor'", scaling.get("factor"))
-            if rope_type == "yarn":
-                def opt_pos(key, default):
-                    v = scaling.get(key)
-                    return default if v is None else pos_float(f"'rope_scaling.{key}'", v)
 
-                orig = scaling.get("original_max_position_embeddings", max_pos)
-                if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
-                    raise ConfigError("config.json: field 'rope_scaling.original_max_position_embeddings' "
-                                      f"(or max_position_embeddings) must be a positive integer, got {orig!r}")
-                if scaling.get("truncate", True) is not True:
-                    raise UnsupportedError(f"config.json: rope_scaling.truncate={scaling.get('truncate')!r} is not "
-                                           "supported (the correction range is rounded outwards, truncate=true)")
-                mscale, mscale_all = opt_pos("mscale", None), opt_pos("mscale_all_dim", None)
-                attn = scaling.get("attention_factor")
-                if attn is not None:
-                    attn = pos_float("'rope_scaling.attention_factor'", attn)
-                elif mscale and mscale_all:
-                    attn = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
-                else:
-                    attn = yarn_mscale(factor)
-                yarn = (opt_pos("beta_fast", 32.0), opt_pos("beta_slow", 1.0), int(orig), float(attn))
-                if is_mla and mscale_all:
-                    softmax_scale = hd ** -0.5 * yarn_mscale(factor, mscale_all) ** 2
+def _check_activation(f: Fields, moe: MoEModelConfig | None) -> None:
+    """The decoders' MLPs (dense and experts) are gated SiLU: one rule for ``hidden_act``."""
+    act = f.string("hidden_act", "silu")
+    if ACTIVATIONS.get(act) != "silu" or (moe is not None and moe.activation != "silu"):
+        raise UnsupportedError(f"{f.where}: hidden_act {act!r} is not supported by wna16_jax.models; "
+                               "supported: 'silu' (or 'swish')")
 
-        # where the MoE layers are
-        if mt == "mixtral":
-            sparse = tuple(True for _ in range(layers))
-            inter = None
-        elif is_mla:
-            first = config.get("first_k_dense_replace", 0)
-            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-                raise ConfigError(f"config.json: field 'first_k_dense_replace' must be a non-negative "
-                                  f"integer, got {first!r}")
-            freq = pos_int("moe_layer_freq", 1)
-            n_exp = config.get("n_routed_experts") or 0
-            sparse = tuple(bool(n_exp) and i >= first and i % freq == 0 for i in range(layers))
-            inter = pos_int("intermediate_size") if not all(sparse) else config.get("intermediate_size")
-        else:
-            step = pos_int("decoder_sparse_step", 1)
-            only = config.get("mlp_only_layers") or []
-            if not isinstance(only, (list, tuple)) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only):
-                raise ConfigError(f"config.json: field 'mlp_only_layers' must list layer indices in "
-                                  f"[0, {layers}), got {only!r}")
-            n_exp = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                          if config.get(k) is not None), 0)
-            sparse = tuple(i not in only and n_exp > 0 and (i + 1) % step == 0 for i in range(layers))
-            inter = pos_int("intermediate_size") if not all(sparse) else config.get("intermediate_size")
 
-        # sliding windows
-        window = None
-        sw = config.get("sliding_window")
-        if mt == "mixtral":
-            if sw is not None:
-                window = pos_int("sliding_window")
-        elif flag("use_sliding_window", False):
-            raise UnsupportedError(f"config.json: use_sliding_window=true is not supported for {mt} "
-                                   f"(sliding_window={sw!r}, max_window_layers="
-                                   f"{config.get('max_window_layers')!r}); set it false or use full attention")
-        if mt == "qwen2_moe":
-            qkv_bias, o_bias = flag("qkv_bias", True), False
-        elif mt == "qwen3_moe":
-            qkv_bias = o_bias = flag("attention_bias", False)
-        elif is_mla:
-            qkv_bias = o_bias = mla.attention_bias
-        else:
-            qkv_bias = o_bias = False
+def _mlp_layers(f: Fields, mt: str, layers: int, has_moe: bool) -> tuple[tuple[bool, ...], int | None]:
+    """``(sparse_layers, intermediate_size)``: which layers are MoE layers, and the dense MLPs'
+    width (required where a layer is dense)."""
+    if mt == "mixtral":
+        if not has_moe:
+            raise f.fail("num_local_experts", "is required for mixtral (every layer is a MoE layer)", None)
+        sparse = (True,) * layers
+    elif mt in _MLA_FAMILIES:
+        first = f.integer("first_k_dense_replace", 0, low=0, high=layers)
+        freq = f.integer("moe_layer_freq", 1, low=1, high=layers)
+        sparse = tuple(has_moe and i >= first and i % freq == 0 for i in range(layers))
+    else:
+        step = f.integer("decoder_sparse_step", 1, low=1, high=layers)
+        only = set(f.integers("mlp_only_layers", (), low=0, high=layers - 1))
+        sparse = tuple(has_moe and i not in only and (i + 1) % step == 0 for i in range(layers))
+    dense = not all(sparse)
+    inter = f.integer("intermediate_size", None if not dense else REQUIRED, low=1, high=MAX_SIZE)
+    return sparse, inter
 
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
-                        if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab)
-        bos = config.get("bos_token_id")
-        return cls(
-            model_type=mt, vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads,
-            num_kv_heads=kv, head_dim=hd, intermediate_size=None if inter is None else int(inter),
-            rms_norm_eps=eps, rope_theta=theta, rope_type=rope_type, rope_factor=factor,
-            qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=mt == "qwen3_moe",
-            tie_word_embeddings=flag("tie_word_embeddings", False), sparse_layers=sparse,
-            sliding_window=window,
-            max_position_embeddings=int(max_pos) if isinstance(max_pos, int) and max_pos > 0 else None,
-            hidden_act="silu", eos_token_ids=eos_ids,
-            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
-            rope_yarn=yarn, rope_interleaved=is_mla and flag("rope_interleave", True), mla=mla,
-            softmax_scale=softmax_scale)
+
+def _attention_options(f: Fields, mt: str, mla: MLAConfig | None) -> dict:
+    """Biases, per-head q/k norms and Mixtral's sliding window."""
+    window = None
+    if mt == "mixtral":
+        window = f.integer("sliding_window", None, low=1, high=MAX_POSITIONS)
+    elif f.flag("use_sliding_window", False):
+        raise UnsupportedError(f"{f.where}: use_sliding_window=true is not supported for {mt} "
+                               f"(sliding_window={f.get('sliding_window')!r}, max_window_layers="
+                               f"{f.get('max_window_layers')!r}); set it false or use full attention")
+    if mt == "qwen2_moe":
+        qkv_bias, o_bias = f.flag("qkv_bias", True), False
+    elif mt == "qwen3_moe":
+        qkv_bias = o_bias = f.flag("attention_bias", False)
+    else:
+        qkv_bias = o_bias = mla is not None and mla.attention_bias
+    return dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=mt == "qwen3_moe", sliding_window=window)
+
+
+def _rope(f: Fields, mt: str, sizes: dict) -> dict:
+    """Rotary embeddings: transformers 5's ``rope_parameters`` or 4's ``rope_theta`` +
+    ``rope_scaling``; the rope type, factor, YaRN's settings and DeepSeek's softmax scale."""
+    params = f.object("rope_parameters")
+    if params is not None and params.data and all(isinstance(v, Mapping) for v in params.data.values()):
+        raise UnsupportedError(f"{f.where}: per-layer-type 'rope_parameters' are not supported; "
+                               f"got keys {sorted(params.data)}")
+    theta_from = params if params is not None and "rope_theta" in params else f
+    theta = theta_from.number("rope_theta", _DEFAULT_THETA[mt], above=0.0)
+    scaling = params if params is not None else f.object("rope_scaling")
+    out = dict(rope_theta=theta, rope_type="default", rope_factor=1.0, rope_yarn=None, softmax_scale=None,
+               rope_interleaved=mt in _MLA_FAMILIES and f.flag("rope_interleave", True))
+    if scaling is None:
+        return out
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedError(f"{f.where}: rope type {rope_type!r} is not supported; "
+                               f"supported rope types: {SUPPORTED_ROPE_TYPES}")
+    out["rope_type"] = rope_type
+    if rope_type in ("linear", "yarn"):
+        out["rope_factor"] = scaling.number("factor", above=0.0)
+    if rope_type == "yarn":
+        out.update(_yarn(f, scaling, out["rope_factor"], sizes["head_dim"], mt in _MLA_FAMILIES))
+    return out
+
+
+def _yarn(f: Fields, scaling: Fields, factor: float, head_dim: int, is_mla: bool) -> dict:
+    """YaRN's ``(beta_fast, beta_slow, original_max_position_embeddings, attention_factor)`` and,
+    for DeepSeek with ``mscale_all_dim``, the softmax scale."""
+    orig = scaling.integer("original_max_position_embeddings", None, low=1, high=MAX_POSITIONS)
+    if orig is None:
+        orig = f.integer("max_position_embeddings", low=1, high=MAX_POSITIONS)
+    if scaling.get("truncate", True) is not True:
+        raise UnsupportedError(f"{f.where}: rope_scaling.truncate={scaling.get('truncate')!r} is not "
+                               "supported (the correction range is rounded outwards, truncate=true)")
+    mscale, mscale_all = (scaling.number(k, None, above=0.0) for k in ("mscale", "mscale_all_dim"))
+    attn = scaling.number("attention_factor", None, above=0.0)
+    if attn is None:
+        attn = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                else yarn_mscale(factor))
+    yarn = (scaling.number("beta_fast", 32.0, above=0.0), scaling.number("beta_slow", 1.0, above=0.0), orig,
+            float(attn))
+    scale = head_dim ** -0.5 * yarn_mscale(factor, mscale_all) ** 2 if is_mla and mscale_all else None
+    return dict(rope_yarn=yarn, softmax_scale=scale)
 
 
 __all__ = ["DecoderConfig", "MLAConfig", "SUPPORTED_FAMILIES", "SUPPORTED_ROPE_TYPES", "yarn_mscale"]

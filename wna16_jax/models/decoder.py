@@ -24,6 +24,7 @@ RMS norms and softmaxes are computed in float32, every product accumulates in fl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -37,16 +38,21 @@ from flax import nnx
 
 from pallas_kernels import decode_attention
 
+from ..backends import Backend, BackendFallbackWarning
 from ..checkpoint import Checkpoint, DenseWeights
 from ..device import Device
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
 from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE
+from ..hub import resolve_model_dir
+from ..model_config import EXPERT_FIELDS
 from ..safetensors_io import load_json
+from ..serialize import MANIFEST, ConvertedCheckpoint
 from .config import DecoderConfig
 from .generation_config import read_generation_config
 from .. import formats
 from ..checkpoint import MatrixPart, read_matrix
-from ..weights import CheckpointForm
+from ..weights import CheckpointForm, CheckpointWeights, LayerStack
+from .kv_cache import KVCache
 from .linear import DenseLinear, QuantizedLinear, QuantizedWeight, engine_for, quantized_matmul
 
 _MASKED = -1e30
@@ -132,44 +138,13 @@ def apply_rope(x, positions, inv_freq, *, interleaved: bool = False, attention_f
 STACKED_IN_PLACE = (QuantizedWeight, QuantizedExperts)
 
 
-def _apply(module, x, layer=None):
-    """``module(x)``; in a scanned decoder (``layer``: the layer index), the modules whose frozen
-    quantized weights stay stacked are told which layer to read."""
-    if layer is not None and isinstance(module, (QuantizedLinear, QuantizedMoE)):
-        return module(x, layer=layer)
-    return module(x)
-
-
-def _write_rows(cache, new, start, layer=None):
-    """``cache [B, n, T, d]`` with ``new [B, n, S, d]`` written at slot ``start[b]`` of row ``b``;
-    with ``layer``, ``cache`` is every layer's ``[L, B, n, T, d]`` and layer ``layer``'s is written
-    (in place: the rest of the stack is not touched)."""
-    start = start.astype(jnp.int32)
-    if layer is None:
-        return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, s, 0)))(
-            cache, new, start)
-    i = jnp.asarray(layer, jnp.int32)
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x[None].astype(c.dtype), (i, 0, s, 0)),
-                    in_axes=(1, 0, 0), out_axes=1)(cache, new, start)
-
-
-def _cached(k, v, positions, cache, kv_len, layer, dtype):
-    """The keys / values attention reads and the updated cache. ``k``, ``v`` ``[B, n, S, d]`` are
-    the new rows; without a cache they are all there is (key positions = ``positions``); with one
-    (a scanned decoder, ``layer`` given, passes every layer's ``[L, B, n, T, d]``) they are written
-    at their positions and the first ``kv_len`` slots are read (key position = slot)."""
-    if cache is None:
-        return (k, v, positions), None
-    b = k.shape[0]
-    ck, cv = cache
-    ck, cv = _write_rows(ck, k, positions[:, 0], layer), _write_rows(cv, v, positions[:, 0], layer)
-    cache = (ck, cv)
-    if layer is not None:
-        ck, cv = (jax.lax.dynamic_index_in_dim(c, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
-                  for c in (ck, cv))
-    t = kv_len or ck.shape[2]
-    kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    return (ck[:, :, :t].astype(dtype), cv[:, :, :t].astype(dtype), kpos), cache
+def bind_layer(in_place, index):
+    """The stacked in-place variables (:data:`STACKED_IN_PLACE`) of a scanned decoder's layers,
+    each holding :class:`~wna16_jax.weights.LayerStack` ``(stack, index)``: merged into the
+    layer's module, its quantized linears and experts read layer ``index`` of the stacks where
+    they lie. The scan body calls it once; no module is told its layer."""
+    return jax.tree.map(lambda v: v.replace(LayerStack(v.get_value(), index)), in_place,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 #: whether decode steps may attend with the Triton kernel (:func:`decode_kernel_mode`); False
@@ -212,24 +187,29 @@ class Attention(nnx.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def __call__(self, x, positions, cache=None, kv_len: int | None = None, layer=None):
+    def __call__(self, x, positions, cache: KVCache | None = None, kv_len: int | None = None):
+        """``cache``: bound to this layer (:meth:`KVCache.at_layer`), or None."""
         b, s, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj.split(_apply(self.qkv_proj, x, layer))
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         else:
-            q, k, v = (_apply(proj, x, layer) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = q.reshape(b, s, nh, hd), k.reshape(b, s, nkv, hd), v.reshape(b, s, nkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
         q, k = (apply_rope(t, positions, inv, attention_factor=self.rope_scale) for t in (q, k))
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
-        mode = decode_kernel_mode() if cache is not None and s == 1 else None
-        if (mode and cache[0].dtype == q.dtype
-                and not decode_attention.unsupported_reason(q.shape, cache[0].shape, q.dtype)):
-            return self._decode_step(q, k, v, positions, cache, layer, interpret=mode == "interpret")
-        (keys, vals, kpos), cache = _cached(k, v, positions, cache, kv_len, layer, x.dtype)
+        mode = decode_kernel_mode() if cache is not None and s == 1 and not cache.paged_pool else None
+        if (mode and cache.k.dtype == q.dtype
+                and not decode_attention.unsupported_reason(q.shape, cache.k.shape[1:], q.dtype)):
+            return self._decode_step(q, k, v, positions, cache, interpret=mode == "interpret")
+        if cache is None:
+            keys, vals, kpos = k, v, positions
+        else:
+            cache = cache.update(k, v, positions)
+            keys, vals, kpos = cache.read(kv_len, x.dtype)
         g = nh // nkv
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         if x.dtype != jnp.float32 and jax.default_backend() == "cpu":
@@ -242,23 +222,20 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype).astype(vals.dtype)
         out = jnp.einsum("bngst,bntd->bsngd", probs, vals, precision=prec,
                          preferred_element_type=jnp.float32).astype(x.dtype)
-        return _apply(self.o_proj, out.reshape(b, s, nh * hd), layer), cache
+        return self.o_proj(out.reshape(b, s, nh * hd)), cache
 
-    def _decode_step(self, q, k, v, positions, cache, layer, *, interpret: bool):
-        """One new token per sequence: the kernel reads the cache before the new rows are written
-        (they join its softmax from registers), then the rows are written in place."""
+    def _decode_step(self, q, k, v, positions, cache: KVCache, *, interpret: bool):
+        """One new token per sequence (a contiguous cache): the kernel reads the bound layer of the
+        stacked cache before the new rows are written (they join its softmax from registers),
+        then the rows are written in place."""
         b = q.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        ck, cv = cache
-        stacked = layer is not None
-        i = jnp.asarray(layer if stacked else 0, jnp.int32)
-        kc, vc = (ck, cv) if stacked else (ck[None], cv[None])
         start = positions[:, 0]                      # the new row's slot = the old slots' count
         out = decode_attention.decode_attention(
-            q.reshape(b, nkv, nh // nkv, hd), k[:, :, 0], v[:, :, 0], kc, vc, i, start,
-            scale=self.softmax_scale, window=self.sliding_window, interpret=interpret)
-        cache = (_write_rows(ck, k, start, layer), _write_rows(cv, v, start, layer))
-        return _apply(self.o_proj, out.reshape(b, 1, nh * hd), layer), cache
+            q.reshape(b, nkv, nh // nkv, hd), k[:, :, 0], v[:, :, 0], cache.k, cache.v,
+            jnp.asarray(cache.layer, jnp.int32), start, scale=self.softmax_scale, window=self.sliding_window,
+            interpret=interpret)
+        return self.o_proj(out.reshape(b, 1, nh * hd)), cache.update(k, v, positions)
 
 
 class LatentAttention(nnx.Module):
@@ -292,16 +269,16 @@ class LatentAttention(nnx.Module):
         self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj = kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
         self.o_proj = o_proj
 
-    def __call__(self, x, positions, cache=None, kv_len: int | None = None, layer=None):
+    def __call__(self, x, positions, cache: KVCache | None = None, kv_len: int | None = None):
         b, s, _ = x.shape
         nh, nope, r = self.num_heads, self.nope, self.rank
         if self.x_proj is not None:
-            q, kva = self.x_proj.split(_apply(self.x_proj, x, layer))
+            q, kva = self.x_proj.split(self.x_proj(x))
         else:
-            q = _apply(self.q_proj if self.q_proj is not None else self.q_a_proj, x, layer)
-            kva = _apply(self.kv_a_proj_with_mqa, x, layer)              # [B, S, rank + rope]
+            q = (self.q_proj if self.q_proj is not None else self.q_a_proj)(x)
+            kva = self.kv_a_proj_with_mqa(x)                             # [B, S, rank + rope]
         if self.q_b_proj is not None:
-            q = _apply(self.q_b_proj, self.q_a_layernorm(q), layer)
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(b, s, nh, nope + self.rope)
         latent = self.kv_a_layernorm(kva[..., :r])[:, None]              # [B, 1, S, rank]
         inv = np.asarray(self.inv_freq, np.float32)
@@ -309,11 +286,15 @@ class LatentAttention(nnx.Module):
                                      attention_factor=self.rope_scale)
                           for t in (q[..., nope:], kva[..., None, r:]))
         k_rope = jnp.swapaxes(k_rope, 1, 2)                               # [B, 1, S, rope]
-        (lat, kr, kpos), cache = _cached(latent, k_rope, positions, cache, kv_len, layer, x.dtype)
+        if cache is None:
+            lat, kr, kpos = latent, k_rope, positions
+        else:
+            cache = cache.update(latent, k_rope, positions)
+            lat, kr, kpos = cache.read(kv_len, x.dtype)
         lat, kr = lat[:, 0], kr[:, 0]                                     # [B, T, rank], [B, T, rope]
         cdt = x.dtype if x.dtype == jnp.float32 or jax.default_backend() != "cpu" else jnp.float32
         prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
-        w = self.kv_b_proj.dense(cdt, layer).reshape(nh, nope + self.v_dim, r)
+        w = self.kv_b_proj.dense(cdt).reshape(nh, nope + self.v_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
 
         def dot(spec, a, c):
@@ -326,7 +307,7 @@ class LatentAttention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         o_lat = dot("bnst,btr->bsnr", probs, lat).astype(x.dtype)
         out = dot("bsnr,nvr->bsnv", o_lat, w_uv).astype(x.dtype)
-        return _apply(self.o_proj, out.reshape(b, s, nh * self.v_dim), layer), cache
+        return self.o_proj(out.reshape(b, s, nh * self.v_dim)), cache
 
 
 class GatedMLP(nnx.Module):
@@ -335,10 +316,10 @@ class GatedMLP(nnx.Module):
     def __init__(self, gate_proj, up_proj, down_proj):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def __call__(self, x, layer=None):
-        g = _apply(self.gate_proj, x, layer).astype(jnp.float32)
-        u = _apply(self.up_proj, x, layer).astype(jnp.float32)
-        return _apply(self.down_proj, (jax.nn.silu(g) * u).astype(x.dtype), layer)
+    def __call__(self, x):
+        g = self.gate_proj(x).astype(jnp.float32)
+        u = self.up_proj(x).astype(jnp.float32)
+        return self.down_proj((jax.nn.silu(g) * u).astype(x.dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -348,13 +329,37 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm, self.self_attn = input_layernorm, self_attn
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
 
-    def __call__(self, x, positions, cache=None, kv_len=None, layer=None):
-        """``layer``: the layer index in a scanned decoder (its quantized weights stacked)."""
-        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, kv_len, layer)
+    def __call__(self, x, positions, cache: KVCache | None = None, kv_len=None):
+        """``cache``: bound to this layer, or None."""
+        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, kv_len)
         x = x + h
-        y = self.post_attention_layernorm(x)
-        y = self.mlp(y, layer) if isinstance(self.mlp, GatedMLP) else _apply(self.mlp, y, layer)
+        y = self.mlp(self.post_attention_layernorm(x))
         return x + y.astype(x.dtype), cache
+
+
+def _checked_ids(name: str, a, high: int | None, *, shape=None):
+    """``a`` as an int32 array ``[B, S]`` of values in ``[0, high)``, checked where concrete."""
+    try:
+        np.asarray(a) if isinstance(a, jax.Array) else None
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return a                                     # traced: checked by no one (see __call__)
+    if isinstance(a, (list, tuple)):
+        try:
+            a = np.asarray(a)
+        except ValueError:
+            raise ShapeError(f"{name}: expected a rectangular [batch, length] array of integers") from None
+    a = np.asarray(a) if not isinstance(a, (np.ndarray, jax.Array)) else a
+    if not jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == np.bool_:
+        raise DTypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
+    if a.ndim != 2 or (shape is not None and tuple(a.shape) != tuple(shape)):
+        want = f"shape {tuple(shape)}" if shape is not None else "a 2-D [batch, length] array"
+        raise ShapeError(f"{name}: expected {want}, got shape {tuple(a.shape)}")
+    v = np.asarray(a)
+    if v.size and (v.min() < 0 or (high is not None and v.max() >= high)):
+        bad = v.min() if v.min() < 0 else v.max()
+        rule = f"[0, {high}) (vocab_size)" if high is not None else ">= 0"
+        raise ValueRangeError(f"{name}: expected values in {rule}, got {int(bad)}")
+    return jnp.asarray(v, jnp.int32)
 
 
 class MoEDecoder(nnx.Module):
@@ -389,46 +394,40 @@ class MoEDecoder(nnx.Module):
     def embed(self, tokens):
         return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
 
-    def hidden_states(self, tokens, positions, cache=None, kv_len: int | None = None):
-        """Final-normed hidden states ``[B, S, H]`` and the updated cache (as :meth:`init_cache`
-        makes it, or None)."""
+    def hidden_states(self, tokens, positions, cache: KVCache | None = None, kv_len: int | None = None):
+        """Final-normed hidden states ``[B, S, H]`` and the updated cache (a :class:`KVCache` as
+        :meth:`init_cache` makes it, or None). Each layer sees the cache bound to its index."""
         x = self.embed(tokens)
-        if self.scan_layers and not len(self.layers):
-            return self._scanned(x, positions, cache, kv_len)
-        head_cache, scan_cache = (cache, None) if not self.scan_layers or cache is None else cache
-        new = []
-        for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions, None if head_cache is None else head_cache[i], kv_len)
-            new.append(c)
-        new = None if cache is None else tuple(new)
-        if not self.scan_layers:
-            return self.norm(x), new
-        h, scan_cache = self._scanned(x, positions, scan_cache, kv_len)
-        return h, None if cache is None else (new, scan_cache)
+        for i, layer in enumerate(self.layers):          # unrolled (with scan_layers: the dense head)
+            x, cache = layer(x, positions, None if cache is None else cache.at_layer(i), kv_len)
+        if self.scan_layers:
+            x, cache = self._scanned(x, positions, cache, kv_len)
+        return self.norm(x), None if cache is None else cache.unbound()
 
     @property
     def num_scanned_layers(self) -> int:
         return self.config.num_layers - len(self.layers) if self.scan_layers else 0
 
     def _scanned(self, x, positions, cache, kv_len):
-        """The layers as one ``lax.scan`` (one compiled layer body; the cache is then ``(k, v)``,
-        each ``[L, B, n_kv, T, d]``, carried through the scan and written in place). The scan slices each layer's 16-bit weights; the frozen
-        quantized ones stay stacked and are read in place at the layer's index
-        (:class:`~wna16_jax.weights.LayerStack`): a slice would be a copy of the layer's weights
-        ahead of every kernel that reads them, more bytes than the layer's own step reads."""
+        """The stacked layers as one ``lax.scan`` (one compiled layer body; the cache rides in the
+        carry and is written in place). The scan slices each layer's 16-bit weights; the frozen
+        quantized ones stay stacked and are read in place at the layer's index (:func:`bind_layer`):
+        a slice would be a copy of the layer's weights ahead of every kernel that reads them, more
+        bytes than the layer's own step reads. The layer index is bound here, once."""
         graph = self.layer_graph
         in_place, sliced = nnx.split_state(self.stacked_layers, nnx.Any(*STACKED_IN_PLACE), ...)
-        n = self.num_scanned_layers
+        head = len(self.layers)
 
-        def body(carry, xs):                   # the cache rides in the carry, written in place
+        def body(carry, xs):
             h, c = carry
             state, i = xs
-            h, c = nnx.merge(graph, state, in_place)(h, positions, c, kv_len, layer=i)
-            return (h, c), None
+            layer = nnx.merge(graph, state, bind_layer(in_place, i))
+            h, c = layer(h, positions, None if c is None else c.at_layer(head + i), kv_len)
+            return (h, None if c is None else c.unbound()), None
 
-        layers = jnp.arange(n, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, None if cache is None else tuple(cache)), (sliced, layers))
-        return self.norm(x), cache
+        layers = jnp.arange(self.num_scanned_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, None if cache is None else cache.unbound()), (sliced, layers))
+        return x, cache
 
     def logits(self, h):
         """float32 logits of hidden states ``h [..., H]`` (products accumulated in float32)."""
@@ -440,7 +439,12 @@ class MoEDecoder(nnx.Module):
         return jnp.einsum("...h,vh->...v", h, w, precision=prec, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions=None):
-        tokens = jnp.asarray(tokens)
+        """float32 logits ``[B, S, V]`` of token ids ``tokens [B, S]`` (positions ``0..S-1``, or
+        ``positions [B, S]``). Concrete inputs are checked (a 2-D integer array of ids in
+        ``[0, vocab_size)``, non-negative positions of the same shape); traced ones cannot be."""
+        tokens = _checked_ids("tokens", tokens, self.config.vocab_size)
+        if positions is not None:
+            positions = _checked_ids("positions", positions, None, shape=tokens.shape)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
         h, _ = self.hidden_states(tokens, positions)
@@ -456,25 +460,26 @@ class MoEDecoder(nnx.Module):
         return list(self.layers) + [nnx.merge(self.layer_graph, jax.tree.map(lambda a: a[i], self.stacked_layers))
                                     for i in range(n)]
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None):
-        """A zeroed KV cache: per layer ``(k, v)`` of shape ``[batch_size, n_kv, max_len, d]`` (heads
-        before positions, the order attention reads them in). For latent attention (DeepSeek)
-        the pair is the normed latent ``[batch_size, 1, max_len, kv_lora_rank]`` and the rotated
-        shared key ``[batch_size, 1, max_len, qk_rope_head_dim]``. A scanned decoder stacks the
-        scanned layers' pairs (``[L, ...]`` each); with unrolled head layers (DeepSeek's leading
-        dense ones) its cache is ``(head layers' pairs, stacked pair)``."""
+    def cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((n, dk), (n, dv))`` of one position of one layer's cache: the KV heads' keys and
+        values, or for latent attention (DeepSeek) the normed latent and the rotated shared key."""
         c = self.config
-        b, t = int(batch_size), int(max_len)
         if c.mla is not None:
-            shapes = ((b, 1, t, c.mla.kv_lora_rank), (b, 1, t, c.mla.qk_rope_head_dim))
-        else:
-            shapes = ((b, c.num_kv_heads, t, c.head_dim),) * 2
-        dt = dtype or self.dtype
-        per_layer = tuple(tuple(jnp.zeros(sh, dt) for sh in shapes) for _ in range(len(self.layers)))
-        if not self.scan_layers:
-            return per_layer
-        stacked = tuple(jnp.zeros((self.num_scanned_layers,) + sh, dt) for sh in shapes)   # as the scan reads them
-        return (per_layer, stacked) if len(self.layers) else stacked
+            return (1, c.mla.kv_lora_rank), (1, c.mla.qk_rope_head_dim)
+        return (c.num_kv_heads, c.head_dim), (c.num_kv_heads, c.head_dim)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """A zeroed contiguous :class:`KVCache` of every layer: ``k``, ``v``
+        ``[num_layers, batch_size, n, max_len, d]`` (heads before positions, the order attention
+        reads them in; :meth:`cache_shapes`)."""
+        return KVCache.contiguous(self.config.num_layers, batch_size, max_len, self.cache_shapes(),
+                                  dtype or self.dtype)
+
+    def init_paged_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:
+        """A zeroed paged :class:`KVCache` pool of ``num_blocks`` blocks of ``block_size`` positions
+        for every layer (read through the block table :meth:`KVCache.with_block_table` sets)."""
+        return KVCache.paged(self.config.num_layers, num_blocks, block_size, self.cache_shapes(),
+                             dtype or self.dtype)
 
 
 #: ``load_model(scan_layers=None)`` scans models of at least this many identical layers
@@ -557,16 +562,53 @@ def _stacked_layers(layers: list) -> tuple[Any, Any]:
 
 # --------------------------------------------------------------------------- loading
 
+#: the epsilon of DeepSeek's ``q_a_layernorm`` / ``kv_a_layernorm`` (their modules' default, not
+#: ``rms_norm_eps``)
+LATENT_NORM_EPS = 1e-6
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
-class _Tensors:
-    """The checkpoint's tensor names by module (``a.b.c.suffix`` → ``a.b.c`` → suffix → name)."""
 
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self.modules: dict[str, dict[str, str]] = {}
-        for name in ckpt.tensor_names():
-            module, _, suffix = name.rpartition(".")
-            self.modules.setdefault(module, {})[suffix] = name
+def _float_dtype(name: str, value, default):
+    """``value`` (None: ``default``) as a float dtype, or a :class:`DTypeError` naming ``name``."""
+    if value is None:
+        return default if default is None else jnp.dtype(default)
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        raise DTypeError(f"{name}: expected one of {list(_FLOATS)}, got {value!r}") from None
+    if dt.name not in _FLOATS:
+        raise DTypeError(f"{name}: expected one of {list(_FLOATS)}, got {dt.name}")
+    return dt
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`load_model` lays the weights out (its keyword arguments, checked)."""
+
+    dtype: Any
+    param_dtype: Any = None
+    backend: Any = None
+    dequantized: bool = False
+
+    @classmethod
+    def checked(cls, dtype, param_dtype, backend, dequantized) -> "LoadOptions":
+        if not isinstance(dequantized, (bool, np.bool_)):
+            raise ConfigError(f"dequantized: expected True or False, got {dequantized!r}")
+        return cls(_float_dtype("dtype", dtype, default_dtype()), _float_dtype("param_dtype", param_dtype, None),
+                   backend, bool(dequantized))
+
+
+class _Loader:
+    """The checkpoint's tensors mapped onto the decoder's modules by name: each method builds one
+    module of the config's structure from the tensors its name holds."""
+
+    def __init__(self, ckpt, config: DecoderConfig, opts: LoadOptions):
+        self.ckpt, self.c, self.o = ckpt, config, opts
+        self.fallback: list[str] = []
+        self.fallback_why: str | None = None
+
+    def tensors(self, module: str) -> dict[str, str]:
+        return self.ckpt.module_tensors(module)
 
     def float_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         t = self.ckpt.tensor_info(name)            # MissingTensorError naming it
@@ -579,20 +621,135 @@ class _Tensors:
             raise ValueRangeError(f"{name}: holds NaN or Inf")
         return a
 
+    def norm(self, name: str, size: int, eps: float | None = None) -> RMSNorm:
+        return RMSNorm(self.float_tensor(name, (size,)), self.c.rms_norm_eps if eps is None else eps,
+                       param_dtype=self.o.param_dtype)
 
-def _quantized_scheme(tensors: _Tensors, module: str, bias: bool):
-    """The scheme of ``module`` if the checkpoint stores it quantized (None: a 16-bit linear), its
-    bias checked against the config."""
-    found = tensors.modules.get(module, {})
-    if not any(m in found for m in formats.QUANTIZED_MARKERS):
+    # ------------------------------------------------------------------ linears
+    def scheme(self, module: str, bias: bool):
+        """The scheme of ``module`` if the checkpoint stores it quantized (None: a 16-bit linear),
+        its bias checked against the config."""
+        found = self.tensors(module)
+        if not any(m in found for m in formats.QUANTIZED_MARKERS):
+            return None
+        scheme = self.ckpt.quant_config.scheme_for(module)
+        if scheme is None:
+            raise ConfigError(f"{module}: the checkpoint stores it quantized ({sorted(found)}), but "
+                              f"quantization_config leaves it unquantized "
+                              f"({self.ckpt.quant_config.group_for(module) or 'no matching group'})")
+        _check_bias(module, found, bias)
+        return scheme
+
+    def quantized(self, modules: Sequence[str], ns: Sequence[int], k: int, scheme) -> QuantizedLinear:
+        """One :class:`QuantizedLinear` reading ``modules`` (which read the same input) as one
+        matrix of their parts along N."""
+        reason = next((r for r in (formats.size_reason(scheme, n, k) for n in ns) if r), None)
+        if reason:
+            raise ShapeError(f"{modules[0]}: {reason}")
+        parts = [MatrixPart([dict(self.tensors(m))], n, m) for m, n in zip(modules, ns)]
+        m, bias = read_matrix(self.ckpt, scheme, parts, k=k)
+        return QuantizedLinear(m, None if bias is None else bias[0], compute_dtype=self.o.dtype, splits=ns)
+
+    def linear(self, module: str, n: int, k: int, bias: bool = False):
+        """The linear ``module`` (``W [n, k]``): quantized if its tensors are, else 16-bit."""
+        scheme = self.scheme(module, bias)
+        if scheme is not None:
+            layer = self.quantized([module], [n], k, scheme)
+            return layer.dequantized(jnp.bfloat16) if self.o.dequantized else layer
+        found = self.tensors(module)
+        if "weight" not in found:
+            raise MissingTensorError(f"{module}.weight: not found in {self.ckpt.path!r} (nor a quantized "
+                                     f"{module}.qweight / {module}.weight_packed)")
+        extra = sorted(set(found) - {"weight", "bias"})
+        if extra:
+            raise UnexpectedTensorError(f"{module}: a 16-bit linear with unexpected tensors "
+                                        f"{[f'{module}.{s}' for s in extra]}")
+        _check_bias(module, found, bias)
+        w = self.float_tensor(found["weight"], (n, k))
+        b = self.float_tensor(found["bias"], (n,)) if bias else None
+        return DenseLinear(w, b, compute_dtype=self.o.dtype, param_dtype=self.o.param_dtype)
+
+    def linears(self, specs: Sequence[tuple[str, int, bool]], k: int):
+        """The linears ``(module, n, bias)`` that read the same input: one :class:`QuantizedLinear`
+        reading them as one matrix (one GEMM) where they are quantized alike and an engine runs
+        the whole (a load-time concatenation along N), else a tuple of one linear each."""
+        modules, ns, biases = ([s[j] for s in specs] for j in range(3))
+        schemes = [self.scheme(m, b) for m, b in zip(modules, biases)]
+        s0 = schemes[0]
+        if (not self.o.dequantized and s0 is not None and all(s == s0 for s in schemes) and len(set(biases)) == 1
+                and engine_for(CheckpointForm(sum(ns), k, s0), self.o.dtype)[0] is not None):
+            return self.quantized(modules, ns, k, s0)
+        return tuple(self.linear(m, n, k, b) for m, n, b in specs)
+
+    # ------------------------------------------------------------------ blocks
+    def attention(self, p: str) -> Attention:
+        c = self.c
+        h, nh, nkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = self.linears([(f"{p}.q_proj", nh * hd, c.qkv_bias), (f"{p}.k_proj", nkv * hd, c.qkv_bias),
+                            (f"{p}.v_proj", nkv * hd, c.qkv_bias)], h)
+        norms = (self.norm(f"{p}.q_norm.weight", hd), self.norm(f"{p}.k_norm.weight", hd)) if c.qk_norm else (None,) * 2
+        return Attention(c, qkv, self.linear(f"{p}.o_proj", h, nh * hd, c.o_bias), *norms)
+
+    def latent_attention(self, p: str) -> LatentAttention:
+        m, h, nh = self.c.mla, self.c.hidden_size, self.c.num_heads
+        kv_a = (f"{p}.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, m.attention_bias)
+        q_a_norm = q_b = None
+        if m.q_lora_rank is None:
+            x_proj = self.linears([(f"{p}.q_proj", nh * m.qk_head_dim, False), kv_a], h)
+            x_proj = (x_proj[0], None, x_proj[1]) if isinstance(x_proj, tuple) else x_proj
+        else:
+            x_proj = self.linears([(f"{p}.q_a_proj", m.q_lora_rank, m.attention_bias), kv_a], h)
+            x_proj = (None, x_proj[0], x_proj[1]) if isinstance(x_proj, tuple) else x_proj
+            q_a_norm = self.norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS)
+            q_b = self.linear(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank)
+        return LatentAttention(
+            self.c, x_proj, q_a_norm, q_b, self.norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
+            self.linear(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            self.linear(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
+
+    def moe(self, i: int) -> QuantizedMoE:
+        """MoE layer ``i``: its experts in the layout the dispatch table picks (or dequantized)."""
+        layer = self.ckpt.load_layer(i)
+        if self.c.model_type == "qwen2_moe" and layer.shared_experts is not None and layer.shared_expert_gate is None:
+            raise MissingTensorError(f"model.layers.{i}.mlp.shared_expert_gate.weight: required by Qwen2-MoE's "
+                                     "shared expert (its sigmoid gate), not found")
+        if self.o.dequantized:
+            layer = dataclasses.replace(layer, experts=_dense_experts(layer.experts, jnp.bfloat16),
+                                        shared_experts=_dense_experts(layer.shared_experts, jnp.bfloat16))
+            return QuantizedMoE.from_layer(layer, self.c.moe)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mlp = QuantizedMoE.from_layer(layer, self.c.moe, self.o.backend, activation_dtype=self.o.dtype)
+        if self.o.backend is None and mlp.backend == str(Backend.LOADER) and isinstance(layer.experts,
+                                                                                       CheckpointWeights):
+            self.fallback.append(i)
+            self.fallback_why = self.fallback_why or next((str(w.message).split(";")[0] for w in caught), None)
+        return mlp
+
+    def layer(self, i: int) -> DecoderLayer:
+        c, p = self.c, f"model.layers.{i}"
+        attn = self.latent_attention(f"{p}.self_attn") if c.mla is not None else self.attention(f"{p}.self_attn")
+        if c.sparse_layers[i]:
+            mlp = self.moe(i)
+        else:
+            h, inter = c.hidden_size, c.intermediate_size
+            mlp = GatedMLP(self.linear(f"{p}.mlp.gate_proj", inter, h), self.linear(f"{p}.mlp.up_proj", inter, h),
+                           self.linear(f"{p}.mlp.down_proj", h, inter))
+        return DecoderLayer(self.norm(f"{p}.input_layernorm.weight", c.hidden_size), attn,
+                            self.norm(f"{p}.post_attention_layernorm.weight", c.hidden_size), mlp)
+
+    def embeddings(self):
+        e = self.float_tensor("model.embed_tokens.weight", (self.c.vocab_size, self.c.hidden_size))
+        return jnp.asarray(e if self.o.param_dtype is None else e.astype(self.o.param_dtype))
+
+    def lm_head(self):
+        """``lm_head`` (None: the embeddings, ``tie_word_embeddings``)."""
+        if not self.c.tie_word_embeddings:
+            return self.linear("lm_head", self.c.vocab_size, self.c.hidden_size)
+        if self.tensors("lm_head"):
+            warnings.warn(f"{self.ckpt.path}: tie_word_embeddings is true, so lm_head is the embedding matrix "
+                          "(as transformers ties them); the stored lm_head tensors are not read", stacklevel=3)
         return None
-    scheme = tensors.ckpt.quant_config.scheme_for(module)
-    if scheme is None:
-        raise ConfigError(f"{module}: the checkpoint stores it quantized "
-                          f"({sorted(found)}), but quantization_config leaves it unquantized "
-                          f"({tensors.ckpt.quant_config.group_for(module) or 'no matching group'})")
-    _check_bias(module, found, bias)
-    return scheme
 
 
 def _check_bias(module: str, found, bias: bool) -> None:
@@ -600,52 +757,6 @@ def _check_bias(module: str, found, bias: bool) -> None:
         raise MissingTensorError(f"{module}.bias: required by config.json (attention biases), not found")
     if not bias and "bias" in found:
         raise UnexpectedTensorError(f"{module}.bias: present, but config.json says the layer has no bias")
-
-
-def _quantized_linear(tensors: _Tensors, modules: Sequence[str], ns: Sequence[int], k: int, scheme, *, dtype):
-    """One :class:`QuantizedLinear` reading ``modules`` (which read the same input) as one matrix
-    of their parts along N."""
-    reason = next((formats.size_reason(scheme, n, k) for n in ns if formats.size_reason(scheme, n, k)), None)
-    if reason:
-        raise ShapeError(f"{modules[0]}: {reason}")
-    parts = [MatrixPart([dict(tensors.modules.get(m, {}))], n, m) for m, n in zip(modules, ns)]
-    m, bias = read_matrix(tensors.ckpt, scheme, parts, k=k)
-    return QuantizedLinear(m, None if bias is None else bias[0], compute_dtype=dtype, splits=ns)
-
-
-def _linear(tensors: _Tensors, module: str, n: int, k: int, *, bias: bool, dtype, param_dtype,
-            dequantized: bool):
-    """The linear ``module`` (``W [n, k]``): quantized if its tensors are, else 16-bit."""
-    scheme = _quantized_scheme(tensors, module, bias)
-    if scheme is not None:
-        layer = _quantized_linear(tensors, [module], [n], k, scheme, dtype=dtype)
-        return layer.dequantized(jnp.bfloat16) if dequantized else layer
-    found = tensors.modules.get(module, {})
-    if "weight" not in found:
-        raise MissingTensorError(f"{module}.weight: not found in {tensors.ckpt.path!r} (nor a quantized "
-                                 f"{module}.qweight / {module}.weight_packed)")
-    extra = sorted(set(found) - {"weight", "bias"})
-    if extra:
-        raise UnexpectedTensorError(f"{module}: a 16-bit linear with unexpected tensors "
-                                    f"{[f'{module}.{s}' for s in extra]}")
-    _check_bias(module, found, bias)
-    w = tensors.float_tensor(found["weight"], (n, k))
-    b = tensors.float_tensor(found["bias"], (n,)) if bias else None
-    return DenseLinear(w, b, compute_dtype=dtype, param_dtype=param_dtype)
-
-
-def _linears(tensors: _Tensors, modules: Sequence[str], ns: Sequence[int], k: int, biases: Sequence[bool], *,
-             dtype, param_dtype, dequantized: bool):
-    """The linears ``modules``, which read the same input: one :class:`QuantizedLinear` reading them
-    as one matrix (one GEMM) where they are quantized alike and an engine runs the whole (a
-    load-time concatenation along N), else a tuple of one linear each."""
-    schemes = [_quantized_scheme(tensors, m, b) for m, b in zip(modules, biases)]
-    s0 = schemes[0]
-    if (not dequantized and s0 is not None and all(s == s0 for s in schemes) and len(set(biases)) == 1
-            and engine_for(CheckpointForm(sum(ns), k, s0), dtype)[0] is not None):
-        return _quantized_linear(tensors, modules, ns, k, s0, dtype=dtype)
-    return tuple(_linear(tensors, m, n, k, bias=b, dtype=dtype, param_dtype=param_dtype, dequantized=dequantized)
-                 for m, n, b in zip(modules, ns, biases))
 
 
 def _dense_experts(w, dtype):
@@ -659,35 +770,109 @@ def _dense_experts(w, dtype):
                         hidden_size=int(w13.shape[2]), intermediate_size=int(w13.shape[1]) // 2)
 
 
-#: the epsilon of DeepSeek's ``q_a_layernorm`` / ``kv_a_layernorm`` (their modules' default, not
-#: ``rms_norm_eps``)
-LATENT_NORM_EPS = 1e-6
-
-
-def _latent_attention(c: DecoderConfig, p: str, lin, lins, norm) -> LatentAttention:
-    """The :class:`LatentAttention` of module prefix ``p`` (``model.layers.{i}.self_attn``)."""
-    m, h, nh = c.mla, c.hidden_size, c.num_heads
-    kv_a = (f"{p}.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, m.attention_bias)
-    if m.q_lora_rank is None:
-        x_proj = lins((f"{p}.q_proj", nh * m.qk_head_dim, False), kv_a)
-        q_a_norm = q_b = None
-        if isinstance(x_proj, tuple):
-            x_proj = (x_proj[0], None, x_proj[1])
+def _open(path, revision):
+    """``(checkpoint, config)``: the folder (a hub id, cache root, checkpoint or converted folder)
+    opened, ``config.json`` parsed once and the generation defaults read, before any weight."""
+    folder = resolve_model_dir(path, revision=revision)
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        ckpt = ConvertedCheckpoint(folder)
+        config = DecoderConfig.from_hf_config(ckpt.config)
     else:
-        x_proj = lins((f"{p}.q_a_proj", m.q_lora_rank, m.attention_bias), kv_a)
-        q_a_norm = norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS)
-        q_b = lin(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank)
-        if isinstance(x_proj, tuple):
-            x_proj = (None, x_proj[0], x_proj[1])
-    return LatentAttention(
-        c, x_proj, q_a_norm, q_b, norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
-        lin(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-        lin(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
+        cfg_file = os.path.join(folder, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ConfigError(f"config.json: not found in {folder!r}")
+        config = DecoderConfig.from_hf_config(load_json(cfg_file, what="config.json"))
+        ckpt = None
+    if config.moe is None:
+        raise ConfigError(f"config.json: gives no routed experts (none of {EXPERT_FIELDS}, or 0), but "
+                          "wna16_jax.models loads MoE decoders (set the experts count the checkpoint holds)")
+    generation = read_generation_config(folder, vocab_size=config.vocab_size)
+    config = dataclasses.replace(config, generation=generation,
+                                 eos_token_ids=generation.stop_token_ids(config.eos_token_ids))
+    return ckpt or Checkpoint(folder, model_config=config.moe), config
+
+
+def _check_layers(ckpt, config: DecoderConfig) -> None:
+    """The checkpoint's MoE layers where the config puts them; layers past ``num_hidden_layers``
+    (other than DeepSeek-V3's multi-token-prediction modules, which generation does not use)
+    are not loaded, with a warning."""
+    mtp = config.num_nextn_predict_layers if config.mla is not None else 0
+    found = [i for i in ckpt.moe_layer_indices if i < config.num_layers]
+    if found != config.moe_layer_indices:
+        raise ConfigError(f"config.json: puts MoE layers at {config.moe_layer_indices} "
+                          f"(decoder_sparse_step / mlp_only_layers / first_k_dense_replace), but the checkpoint "
+                          f"has expert tensors for layers {ckpt.moe_layer_indices}")
+    extra = sorted({int(n.split(".")[2]) for n in ckpt.tensor_names() if n.startswith("model.layers.")
+                    and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= config.num_layers + mtp})
+    if extra:
+        warnings.warn(f"{ckpt.path}: tensors of layers {extra[:8]}{' ...' if len(extra) > 8 else ''} lie past "
+                      f"num_hidden_layers={config.num_layers}; they are not loaded", stacklevel=3)
+
+
+def _layer_plan(config: DecoderConfig, scan_layers) -> tuple[int, bool]:
+    """``(head, scanned)``: how many leading layers run unrolled ahead of the scan (DeepSeek's
+    dense ``first_k_dense_replace`` layers before only MoE ones), and whether the rest is scanned
+    (``scan_layers=None``: when at least :data:`SCAN_MIN_LAYERS` of them are alike by config)."""
+    if scan_layers is not None and not isinstance(scan_layers, (bool, np.bool_)):
+        raise ConfigError(f"scan_layers: expected True, False or None, got {scan_layers!r}")
+    sparse = config.sparse_layers
+    head = 0 if len(set(sparse)) == 1 else next(i for i, sp in enumerate(sparse) if sp)
+    if not all(sparse[head:]):
+        head = 0
+    alike = len(set(sparse)) == 1 or head > 0
+    scanned = bool(scan_layers) or (scan_layers is None and alike and config.num_layers - head >= SCAN_MIN_LAYERS)
+    return head, scanned
+
+
+def _load_layers(loader: _Loader, head: int, scanned: bool, strict: bool, tick) -> tuple[list, Any]:
+    """``(head layers, layers or the stacker)``: every decoder layer built from its tensors;
+    a scanned model's alike layers are written into the stacks as they load (the load holds the
+    stacks and about one layer). Alike by config but not by layout (a layer that fell back to
+    another executor): unrolled after all, unless ``scan_layers=True`` insisted."""
+    n = loader.c.num_layers
+    heads = [loader.layer(i) for i in range(head)] if scanned else []
+    for _ in heads:
+        tick()
+    stacker, layers = (_LayerStacker(n - head) if scanned else None), []
+    for i in range(len(heads), n):
+        layer = loader.layer(i)
+        tick()
+        if stacker is not None and stacker.add(layer):
+            continue
+        if stacker is not None:
+            if strict:
+                raise ConfigError(f"scan_layers: decoder layer {i} differs from layer {head} in structure, shapes "
+                                  "or dtypes (dense and sparse layers mixed, or layers of different layouts); "
+                                  "load with scan_layers=False")
+            layers, heads, stacker = heads + stacker.layers(), [], None      # unrolled after all
+        layers.append(layer)
+    return heads, (layers if stacker is None else stacker)
+
+
+def _progress(total: int, enabled: bool | None, what: str):
+    """A progress bar over the layers on stderr (``enabled=None``: where stderr is a terminal)."""
+    import sys
+
+    on = sys.stderr.isatty() if enabled is None else bool(enabled)
+    if not on:
+        return contextlib.nullcontext(lambda: None)
+    from tqdm import tqdm
+
+    @contextlib.contextmanager
+    def bar():
+        with tqdm(total=total, desc=what, unit="layer", leave=False, file=sys.stderr) as t:
+            yield lambda: t.update(1)
+
+    return bar()
 
 
 def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
-               dequantized: bool = False, scan_layers: bool | None = None) -> MoEDecoder:
-    """Build the :class:`MoEDecoder` of checkpoint folder ``path`` (``config.json`` + safetensors).
+               dequantized: bool = False, scan_layers: bool | None = None, revision: str | None = None,
+               progress: bool | None = None) -> MoEDecoder:
+    """Build the :class:`MoEDecoder` of checkpoint ``path``: a folder (``config.json`` +
+    safetensors, or a folder :func:`wna16_jax.convert_checkpoint` wrote), a Hugging Face cache
+    folder or a hub id in the local cache (:func:`wna16_jax.resolve_model_dir`; ``revision``
+    picks the snapshot).
 
     ``dtype``: the activations' dtype (default :func:`default_dtype`). ``param_dtype``: the dtype
     of the 16-bit parameters (default: as stored; float32 for fine-tuning). ``backend``: the MoE
@@ -695,130 +880,38 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     ``dequantized=True`` dequantizes every quantized linear and expert to bfloat16 while loading
     (a reference point for benchmarks: the same model as plain XLA on 16-bit weights).
     ``scan_layers=True`` stacks the decoder layers and runs them as one ``lax.scan``: one compiled
-    layer instead of one per layer (a 48-layer model's prefill and decode compile in under a
-    minute), the quantized weights read in place from the stacks, the KV cache one ``(k, v)`` pair stacked per
-    layer; every layer must have the same structure (not configs that mix dense and sparse
-    layers), except leading dense layers before only MoE ones (DeepSeek's
-    ``first_k_dense_replace``), which run unrolled ahead of the scan and are then all that
-    ``model.layers`` holds (:meth:`MoEDecoder.layer_modules` rebuilds the rest).
-    The stacks are filled as the layers load, so the load holds the stacks and about one layer.
-    ``None`` (default): scanned when at least :data:`SCAN_MIN_LAYERS` layers (after such a
-    dense head) have the same structure, unrolled otherwise.
+    layer instead of one per layer, the quantized weights read in place from the stacks; every
+    layer must have the same structure, except leading dense layers before only MoE ones
+    (DeepSeek's ``first_k_dense_replace``), which run unrolled ahead of the scan and are then all
+    that ``model.layers`` holds (:meth:`MoEDecoder.layer_modules` rebuilds the rest). The stacks
+    are filled as the layers load, so the load holds the stacks and about one layer. ``None``
+    (default): scanned when at least :data:`SCAN_MIN_LAYERS` layers (after such a dense head) are
+    alike. ``progress``: a progress bar over the layers on stderr (None: where it is a terminal).
+    MoE layers that run the loader layout on the XLA executor (no backend converts the scheme on
+    this device) are counted in one warning.
 
     Refuses, before reading any weight data: an unsupported ``model_type`` (naming the supported
-    families), rope types / sliding-window settings it would get wrong, MoE layers where the
-    config does not put them; then, per tensor, missing, unexpected, misshapen or non-finite
-    tensors, naming them. Only files inside ``path`` are read.
+    families), config values out of their rules, rope types / sliding-window settings it would
+    get wrong, MoE layers where the config does not put them; then, per tensor, missing,
+    unexpected, misshapen or non-finite tensors, naming them. Only files inside the folder are read.
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ConfigError(f"{path!r}: not a folder (expected a checkpoint folder with config.json)")
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise ConfigError(f"config.json: not found in {path!r}")
-    raw = load_json(cfg_file, what="config.json")
-    config = DecoderConfig.from_hf_config(raw)
-    generation = read_generation_config(path, vocab_size=config.vocab_size)      # refused before any weight is read
-    config = dataclasses.replace(config, generation=generation,
-                                 eos_token_ids=generation.stop_token_ids(config.eos_token_ids))
-    ckpt = Checkpoint(path)
-    dtype = jnp.dtype(dtype or default_dtype())
-    if ckpt.model_config.hidden_size != config.hidden_size:      # pragma: no cover - same field
-        raise ConfigError("config.json: hidden_size read differently")
-    # DeepSeek-V3's multi-token-prediction modules are stored as layers after the last decoder
-    # layer (num_nextn_predict_layers); generation does not use them, they are not loaded
-    mtp = raw.get("num_nextn_predict_layers") if config.mla is not None else None
-    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0
-    found = [i for i in ckpt.moe_layer_indices if i < config.num_layers + mtp]
-    if [i for i in found if i < config.num_layers] != config.moe_layer_indices or len(found) != len(
-            ckpt.moe_layer_indices):
-        raise ConfigError(f"config.json: puts MoE layers at {config.moe_layer_indices} "
-                          f"(decoder_sparse_step / mlp_only_layers / first_k_dense_replace), but the checkpoint "
-                          f"has expert tensors for layers {ckpt.moe_layer_indices}")
-    tensors = _Tensors(ckpt)
-    c = config
-    h, nh, nkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-
-    def lin(module, n, k, bias=False):
-        return _linear(tensors, module, n, k, bias=bias, dtype=dtype, param_dtype=param_dtype,
-                       dequantized=dequantized)
-
-    def lins(*specs, k=h):                 # (module, n, bias) of linears that read the same input
-        return _linears(tensors, [m for m, _, _ in specs], [n for _, n, _ in specs], k, [b for _, _, b in specs],
-                        dtype=dtype, param_dtype=param_dtype, dequantized=dequantized)
-
-    def norm(name, size, eps=c.rms_norm_eps):
-        return RMSNorm(tensors.float_tensor(name, (size,)), eps, param_dtype=param_dtype)
-
-    layers: list = []
-    fallback: list[str] = []
-    # Scanned models are stacked as their layers are built (the load then holds the stacks and one
-    # layer); scan_layers=None tries it when the config makes every layer alike.
-    alike = len(set(c.sparse_layers)) == 1
-    # DeepSeek's leading dense layers (first_k_dense_replace) before alike MoE layers: those run
-    # unrolled ahead of the scan
-    head = 0 if alike else next(i for i, sp in enumerate(c.sparse_layers) if sp)
-    if not all(c.sparse_layers[head:]):
-        head = 0
-    tail_alike = alike or head > 0
-    stacker = (_LayerStacker(c.num_layers - head)
-               if scan_layers or (scan_layers is None and tail_alike and c.num_layers - head >= SCAN_MIN_LAYERS)
-               else None)
-    head_layers: list = []
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        if c.mla is not None:
-            attn = _latent_attention(c, f"{p}.self_attn", lin, lins, norm)
-        else:
-            a = f"{p}.self_attn"
-            attn = Attention(
-                c, lins((f"{a}.q_proj", nh * hd, c.qkv_bias), (f"{a}.k_proj", nkv * hd, c.qkv_bias),
-                        (f"{a}.v_proj", nkv * hd, c.qkv_bias)),
-                lin(f"{a}.o_proj", h, nh * hd, c.o_bias),
-                norm(f"{p}.self_attn.q_norm.weight", hd) if c.qk_norm else None,
-                norm(f"{p}.self_attn.k_norm.weight", hd) if c.qk_norm else None)
-        if c.sparse_layers[i]:
-            if dequantized:
-                moe_layer = ckpt.load_layer(i)
-                moe_layer = dataclasses.replace(moe_layer, experts=_dense_experts(moe_layer.experts, jnp.bfloat16),
-                                                shared_experts=_dense_experts(moe_layer.shared_experts, jnp.bfloat16))
-                mlp = QuantizedMoE.from_layer(moe_layer, ckpt.model_config)
-            else:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    mlp = QuantizedMoE.from_checkpoint(ckpt, i, backend, activation_dtype=dtype)
-                fallback.extend(str(w.message) for w in caught)
-        else:
-            inter = c.intermediate_size
-            mlp = GatedMLP(lin(f"{p}.mlp.gate_proj", inter, h), lin(f"{p}.mlp.up_proj", inter, h),
-                           lin(f"{p}.mlp.down_proj", h, inter))
-        layer = DecoderLayer(norm(f"{p}.input_layernorm.weight", h), attn,
-                             norm(f"{p}.post_attention_layernorm.weight", h), mlp)
-        if stacker is not None and i < head:
-            head_layers.append(layer)
-            continue
-        if stacker is not None:
-            if stacker.add(layer):
-                continue
-            if scan_layers:
-                raise ConfigError(f"scan_layers: decoder layer {i} differs from layer {head} in structure, shapes "
-                                  "or dtypes (dense and sparse layers mixed, or layers of different layouts); "
-                                  "load with scan_layers=False")
-            layers, stacker = head_layers + stacker.layers(), None          # not alike after all: unrolled
-            head_layers = []
-        layers.append(layer)
-    embed = tensors.float_tensor("model.embed_tokens.weight", (c.vocab_size, h))
-    if param_dtype is not None:
-        embed = embed.astype(param_dtype)
-    lm_head = None
-    if not c.tie_word_embeddings:
-        lm_head = lin("lm_head", c.vocab_size, h)
-    if fallback:
-        warnings.warn(f"{len(fallback)} MoE layer(s): {fallback[0]}", stacklevel=2)
-    return MoEDecoder(c, jnp.asarray(embed), layers if stacker is None else stacker, norm("model.norm.weight", h),
-                      lm_head, dtype=dtype, scan_layers=stacker is not None, head_layers=head_layers)
+    opts = LoadOptions.checked(dtype, param_dtype, backend, dequantized)
+    ckpt, config = _open(path, revision)
+    head, scanned = _layer_plan(config, scan_layers)
+    _check_layers(ckpt, config)
+    loader = _Loader(ckpt, config, opts)
+    with _progress(config.num_layers, progress, "loading layers") as tick:
+        heads, layers = _load_layers(loader, head, scanned, bool(scan_layers), tick)
+    if loader.fallback:
+        n = len(loader.fallback)
+        warnings.warn(f"{n} of {len(config.moe_layer_indices)} MoE layer{'s' if n > 1 else ''} run the loader layout "
+                      f"on the XLA executor ({loader.fallback_why or 'no backend converts the scheme here'})",
+                      BackendFallbackWarning, stacklevel=2)
+    return MoEDecoder(config, loader.embeddings(), layers, loader.norm("model.norm.weight", config.hidden_size),
+                      loader.lm_head(), dtype=opts.dtype, scan_layers=isinstance(layers, _LayerStacker),
+                      head_layers=heads)
 
 
-__all__ = ["MoEDecoder", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",
+__all__ = ["MoEDecoder", "LoadOptions", "bind_layer", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",
            "rope_frequencies", "RMSNorm", "load_model", "apply_rope",
            "rope_inverse_frequencies", "default_dtype"]

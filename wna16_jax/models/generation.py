@@ -23,8 +23,10 @@ first to the ``top_k`` most likely tokens (``0``: no top-k), then, renormalized 
 the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus): the order
 in which transformers' logits warpers apply them. Ties in probability are broken towards the
 lower token id, as argmax breaks them, so top-k keeps exactly ``top_k`` tokens (transformers'
-warper keeps every token tied with the ``top_k``-th). Step ``i`` uses ``fold_in(key, i)``, so a
-key gives the same tokens every run.
+warper keeps every token tied with the ``top_k``-th). Each row samples with its own key
+(:func:`row_keys`: ``fold_in(key, r)`` for row ``r`` of one key, or one key per prompt as given),
+and its step ``i`` with ``fold_in(row key, i)``: a key gives the same tokens every run, and a
+prompt's tokens never depend on the other prompts of its batch.
 
 **Defaults** (arguments left ``None``) come from the model's ``config.generation``
 (:class:`~wna16_jax.models.generation_config.GenerationDefaults`, read by ``load_model`` from
@@ -261,6 +263,22 @@ def as_prng_key(key):
                       f"seed in [0, {MAX_SEED}], got {_kind(key)}")
 
 
+def row_keys(key, num_prompts: int, batch_size: int):
+    """The ``[batch_size]`` PRNG keys of a request's rows: ``key`` one key (or seed) for every
+    prompt, row ``r`` drawing with ``fold_in(key, r)``; or a list / tuple of one key (or seed) per
+    prompt, used as given (so a prompt sampled with key ``k`` gets the same tokens whatever its
+    batch: the server's requests do). None (greedy): keys never read."""
+    if key is None:
+        return jnp.broadcast_to(jax.random.key(0), (batch_size,))
+    if isinstance(key, (list, tuple)):
+        if len(key) != num_prompts:
+            raise ShapeError(f"key: a list of keys needs one key per prompt ({num_prompts}), got {len(key)}")
+        given = [as_prng_key(k) for k in key]
+        filler = [given[0]] * (batch_size - num_prompts)          # padding rows: never read back
+        return jnp.stack(given + filler)
+    return step_keys(jnp.broadcast_to(as_prng_key(key), (batch_size,)), jnp.arange(batch_size))
+
+
 def as_stop_tokens(stop_tokens, default: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     """``stop_tokens`` as a tuple of ids in ``[0, vocab_size)``: a list / tuple / 1-D integer
     array; ``None``: ``default``; a lone int or a string is refused (wrap one id: ``[2]``)."""
@@ -296,13 +314,23 @@ def sampling_settings(defaults: GenerationDefaults, temperature=None, top_p=None
     return t > 0, t, p, k
 
 
-def choose_tokens(logits, key, temperature, top_p, top_k=0, *, sample: bool):
+def _per_row(x):
+    """A scalar setting as is; a per-row one ``[B]`` as a column ``[B, 1]``."""
+    x = jnp.asarray(x)
+    return x if x.ndim == 0 else x[:, None]
+
+
+def choose_tokens(logits, keys, temperature, top_p, top_k=0, *, sample: bool):
     """Next tokens ``[B]`` from float32 ``logits [B, V]``: argmax, or sampling at ``temperature``
     from the ``top_k`` most likely tokens (``top_k <= 0``: all), then from the smallest set of
     those whose renormalized probability reaches ``top_p``; ties broken towards the lower token
-    id, as argmax breaks them (the most likely token is always kept)."""
+    id, as argmax breaks them (the most likely token is always kept). ``keys [B]``: one PRNG key
+    per row (a row's draw depends on its key alone, never on its batch neighbours); the settings
+    are scalars or per-row ``[B]`` (a row of temperature 0 takes the argmax)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sample:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy
+    temperature, top_p, top_k = _per_row(temperature), _per_row(top_p), _per_row(top_k)
     z = logits / jnp.maximum(temperature, jnp.float32(1e-6))
     order = jnp.argsort(-z, axis=-1, stable=True)
     zs = jnp.take_along_axis(z, order, axis=-1)
@@ -312,23 +340,32 @@ def choose_tokens(logits, key, temperature, top_p, top_k=0, *, sample: bool):
     p = jax.nn.softmax(zs, axis=-1)
     keep = in_top_k & ((jnp.cumsum(p, axis=-1) - p) < top_p)
     zs = jnp.where(keep, zs, -jnp.inf)
-    pick = jax.random.categorical(key, zs, axis=-1)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    pick = jax.vmap(jax.random.categorical)(keys, zs)
+    picked = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature.reshape(-1) <= 0, greedy, picked) if temperature.ndim else picked
+
+
+def step_keys(keys, steps):
+    """Row ``r``'s key for its sampling step ``steps[r]`` (or one step for every row):
+    ``fold_in(keys[r], step)``."""
+    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.uint32), keys.shape)
+    return jax.vmap(jax.random.fold_in)(keys, steps)
 
 
 class Programs:
     """The compiled steps of one model structure: ``prefill(leaves, tokens [B, P], lengths [B],
-    key, temperature, top_p, top_k=0, max_len=, sample=) -> (next [B], logits [B, V], cache)`` and
-    ``decode(leaves, cache, tokens [B], positions [B], key, step, temperature, top_p, top_k=0,
+    keys, temperature, top_p, top_k=0, max_len=, sample=) -> (next [B], logits [B, V], cache)`` and
+    ``decode(leaves, cache, tokens [B], positions [B], keys, step, temperature, top_p, top_k=0,
     sample=) -> (next, logits, cache)`` (``decode_donating`` reuses the cache's buffers; the
-    sampling settings are :func:`choose_tokens`'). ``leaves``: the model state's arrays as
+    sampling settings are :func:`choose_tokens`'; ``keys [B]``: one key per row, folded with the
+    step by :func:`step_keys`). ``leaves``: the model state's arrays as
     :func:`programs` returns them (flattened once, not per step)."""
 
     def __init__(self, graphdef, treedef):
         def model_of(leaves):
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-        def prefill(leaves, tokens, lengths, key, temperature, top_p, top_k=0, *, max_len: int, sample: bool):
+        def prefill(leaves, tokens, lengths, keys, temperature, top_p, top_k=0, *, max_len: int, sample: bool):
             model = model_of(leaves)
             b, p = tokens.shape
             cache = model.init_cache(b, max_len)
@@ -336,14 +373,14 @@ class Programs:
             h, cache = model.hidden_states(tokens, positions, cache, kv_len=p)
             last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
             logits = model.logits(last)
-            nxt = choose_tokens(logits, jax.random.fold_in(key, 0), temperature, top_p, top_k, sample=sample)
+            nxt = choose_tokens(logits, step_keys(keys, 0), temperature, top_p, top_k, sample=sample)
             return nxt, logits, cache
 
-        def decode(leaves, cache, tokens, positions, key, step, temperature, top_p, top_k=0, *, sample: bool):
+        def decode(leaves, cache, tokens, positions, keys, step, temperature, top_p, top_k=0, *, sample: bool):
             model = model_of(leaves)
             h, cache = model.hidden_states(tokens[:, None], positions[:, None], cache)
             logits = model.logits(h[:, 0])
-            nxt = choose_tokens(logits, jax.random.fold_in(key, step), temperature, top_p, top_k, sample=sample)
+            nxt = choose_tokens(logits, step_keys(keys, step), temperature, top_p, top_k, sample=sample)
             return nxt, logits, cache
 
         self.prefill = jax.jit(prefill, static_argnames=("max_len", "sample"))
@@ -368,7 +405,7 @@ def programs(model: MoEDecoder) -> tuple[Programs, list]:
 class Request:
     """A checked request (:meth:`Generator.check_request`): the prompts, ``max_new_tokens``, the
     sampling settings resolved against the model's defaults (``sample``: not greedy; ``top_k``:
-    ``0`` for off), the PRNG key (``jax.random.key(0)`` when greedy without one: never read)
+    ``0`` for off), the rows' PRNG keys (:func:`row_keys`; never read when greedy)
     and the stop tokens."""
 
     prompts: Prompts
@@ -377,7 +414,7 @@ class Request:
     temperature: float
     top_p: float
     top_k: int
-    key: Any
+    keys: Any
     stop_tokens: tuple[int, ...]
 
 
@@ -425,8 +462,8 @@ class Generator:
             raise ConfigError("key: sampling (temperature > 0) needs an explicit PRNG key, "
                               "e.g. jax.random.key(0) or an int seed; got None")
         stops = as_stop_tokens(stop_tokens, c.eos_token_ids, c.vocab_size)
-        prng = jax.random.key(0) if key is None else as_prng_key(key)   # last: making a key compiles once
-        return Request(checked, n, sample, t, p, k, prng, stops)
+        keys = row_keys(key, len(checked.rows), self.batch_size)   # last: making a key compiles once
+        return Request(checked, n, sample, t, p, k, keys, stops)
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
@@ -458,7 +495,7 @@ class Generator:
         rows = req.prompts.rows
         n = len(rows)
         tokens, lengths = self._padded(rows)
-        sample, key = req.sample, req.key
+        sample, key = req.sample, req.keys
         temp, tp = jnp.float32(req.temperature), jnp.float32(req.top_p)
         tk = jnp.int32(min(req.top_k, self.model.config.vocab_size))
         stop = np.asarray(req.stop_tokens, np.int64)
@@ -507,7 +544,7 @@ class Generator:
         rows = self.check_request(prompts, 1, stop_tokens=()).prompts.rows
         tokens, lengths = self._padded(rows)
         progs, leaves = programs(self.model)
-        _, logits, _ = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+        _, logits, _ = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), row_keys(None, 0, self.batch_size),
                                      jnp.float32(0), jnp.float32(1), jnp.int32(0), max_len=self.max_len,
                                      sample=False)
         return np.asarray(logits)[:len(rows)]
@@ -557,5 +594,5 @@ def generate(model: MoEDecoder, prompt_ids_list, max_new_tokens: int, *, batch_s
 
 __all__ = ["Generator", "Request", "Prompts", "generate", "choose_tokens", "prompt_buckets", "default_max_len",
            "programs", "Programs", "kv_cache_bytes", "device_memory_budget", "check_cache_fits", "as_prompts",
-           "as_prng_key", "as_stop_tokens", "sampling_settings", "DEFAULT_MEMORY_BUDGET", "MAX_CACHE_LEN",
+           "as_prng_key", "row_keys", "step_keys", "as_stop_tokens", "sampling_settings", "DEFAULT_MEMORY_BUDGET", "MAX_CACHE_LEN",
            "MAX_SEED"]

@@ -25,7 +25,7 @@ from .. import executors
 from ..errors import ConfigError, ShapeError
 from ..matmul import quantized_matmul
 from ..schemes import QuantScheme
-from ..weights import CheckpointForm, QuantMatrix, layer_stack
+from ..weights import CheckpointForm, QuantMatrix, at_layer
 
 
 class QuantizedWeight(nnx.Variable):
@@ -86,28 +86,23 @@ class QuantizedLinear(nnx.Module):
         """The outputs of the modules read as this one matrix (see ``splits``) from ``y [..., N]``."""
         return tuple(jnp.split(y, np.cumsum(self.splits)[:-1], axis=-1))
 
-    def _weights(self, layer):
+    def _weights(self):
+        """``(W, b)``: in a scanned decoder ``W`` is a :class:`~wna16_jax.weights.LayerStack` (bound
+        at the scan boundary: the matmul reads the stack in place) and ``b`` the layer's row."""
         w = self.weight.get_value()
-        b = None if self.bias is None else self.bias.get_value()
-        if layer is not None:
-            w = layer_stack(w, layer)
-            b = None if b is None else jax.lax.dynamic_index_in_dim(b, jnp.asarray(layer, jnp.int32), 0, False)
-        return w, b
+        return w, None if self.bias is None else at_layer(self.bias.get_value())
 
-    def dense(self, dtype, layer=None):
-        """``W [N, K]`` in ``dtype``, dequantized inside the program (a stack: ``layer``'s)."""
-        w, _ = self._weights(layer)
-        return (w.at_layer() if layer is not None else w).dequantize(dtype)[0]
+    def dense(self, dtype):
+        """``W [N, K]`` in ``dtype``, dequantized inside the program (a stack: the bound layer's)."""
+        return at_layer(self._weights()[0]).dequantize(dtype)[0]
 
     def dequantized(self, dtype=jnp.bfloat16) -> "DenseLinear":
         """The same layer with ``W`` (and the bias) dequantized into a 16-bit :class:`DenseLinear`."""
         b = None if self.bias is None else jnp.asarray(self.bias.get_value(), dtype)
         return DenseLinear(self.dense(dtype), b, compute_dtype=self.compute_dtype)
 
-    def __call__(self, x, layer=None):
-        """``layer``: where the weight holds several layers stacked (a scanned decoder), the one to
-        apply (an int32 scalar)."""
-        w, b = self._weights(layer)
+    def __call__(self, x):
+        w, b = self._weights()
         return quantized_matmul(x, w, b, compute_dtype=self.compute_dtype)
 
 
@@ -131,8 +126,8 @@ class DenseLinear(nnx.Module):
         else:
             self.bias = None
 
-    def dense(self, dtype, layer=None):
-        """``W [N, K]`` in ``dtype`` (``layer`` unused: a 16-bit weight is sliced by the scan)."""
+    def dense(self, dtype):
+        """``W [N, K]`` in ``dtype`` (a 16-bit weight is sliced by the scan)."""
         return self.weight[...].astype(dtype)
 
     def __call__(self, x):

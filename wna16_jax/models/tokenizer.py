@@ -73,7 +73,7 @@ _UNSUPPORTED_CHAT_ARGS = ("conversation", "chat_template", "continue_final_messa
                           "sanitize_control_tokens", "messages", "add_generation_prompt")
 
 
-def _regular_file_size(path: str, cap: int, what: str) -> int | None:
+def regular_file_size(path: str, cap: int, what: str) -> int | None:
     """The size of ``path`` if it exists (None if not); refused if it is not a regular file or
     is larger than ``cap`` bytes — by its size, before anything is read."""
     try:
@@ -91,8 +91,8 @@ def _regular_file_size(path: str, cap: int, what: str) -> int | None:
     return st.st_size
 
 
-def _read_text(path: str, cap: int, what: str) -> str:
-    """A file already checked by :func:`_regular_file_size`, read (at most ``cap`` bytes) as UTF-8."""
+def read_text_file(path: str, cap: int, what: str) -> str:
+    """A file already checked by :func:`regular_file_size`, read (at most ``cap`` bytes) as UTF-8."""
     try:
         with open(path, "rb") as f:
             raw = f.read(cap + 1)
@@ -108,7 +108,7 @@ def _read_text(path: str, cap: int, what: str) -> str:
 
 def _json_fields(folder: str, name: str) -> Fields | None:
     path = os.path.join(folder, name)
-    if _regular_file_size(path, MAX_CONFIG_BYTES, name) is None:
+    if regular_file_size(path, MAX_CONFIG_BYTES, name) is None:
         return None
     return Fields(load_json(path, what=name), path)
 
@@ -233,8 +233,8 @@ def _file_templates(folder: str) -> dict[str, tuple[str, str]]:
     if os.path.isdir(extra):
         paths.update((e[:-len(".jinja")], os.path.join(extra, e)) for e in sorted(os.listdir(extra))
                      if e.endswith(".jinja") and not e.startswith("."))
-    return {name: (_read_text(p, MAX_CONFIG_BYTES, os.path.basename(p)), p) for name, p in paths.items()
-            if _regular_file_size(p, MAX_CONFIG_BYTES, os.path.basename(p)) is not None}
+    return {name: (read_text_file(p, MAX_CONFIG_BYTES, os.path.basename(p)), p) for name, p in paths.items()
+            if regular_file_size(p, MAX_CONFIG_BYTES, os.path.basename(p)) is not None}
 
 
 def _model_vocab_size(folder: str) -> int:
@@ -287,14 +287,14 @@ class Tokenizer:
         if not os.path.isdir(folder):
             raise ConfigError(f"folder: {folder!r} is not a folder (expected a checkpoint folder)")
         path = os.path.join(folder, TOKENIZER_JSON)
-        if _regular_file_size(path, MAX_TOKENIZER_JSON_BYTES, TOKENIZER_JSON) is None:
+        if regular_file_size(path, MAX_TOKENIZER_JSON_BYTES, TOKENIZER_JSON) is None:
             raise ConfigError(f"{TOKENIZER_JSON}: not found in {folder!r} (give token ids instead)")
         try:
             import tokenizers
         except ImportError:
             raise UnsupportedError(f"{TOKENIZER_JSON}: reading it needs the 'tokenizers' package ({_INSTALL}), "
                                    "which is not installed") from None
-        text = _read_text(path, MAX_TOKENIZER_JSON_BYTES, TOKENIZER_JSON)
+        text = read_text_file(path, MAX_TOKENIZER_JSON_BYTES, TOKENIZER_JSON)
         try:
             self._tok = tokenizers.Tokenizer.from_str(text)
         except (KeyboardInterrupt, SystemExit):
@@ -486,4 +486,5 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     return Tokenizer(folder)
 
 
-__all__ = ["Tokenizer", "load_tokenizer", "MAX_TOKENIZER_JSON_BYTES", "MAX_CONFIG_BYTES", "SPECIAL_TOKEN_NAMES"]
+__all__ = ["Tokenizer", "load_tokenizer", "MAX_TOKENIZER_JSON_BYTES", "MAX_CONFIG_BYTES", "SPECIAL_TOKEN_NAMES",
+           "read_text_file", "regular_file_size"]

@@ -1,0 +1,189 @@
+"""Serving benchmark: N concurrent requests through the scheduler and a paged ModelEngine (no HTTP).
+
+The script writes a random GPTQ 4-bit g128 checkpoint of a model shape (``benchmarks/generate.py``'s
+:data:`~benchmarks.generate.SHAPES`), loads it, makes a :class:`~wna16_jax.serving.model_engine.ModelEngine`,
+compiles every program once (one prefill per chunk size, one decode per batch size: the compile
+time is reported apart), then adds ``--requests`` requests of ``--prompt`` random tokens and
+``--new`` new tokens at once and steps the :class:`~wna16_jax.serving.scheduler.Scheduler` until
+all are done. It prints one table row:
+
+* tokens/s: generated tokens over the run's wall time (prefill included);
+* decode step: the median time of the steps that only decoded (no prefill chunk), each synced
+  by reading its tokens back, with the median number of rows they ran;
+* floor: the weight bytes such a step touches (``benchmarks/generate.py``'s
+  :func:`~benchmarks.generate.touched_bytes` for the step's rows) at ``--bandwidth`` B/s (or the
+  bandwidth of a device copy measured in the same run with ``--measure-bandwidth``), and step /
+  floor. The KV bytes a step reads through its tables (every row reads its whole table on the XLA
+  gather path) are listed apart, not in the floor;
+* latency: p50 / p99 of each request's time from the start to its last token, and p50 of the
+  time to its first token; the preemptions and the pool's size.
+
+GPU (one H100 or H200; say which): ``PYTHONPATH=$PWD python3 benchmarks/serve.py --model qwen3
+--requests 64 --prompt 512 --new 128 --measure-bandwidth`` (add ``--unrolled`` while the scanned
+decoder's cache carry is being finished).
+CPU smoke run: ``python3 benchmarks/serve.py --tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.generate import GPTQ_4BIT_G128, LABELS, SHAPES, measure_bandwidth, touched_bytes  # noqa: E402
+from wna16_jax.models import load_model, write_random_model  # noqa: E402
+from wna16_jax.models.synthetic import RandomModelSpec  # noqa: E402
+from wna16_jax.schemes import QuantScheme  # noqa: E402
+from wna16_jax.serving.engine import SamplingParams  # noqa: E402
+from wna16_jax.serving.model_engine import ModelEngine  # noqa: E402
+from wna16_jax.serving.scheduler import Scheduler  # noqa: E402
+
+#: what ``--tiny`` sets (a CPU smoke run of a few seconds)
+TINY = dict(model="tiny", layers=1, requests=4, prompt=20, new=8, block_size=8, batch_sizes=[1, 2],
+            chunk_sizes=[16], dtype="float32")
+
+HEADER = ("| model | requests | prompt | new | tokens/s | decode step ms | rows | floor ms | step / floor "
+          "| KV MiB / step | p50 latency s | p99 latency s | p50 first token s | preemptions | pool MiB | compile s |")
+
+
+class TimedEngine:
+    """``engine`` with its decode calls timed (each syncs: its tokens are read back) and marked
+    by whether a prefill chunk ran in the same scheduler step."""
+
+    def __init__(self, engine: ModelEngine):
+        self.engine = engine
+        self.decodes: list[tuple[float, int, int, bool]] = []      # (seconds, real rows, KV bytes, pure)
+        self._prefilled = False
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, *args):
+        self._prefilled = True
+        return self.engine.prefill(*args)
+
+    def decode(self, tokens, positions, block_tables, sampling, steps):
+        rows = int((block_tables[:, 0] >= self.engine.reserved_blocks).sum())
+        kv = len(tokens) * self.engine.max_blocks_per_seq * self.engine.bytes_per_block
+        t0 = time.perf_counter()
+        out = self.engine.decode(tokens, positions, block_tables, sampling, steps)
+        self.decodes.append((time.perf_counter() - t0, rows, kv, not self._prefilled))
+        self._prefilled = False
+        return out
+
+
+def compile_all(engine: ModelEngine) -> float:
+    """Run every program the run can use once (padding-row decodes, prefill chunks into the first
+    blocks: stale data the run's sequences never read); returns the seconds it took."""
+    t0 = time.perf_counter()
+    width, bs = engine.max_blocks_per_seq, engine.block_size
+    for n in engine.batch_sizes:
+        tables = np.full((n, width), -1, np.int32)
+        tables[:, 0] = 0
+        zeros = np.zeros(n, np.int32)
+        engine.decode(zeros, zeros, tables, [SamplingParams()] * n, zeros)
+    for c in (c for c in engine.chunk_sizes if c <= engine.max_model_len):     # longer ones never run
+        table = np.full(width, -1, np.int32)
+        need = -(-c // bs)
+        table[:need] = np.arange(engine.reserved_blocks, engine.reserved_blocks + need)
+        engine.prefill(np.zeros(c, np.int32), 0, table, SamplingParams(), True)
+    return time.perf_counter() - t0
+
+
+def run(engine: ModelEngine, *, requests: int, prompt: int, new: int, temperature: float, seed: int = 0) -> dict:
+    """Serve ``requests`` requests added at once; the measurements of the run."""
+    rng = np.random.default_rng(seed)
+    timed = TimedEngine(engine)
+    scheduler = Scheduler(timed)
+    sampling = SamplingParams(temperature=temperature, max_tokens=new, seed=seed)
+    t0 = time.perf_counter()
+    for i in range(requests):
+        scheduler.add(f"r{i}", rng.integers(3, engine.vocab_size, prompt).tolist(), sampling)
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    while scheduler.has_work:
+        for event in scheduler.step():
+            now = time.perf_counter() - t0
+            first.setdefault(event.request_id, now)
+            if event.finish_reason is not None:
+                done[event.request_id] = now
+    wall = time.perf_counter() - t0
+    pure = [d for d in timed.decodes if d[3]] or timed.decodes
+    latency = np.asarray(sorted(done.values()))
+    return {"tokens_s": scheduler.generated_tokens / wall, "step_s": statistics.median(d[0] for d in pure),
+            "rows": int(statistics.median(d[1] for d in pure)), "kv_bytes": statistics.median(d[2] for d in pure),
+            "p50": float(np.percentile(latency, 50)), "p99": float(np.percentile(latency, 99)),
+            "first_p50": float(np.median(list(first.values()))), "preemptions": scheduler.preemptions}
+
+
+def row_md(label: str, args, r: dict, floor_s: float, pool_bytes: int, compile_s: float) -> str:
+    return (f"| {label} | {args.requests} | {args.prompt} | {args.new} | {r['tokens_s']:.1f} | "
+            f"{r['step_s'] * 1e3:.2f} | {r['rows']} | {floor_s * 1e3:.3f} | {r['step_s'] / floor_s:.2f} | "
+            f"{r['kv_bytes'] / 2**20:.1f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['first_p50']:.2f} | "
+            f"{r['preemptions']} | {pool_bytes / 2**20:,.0f} | {compile_s:.0f} |")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help=f"a CPU smoke run: {TINY}")
+    ap.add_argument("--model", default="qwen3", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=None, help="None: from the device's free memory")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="None: --prompt + --new rounded up to a block")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 64, 256, 512])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="B/s for the floor (default H200's 4.3e12)")
+    ap.add_argument("--measure-bandwidth", action="store_true", help="use a device copy's bandwidth instead")
+    ap.add_argument("--unrolled", action="store_true", help="load_model(scan_layers=False)")
+    ap.add_argument("--workdir", default=None, help="where the random checkpoint goes (default: a temp folder)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.tiny:
+        for k, v in TINY.items():
+            setattr(args, k, v)
+    bs = args.block_size
+    max_len = args.max_model_len or -(-(args.prompt + args.new) // bs) * bs
+    bandwidth = measure_bandwidth() if args.measure_bandwidth else args.bandwidth
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; floor at "
+          f"{bandwidth:.3g} B/s{' (measured)' if args.measure_bandwidth else ''}", flush=True)
+    shape = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
+    label = f"{LABELS[args.model]}, {shape['num_layers']} layers"
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        spec = RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape)
+        path = write_random_model(os.path.join(tmp, args.model), spec, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = load_model(path, dtype=jnp.dtype(args.dtype), scan_layers=False if args.unrolled else None)
+    engine = ModelEngine(model, block_size=bs, num_blocks=args.num_blocks, max_model_len=max_len,
+                         batch_sizes=args.batch_sizes, chunk_sizes=args.chunk_sizes)
+    print(f"# {label}: {engine!r}", flush=True)
+    compile_s = compile_all(engine)
+    r = run(engine, requests=args.requests, prompt=args.prompt, new=args.new, temperature=args.temperature)
+    floor_s = touched_bytes(model, r["rows"]) / bandwidth
+    print("\n".join([HEADER, "|" + "|".join("---" for _ in HEADER.split("|")[1:-1]) + "|",
+                     row_md(label, args, r, floor_s, engine.pool_bytes, compile_s)]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
