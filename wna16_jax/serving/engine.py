@@ -39,7 +39,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DTypeError, ShapeError
 from ..fields import check_int, check_number
 
 #: a seed is a signed 64-bit integer (what OpenAI's ``seed`` and ``jax.random.key`` take)
@@ -96,6 +96,31 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
 
+def int_array(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
+    """``a`` (a numpy integer array of ``shape``) as int64, or a typed error naming ``name``."""
+    if not isinstance(a, np.ndarray):
+        raise DTypeError(f"{name}: expected a numpy integer array, got {type(a).__name__}")
+    if a.dtype.kind not in "iu":
+        raise DTypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
+    if a.shape != shape:
+        raise ShapeError(f"{name}: expected shape {shape}, got {a.shape}")
+    return a.astype(np.int64)
+
+
+def decode_arrays(engine: "Engine", tokens, positions, block_tables, steps):
+    """A decode call's arrays checked against the contract's shapes: ``(tokens, positions,
+    steps, block_tables)`` as int64, the row count one of ``engine.batch_sizes``."""
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1:
+        raise ShapeError(f"tokens: expected a 1-D numpy array, got {type(tokens).__name__} "
+                         f"{getattr(tokens, 'shape', '')}")
+    n = len(tokens)
+    if n not in engine.batch_sizes:
+        raise ShapeError(f"tokens: a decode batch has one of {engine.batch_sizes} rows, got {n}")
+    ids, pos, st = (int_array(name, a, (n,)) for name, a in
+                    (("tokens", tokens), ("positions", positions), ("steps", steps)))
+    return ids, pos, st, int_array("block_tables", block_tables, (n, engine.max_blocks_per_seq))
+
+
 class Engine(Protocol):
     """A paged model engine (see the module doc for the contract). Attributes are constants."""
 
@@ -131,4 +156,4 @@ class Engine(Protocol):
         ...
 
 
-__all__ = ["Engine", "SamplingParams", "SEED_RANGE"]
+__all__ = ["Engine", "SamplingParams", "SEED_RANGE", "decode_arrays", "int_array"]

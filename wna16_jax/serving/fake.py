@@ -26,10 +26,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, DTypeError, ShapeError, ValueRangeError
+from ..errors import ConfigError, ShapeError, ValueRangeError
 from ..fields import check_int
 from .buckets import check_buckets
-from .engine import SamplingParams
+from .engine import SamplingParams, decode_arrays, int_array
 
 _MASK = (1 << 64) - 1
 #: candidate tokens per position (ranked: rank 0 is the greedy choice)
@@ -91,16 +91,6 @@ def fake_generate(prompt: Sequence[int], sampling: SamplingParams, *, vocab_size
         if token in stops:
             return out, "stop"
     return out, "length"
-
-
-def _int_array(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        raise DTypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
-    if a.dtype.kind not in "iu":
-        raise DTypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
-    if a.shape != shape:
-        raise ShapeError(f"{name}: expected shape {shape}, got {a.shape}")
-    return a.astype(np.int64)
 
 
 class FakeEngine:
@@ -168,11 +158,11 @@ class FakeEngine:
             raise ShapeError(f"tokens: expected a 1-D numpy array, got {type(tokens).__name__} "
                              f"{getattr(tokens, 'shape', '')}")
         c = len(tokens)
-        tokens = _int_array("tokens", tokens, (c,))
+        tokens = int_array("tokens", tokens, (c,))
         if not 1 <= c <= self.chunk_sizes[-1]:
             raise ShapeError(f"tokens: a chunk holds 1 … {self.chunk_sizes[-1]} tokens, got {c}")
         start = check_int("start", start, low=0, high=self.max_model_len - c)
-        table = _int_array("block_table", block_table, (self.max_blocks_per_seq,))
+        table = int_array("block_table", block_table, (self.max_blocks_per_seq,))
         self._check_tokens("tokens", tokens)
         self._check_table("block_table", table, start + c)
         self.shapes.add(("prefill", next(s for s in self.chunk_sizes if s >= c)))
@@ -191,15 +181,8 @@ class FakeEngine:
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
                sampling: Sequence[SamplingParams], steps: np.ndarray) -> np.ndarray:
-        if not isinstance(tokens, np.ndarray) or tokens.ndim != 1:
-            raise ShapeError(f"tokens: expected a 1-D numpy array, got {type(tokens).__name__} "
-                             f"{getattr(tokens, 'shape', '')}")
+        tokens, positions, steps, tables = decode_arrays(self, tokens, positions, block_tables, steps)
         n = len(tokens)
-        if n not in self.batch_sizes:
-            raise ShapeError(f"tokens: a decode batch has one of {self.batch_sizes} rows, got {n}")
-        tokens, positions, steps = (_int_array(name, a, (n,)) for name, a in
-                                    (("tokens", tokens), ("positions", positions), ("steps", steps)))
-        tables = _int_array("block_tables", block_tables, (n, self.max_blocks_per_seq))
         if len(sampling) != n or not all(isinstance(s, SamplingParams) for s in sampling):
             raise ConfigError(f"sampling: expected {n} SamplingParams, got {len(sampling)} values")
         self._check_tokens("tokens", tokens)

@@ -49,13 +49,13 @@ import numpy as np
 from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
 
-from ..errors import ConfigError, DTypeError, ShapeError, UnsupportedError, ValueRangeError
+from ..errors import ConfigError, ShapeError, UnsupportedError, ValueRangeError
 from ..fields import check_int
 from ..models.decoder import MoEDecoder
 from ..models.generation import choose_tokens, device_memory_budget, step_keys
 from ..models.kv_cache import KVCache, cache_bytes
 from .buckets import check_buckets
-from .engine import SEED_RANGE, SamplingParams
+from .engine import SEED_RANGE, SamplingParams, decode_arrays, int_array
 
 #: the longest default context: attention reads a row's whole table every step, so a longer one
 #: costs every decode step (pass ``max_model_len`` for more)
@@ -191,17 +191,6 @@ def _plan_pool(num_blocks: Any, width: int, explicit_len: bool, reserved: int, m
 # --------------------------------------------------------------------------- argument checks
 
 
-def _int_array(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """``a`` (a numpy integer array of ``shape``) as int64, or a typed error naming ``name``."""
-    if not isinstance(a, np.ndarray):
-        raise DTypeError(f"{name}: expected a numpy integer array, got {type(a).__name__}")
-    if a.dtype.kind not in "iu":
-        raise DTypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
-    if a.shape != shape:
-        raise ShapeError(f"{name}: expected shape {shape}, got {a.shape}")
-    return a.astype(np.int64)
-
-
 def _in_range(name: str, a: np.ndarray, low: int, high: int, what: str) -> None:
     bad = np.flatnonzero((a < low) | (a > high))
     if bad.size:
@@ -318,10 +307,10 @@ class ModelEngine:
         c = len(tokens)
         if not 1 <= c <= self.chunk_sizes[-1]:
             raise ShapeError(f"tokens: a chunk holds 1 … {self.chunk_sizes[-1]} tokens, got {c}")
-        ids = _int_array("tokens", tokens, (c,))
+        ids = int_array("tokens", tokens, (c,))
         _in_range("tokens", ids, 0, self.vocab_size - 1, "a token id")
         start = check_int("start", start, low=0, high=self.max_model_len - c)
-        table = _int_array("block_table", block_table, (self.max_blocks_per_seq,))
+        table = int_array("block_table", block_table, (self.max_blocks_per_seq,))
         self._check_table("block_table", table, start + c)
         if not isinstance(sample, (bool, np.bool_)):
             raise ConfigError(f"sample: expected a bool, got {type(sample).__name__}")
@@ -338,15 +327,8 @@ class ModelEngine:
 
     def _decode_inputs(self, tokens, positions, block_tables, sampling, steps):
         """The decode arguments checked, as the program's int32 arrays (and the sampling arrays)."""
-        if not isinstance(tokens, np.ndarray) or tokens.ndim != 1:
-            raise ShapeError(f"tokens: expected a 1-D numpy array, got {type(tokens).__name__} "
-                             f"{getattr(tokens, 'shape', '')}")
-        n = len(tokens)
-        if n not in self.batch_sizes:
-            raise ShapeError(f"tokens: a decode batch has one of {self.batch_sizes} rows, got {n}")
-        ids, pos, st = (_int_array(name, a, (n,)) for name, a in
-                        (("tokens", tokens), ("positions", positions), ("steps", steps)))
-        tables = _int_array("block_tables", block_tables, (n, self.max_blocks_per_seq))
+        ids, pos, st, tables = decode_arrays(self, tokens, positions, block_tables, steps)
+        n = len(ids)
         _in_range("tokens", ids, 0, self.vocab_size - 1, "a token id")
         _in_range("positions", pos, 0, self.max_model_len - 1, "a position (max_model_len - 1 at most)")
         _in_range("steps", st, 0, self.max_model_len, "a sampling step")
