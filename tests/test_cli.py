@@ -197,7 +197,8 @@ IDS = [*G, "--prompt-ids", "1,2"]
     (["demo", "--tokens", "0"], ["ConfigError", "--tokens", "0"]),
     (["demo", "--seed", "-5"], ["ConfigError", "--seed", "-5"]),
     ([], ["ConfigError", "COMMAND", "required"]),
-    (["serve"], ["ConfigError", "invalid choice", "'serve'"]),
+    (["serve"], ["ConfigError", "serve", "required", "DIR"]),
+    (["bogus"], ["ConfigError", "invalid choice", "'bogus'"]),
 ])
 def test_bad_command_line_is_one_line_exit_2(tmp_path, monkeypatch, capsys, no_tokenizer, args, words):
     """Each bad command line exits with status 2 and one stderr line naming the argument, file or

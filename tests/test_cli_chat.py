@@ -283,7 +283,7 @@ def test_help_is_plain_text_with_every_default(capsys):
     """No RST markup in any --help; every argument has a help text; every option that has a
     default shows it."""
     parser, commands = _commands()
-    assert set(commands) == {"demo", "inspect", "convert", "generate", "chat"}
+    assert set(commands) == {"demo", "inspect", "convert", "generate", "chat", "serve"}
     for p in [parser, *commands.values()]:
         text = p.format_help()
         assert "``" not in text and ":class:" not in text and ":func:" not in text
