@@ -97,6 +97,18 @@ def test_generate_streams_the_reference_tokens(capsys):
     assert out[:6] == ids.split(",") and len(out) == 9 and all(0 <= int(t) < 320 for t in out)
 
 
+def test_expected_fallback_is_one_line_on_stderr(capsys):
+    """On a CPU, a scheme no backend converts runs the loader layout on the XLA executor: the
+    normal route, said in one line (no Python source line), counted over the model's MoE layers."""
+    case = os.path.join(FIXTURES, "ct-w8a16-qwen3moe")
+    assert main(["generate", case, "--prompt-ids", "1,2,3", "--max-new-tokens", "1", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warned = [line for line in err if line.startswith("warning: ")]
+    assert len(warned) == 1, err
+    assert "2 of 2 MoE layers" in warned[0] and "8-bit" in warned[0] and "cpu: cpu" not in warned[0]
+    assert not any("cli.py" in line or "load_model(" in line for line in err), err
+
+
 # --------------------------------------------------------------------------- hostile command lines
 
 #: a tiny real-tool checkpoint: vocab_size 320, max_position_embeddings 256, eos id 2, a

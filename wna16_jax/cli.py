@@ -21,6 +21,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from typing import Iterable, Iterator, Sequence, TextIO
 
 import numpy as np
@@ -159,7 +160,6 @@ def _demo_layer(case: DemoCase, rng, root: str, experts: int, hidden: int, inter
 def _demo_selected(scheme, dev, layer):
     """``(the backend the table selects for the layer, a note)``: on a fallback to the loader
     layout the note lists every refusal (the table's warning is silenced), else it is None."""
-    import warnings
 
     from .backends import Backend, BackendFallbackWarning, backend_reasons, priority_backends, select_backend
 
@@ -346,7 +346,6 @@ def _inspect_checkpoint(path: str, out, device) -> int:
 def _print_backends(s, dev, req: dict, out) -> None:
     """Every backend of the table for scheme ``s`` and the layer ``req`` on ``dev``: selected,
     supported or the reason not, and whether its layout can hold the layer."""
-    import warnings
 
     from .backends import TABLE, Backend, BackendFallbackWarning, backend_reasons, priority_backends, select_backend
 
@@ -862,12 +861,20 @@ def _silence_stdout() -> None:
         pass  # not a real file (a test's capture): nothing will be flushed to a closed pipe
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning on the command line is one line on stderr (no Python source line): the usual
+    ones (a fallback that is the normal route on this device) are facts, not faults."""
+    print("warning: " + " | ".join(str(message).splitlines()), file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status: 0, 2
     for bad input (one line on stderr), 130 on Ctrl-C, 141 when stdout's reader went away
     (``wna16-jax inspect DIR | head -1``), 1 for another operating-system error."""
     try:
-        status = _run(build_parser().parse_args(argv))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            status = _run(build_parser().parse_args(argv))
         sys.stdout.flush()               # a reader that went away shows up here, not at exit
         return status
     except WNA16Error as e:

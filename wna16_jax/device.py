@@ -25,7 +25,8 @@ class Device:
 
     def describe(self) -> str:
         cc = f" (SM{self.compute_capability[0]}{self.compute_capability[1]})" if self.compute_capability else ""
-        return f"{self.platform}: {self.name or 'unknown'}{cc}"
+        name = self.name or "unknown"
+        return f"{self.platform}{cc}" if name == self.platform else f"{self.platform}: {name}{cc}"
 
     @classmethod
     def current(cls, jax_device: Any = None) -> "Device":
