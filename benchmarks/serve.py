@@ -2,8 +2,8 @@
 
 The script writes a random GPTQ 4-bit g128 checkpoint of a model shape (``benchmarks/generate.py``'s
 :data:`~benchmarks.generate.SHAPES`), loads it, makes a :class:`~wna16_jax.serving.model_engine.ModelEngine`,
-compiles every program once (one prefill per chunk size, one decode per batch size: the compile
-time is reported apart), then adds ``--requests`` requests of ``--prompt`` random tokens and
+compiles every program once (``ModelEngine.warm_up``: each prefill chunk size and decode batch
+size at each table width; the compile time is reported apart), then adds ``--requests`` requests of ``--prompt`` random tokens and
 ``--new`` new tokens at once and steps the :class:`~wna16_jax.serving.scheduler.Scheduler` until
 all are done. It prints one table row:
 
@@ -13,14 +13,14 @@ all are done. It prints one table row:
 * floor: the weight bytes such a step touches (``benchmarks/generate.py``'s
   :func:`~benchmarks.generate.touched_bytes` for the step's rows) at ``--bandwidth`` B/s (or the
   bandwidth of a device copy measured in the same run with ``--measure-bandwidth``), and step /
-  floor. The KV bytes a step reads through its tables (every row reads its whole table on the XLA
-  gather path) are listed apart, not in the floor;
+  floor. The KV bytes a step reads through its tables (every row the table width of the step's
+  longest row, as the XLA gather path reads; the GPU's paged kernel reads each row's own blocks,
+  at most that) are listed apart, not in the floor;
 * latency: p50 / p99 of each request's time from the start to its last token, and p50 of the
   time to its first token; the preemptions and the pool's size.
 
 GPU (one H100 or H200; say which): ``PYTHONPATH=$PWD python3 benchmarks/serve.py --model qwen3
---requests 64 --prompt 512 --new 128 --measure-bandwidth`` (add ``--unrolled`` while the scanned
-decoder's cache carry is being finished).
+--requests 64 --prompt 512 --new 128 --measure-bandwidth``.
 CPU smoke run: ``python3 benchmarks/serve.py --tiny``.
 """
 
@@ -74,7 +74,8 @@ class TimedEngine:
 
     def decode(self, tokens, positions, block_tables, sampling, steps):
         rows = int((block_tables[:, 0] >= self.engine.reserved_blocks).sum())
-        kv = len(tokens) * self.engine.max_blocks_per_seq * self.engine.bytes_per_block
+        width = self.engine.table_width(int(positions.max()) // self.engine.block_size + 1)
+        kv = len(tokens) * width * self.engine.bytes_per_block
         t0 = time.perf_counter()
         out = self.engine.decode(tokens, positions, block_tables, sampling, steps)
         self.decodes.append((time.perf_counter() - t0, rows, kv, not self._prefilled))
@@ -83,20 +84,9 @@ class TimedEngine:
 
 
 def compile_all(engine: ModelEngine) -> float:
-    """Run every program the run can use once (padding-row decodes, prefill chunks into the first
-    blocks: stale data the run's sequences never read); returns the seconds it took."""
+    """Compile every program the run can use (:meth:`ModelEngine.warm_up`); returns the seconds."""
     t0 = time.perf_counter()
-    width, bs = engine.max_blocks_per_seq, engine.block_size
-    for n in engine.batch_sizes:
-        tables = np.full((n, width), -1, np.int32)
-        tables[:, 0] = 0
-        zeros = np.zeros(n, np.int32)
-        engine.decode(zeros, zeros, tables, [SamplingParams()] * n, zeros)
-    for c in (c for c in engine.chunk_sizes if c <= engine.max_model_len):     # longer ones never run
-        table = np.full(width, -1, np.int32)
-        need = -(-c // bs)
-        table[:need] = np.arange(engine.reserved_blocks, engine.reserved_blocks + need)
-        engine.prefill(np.zeros(c, np.int32), 0, table, SamplingParams(), True)
+    engine.warm_up()
     return time.perf_counter() - t0
 
 

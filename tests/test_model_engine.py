@@ -141,7 +141,8 @@ def test_scheduled_requests_get_the_generator_tokens(engine, generator, qwen):
     scheduler = Scheduler(engine)
     with count_compiles() as c:
         handles = _serve(scheduler, first)
-    assert c.count <= len(engine.chunk_sizes) + len(engine.batch_sizes)
+    assert engine.table_widths == (2, 4, 8, 16)            # 64 positions in blocks of 4: 16 / 8, 4, 2, 1
+    assert c.count <= (len(engine.chunk_sizes) + len(engine.batch_sizes)) * len(engine.table_widths)
     assert scheduler.preemptions > 0 and any(h.preemptions for h in handles.values())
     _check_against_generator(generator, handles, first)
     assert scheduler.stats().blocks_used == 0
@@ -193,6 +194,31 @@ def test_latent_cache_model_through_the_scheduler():
     for rid, prompt, sp in arrivals[0] + arrivals[1]:
         want = gen.generate([prompt], sp.max_tokens, stop_tokens=tuple(eos))[0]
         assert list(handles[rid].output_ids) == want, rid
+
+
+def test_scanned_model_through_the_scheduler(tmp_path):
+    """A scanned decoder (its layers one ``lax.scan``, the paged pool riding in the carry, bound
+    to each layer inside the scan) through a ModelEngine: two interleaved requests, greedy and
+    seeded, equal to Generator on the same scanned model."""
+    from wna16_jax.models import write_random_model
+    from wna16_jax.models.synthetic import RandomModelSpec
+    from wna16_jax.schemes import QuantScheme
+
+    spec = RandomModelSpec(model_type="qwen3_moe", scheme=QuantScheme("gptq", 4, 32, False), vocab_size=96,
+                           hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+                           top_k=2, moe_intermediate_size=32)
+    rng = np.random.default_rng()
+    path = write_random_model(str(tmp_path / "m"), spec, seed=int(rng.integers(1 << 30)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the backend fallback warns by design
+        model = load_model(path, dtype=jnp.float32, scan_layers=True)
+    assert model.scan_layers and model.num_scanned_layers == 3
+    eng = ModelEngine(model, block_size=4, num_blocks=13, batch_sizes=(2,), chunk_sizes=(8,), max_model_len=24)
+    arrivals = {0: [("p", rng.integers(0, 96, 10).tolist(), SamplingParams(max_tokens=6))],
+                1: [("q", rng.integers(0, 96, 5).tolist(),
+                     SamplingParams(temperature=0.8, top_p=0.9, seed=int(rng.integers(1 << 32)), max_tokens=6))]}
+    handles = _serve(Scheduler(eng), arrivals)
+    _check_against_generator(Generator(model, batch_size=1, max_len=24), handles, arrivals)
 
 
 # --------------------------------------------------------------------------- (c) the paged read
@@ -314,6 +340,47 @@ def test_pool_size_from_the_budget(qwen):
         ModelEngine(qwen, block_size=4, memory_budget=per_block * 16, max_model_len=64)
 
 
+def test_steps_read_the_table_width_of_their_longest_row(qwen, monkeypatch):
+    """A step passes its programs the smallest table width holding its longest row (prefill:
+    the chunk's last position; decode: the longest real row), so a short sequence's steps read
+    the first blocks of the table, not all of them; a user's widths get the full one added."""
+    eng = ModelEngine(qwen, block_size=4, num_blocks=17, batch_sizes=(2,), chunk_sizes=(8,), max_model_len=64)
+    assert ModelEngine(qwen, block_size=4, num_blocks=17, max_model_len=64, table_widths=(3,)).table_widths == (3, 16)
+    seen = []
+    for name in ("prefill", "decode"):
+        run = getattr(eng._programs, name)
+        monkeypatch.setattr(eng._programs, name,
+                            lambda *a, run=run, name=name: seen.append((name, a[5].shape)) or run(*a))
+    table = np.full(16, -1, np.int64)
+    table[:3] = [5, 9, 2]
+    greedy = SamplingParams(max_tokens=4)
+    eng.prefill(np.arange(1, 7), 0, table, greedy, False)                 # positions 0 … 5: 2 blocks
+    eng.prefill(np.arange(1, 5), 6, table, greedy, True)                  # … 9: 3 blocks
+    pad = np.full(16, -1, np.int64)
+    pad[0] = 0
+    eng.decode(np.array([3, 0]), np.array([10, 0]), np.stack([table, pad]), [greedy, greedy], np.array([1, 0]))
+    assert seen == [("prefill", (1, 2)), ("prefill", (1, 4)), ("decode", (2, 4))], seen
+
+
+def test_warm_up_compiles_every_program_a_workload_uses(qwen):
+    """``warm_up`` compiles each (batch size, width) decode and (chunk size, width) prefill that
+    can occur, at most their product; a workload afterwards compiles nothing and still gets
+    Generator's tokens (the warm-up's stale blocks are never read)."""
+    eng = ModelEngine(qwen, block_size=4, num_blocks=17, batch_sizes=(1, 2), chunk_sizes=(8,), max_model_len=32)
+    assert eng.table_widths == (1, 2, 4, 8)
+    with count_compiles() as c:
+        eng.warm_up()
+    assert 0 < c.count <= (len(eng.batch_sizes) + len(eng.chunk_sizes)) * len(eng.table_widths)
+    rng = np.random.default_rng()
+    arrivals = {0: [("a", rng.integers(0, 320, 13).tolist(), SamplingParams(max_tokens=9))],
+                2: [("b", rng.integers(0, 320, 3).tolist(),
+                     SamplingParams(temperature=0.9, seed=int(rng.integers(1 << 32)), max_tokens=12))]}
+    with count_compiles() as c:
+        handles = _serve(Scheduler(eng), arrivals)
+    assert c.count == 0
+    _check_against_generator(Generator(qwen, batch_size=1, max_len=32), handles, arrivals)
+
+
 # --------------------------------------------------------------------------- (d) hostile arguments
 
 
@@ -333,6 +400,11 @@ def test_pool_size_from_the_budget(qwen):
     (dict(reserved_blocks=0), ConfigError, "reserved_blocks"),
     (dict(memory_budget=10), ValueRangeError, "memory_budget"),
     (dict(memory_budget="1GB"), ConfigError, "memory_budget"),
+    (dict(table_widths=(4, 2)), ConfigError, "table_widths"),
+    (dict(table_widths=(0, 4)), ConfigError, r"table_widths\[0\]"),
+    (dict(table_widths="4"), ConfigError, "table_widths"),
+    (dict(table_widths=(2, 99), block_size=4, max_model_len=64), ConfigError,
+     "table_widths: expected widths of at most max_blocks_per_seq = 16 blocks, got 99"),
 ])
 def test_hostile_engine_arguments(qwen, kw, error, match):
     with count_compiles() as c, pytest.raises(error, match=match):
@@ -457,14 +529,41 @@ class _Server:
 
 
 def _served_text(tok, ids) -> str:
-    """The text the server answers for generated ``ids``: its own incremental decoding
-    (``server._TextStream``). It differs from ``tok.decode(ids)`` where tokens that decode to
-    nothing sit between two words (the space between them is lost): a server bug, reported; the
-    tokens are what is checked here."""
+    """The text the server answers for generated ``ids``: the tokenizer's decoding of them."""
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("folder", [QWEN, MIXTRAL, *(os.path.join(HERE, "fixtures", "tokenizers", n)
+                                                      for n in ("qwen3-chatml", "mixtral-inst", "deepseek-v3"))])
+def test_streamed_text_is_the_decoded_text(folder):
+    """The server's incremental decoding (``server._TextStream``), token by token, concatenates
+    to ``tok.decode(ids)`` for random id runs (ids outside a small vocabulary decode to nothing,
+    byte-level pieces split characters): ``[16, 182, 129, 318, 63]`` on the Qwen3 fixture is
+    'expert under' (three empty ids between two words keep the space the decoder puts there).
+    Checked on the runs whose decoding never rewrites a character already decoded: a byte-
+    fallback decoder (the Mixtral fixture) turns a valid byte it has shown into U+FFFD once an
+    invalid byte joins its group, which no stream can take back; at least half the runs qualify."""
+    from wna16_jax.models.tokenizer import load_tokenizer
     from wna16_jax.serving.server import _TextStream
 
-    stream = _TextStream(tok, ())
-    return "".join(stream.push(t) for t in ids) + stream.finish()
+    tok = load_tokenizer(folder)
+
+    def streamed(ids):
+        stream = _TextStream(tok, ())
+        return "".join(stream.push(t) for t in ids) + stream.finish()
+
+    if folder == QWEN:
+        assert streamed([16, 182, 129, 318, 63]) == "expert under"
+    rng = np.random.default_rng()
+    vocab = tok.id_limit                 # every id decode takes (past the tokenizer's: nothing)
+    checked = 0
+    for _ in range(200):
+        ids = rng.integers(0, vocab, int(rng.integers(1, 24))).tolist()
+        texts = [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
+        if all(b.startswith(a.rstrip("\ufffd")) for a, b in zip(texts, texts[1:])):
+            assert streamed(ids) == texts[-1], ids
+            checked += 1
+    assert checked >= 100, checked
 
 
 def test_openai_client_against_a_model_engine(engine, generator, qwen):

@@ -36,8 +36,7 @@ import numpy as np
 from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
 
-from pallas_kernels import decode_attention
-
+from .. import attention as attention_table
 from ..backends import Backend, BackendFallbackWarning
 from ..checkpoint import Checkpoint, DenseWeights
 from ..device import Device
@@ -201,9 +200,9 @@ class Attention(nnx.Module):
         inv = np.asarray(self.inv_freq, np.float32)
         q, k = (apply_rope(t, positions, inv, attention_factor=self.rope_scale) for t in (q, k))
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)           # [B, n_kv, S, d]
-        mode = decode_kernel_mode() if cache is not None and s == 1 and not cache.paged_pool else None
+        mode = decode_kernel_mode() if cache is not None and s == 1 else None
         if (mode and cache.k.dtype == q.dtype
-                and not decode_attention.unsupported_reason(q.shape, cache.k.shape[1:], q.dtype)):
+                and not attention_table.kernel_reason(cache.paged_pool, q.shape, cache.k.shape, q.dtype)):
             return self._decode_step(q, k, v, positions, cache, interpret=mode == "interpret")
         if cache is None:
             keys, vals, kpos = k, v, positions
@@ -225,16 +224,17 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, s, nh * hd)), cache
 
     def _decode_step(self, q, k, v, positions, cache: KVCache, *, interpret: bool):
-        """One new token per sequence (a contiguous cache): the kernel reads the bound layer of the
-        stacked cache before the new rows are written (they join its softmax from registers),
-        then the rows are written in place."""
+        """One new token per sequence: the kernel of the cache's form (:mod:`wna16_jax.attention`)
+        reads the bound layer's earlier slots (contiguous: the row's block; paged: the blocks of
+        its table) before the new rows are written (they join its softmax from registers), then
+        the rows are written in place. A row at position ``p`` reads slots ``0 … p - 1``."""
         b = q.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         start = positions[:, 0]                      # the new row's slot = the old slots' count
-        out = decode_attention.decode_attention(
+        out = attention_table.kernel_decode(
             q.reshape(b, nkv, nh // nkv, hd), k[:, :, 0], v[:, :, 0], cache.k, cache.v,
-            jnp.asarray(cache.layer, jnp.int32), start, scale=self.softmax_scale, window=self.sliding_window,
-            interpret=interpret)
+            jnp.asarray(cache.layer, jnp.int32), cache.block_table, start, scale=self.softmax_scale,
+            window=self.sliding_window, interpret=interpret)
         return self.o_proj(out.reshape(b, 1, nh * hd)), cache.update(k, v, positions)
 
 

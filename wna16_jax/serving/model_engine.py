@@ -19,10 +19,16 @@ the model's ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_MODEL_LEN`,
 pool holds when that is less.
 
 **The programs.** One prefill program per chunk size and one decode program per batch size,
-whatever the sampling mix: ``len(chunk_sizes) + len(batch_sizes)`` compilations in all, each the
-first time its shape is used. The model's state is flattened once, here: the engine serves the
-weights the model had when it was made. Attention reads the whole block table of each row
-(``max_model_len`` positions, the later ones masked), through an XLA gather.
+each per table width (:attr:`~ModelEngine.table_widths`), whatever the sampling mix: at most
+``(len(chunk_sizes) + len(batch_sizes)) * len(table_widths)`` compilations, each the first time
+its shape is used. A step passes the programs the first ``w`` entries of its rows' block tables,
+``w`` the smallest width that holds the longest row of the step, so attention reads the blocks of
+the step's longest sequence (rounded up to its width), not ``max_model_len`` positions a row:
+on an NVIDIA GPU the paged decode kernel (:mod:`wna16_jax.attention`) reads only each row's own
+blocks within that width, elsewhere XLA gathers the width's blocks and masks the later slots.
+The default widths are ``max_blocks_per_seq`` divided by 8, 4, 2 and 1 (rounded up), so a
+short sequence's step reads an eighth of the table. The model's state is flattened once, here:
+the engine serves the weights the model had when it was made.
 
 **Sampling.** Row ``r`` draws with ``fold_in(key(seed), step)`` (:func:`seed_key`), as
 :meth:`Generator.generate(..., key=[seed_key(seed)]) <wna16_jax.models.Generator.generate>`
@@ -160,6 +166,22 @@ def _table_width(model: MoEDecoder, block_size: int, max_model_len: Any) -> int:
     return n // block_size
 
 
+def _table_widths(widths: Any, top: int) -> tuple[int, ...]:
+    """The compiled table widths: ``widths`` checked (increasing, at most ``top``) with ``top``
+    added when missing (a row may always use its whole table); None: ``top`` / 8, 4, 2, 1."""
+    if widths is None:
+        return tuple(sorted({-(-top // d) for d in (8, 4, 2, 1)}))
+    w = check_buckets(widths, "table_widths")
+    if w[-1] > top:
+        raise ConfigError(f"table_widths: expected widths of at most max_blocks_per_seq = {top} blocks, "
+                          f"got {w[-1]}")
+    return w if w[-1] == top else (*w, top)
+
+
+def _width_of(widths: tuple[int, ...], blocks: int) -> int:
+    return next(w for w in widths if w >= blocks)
+
+
 def _budget(memory_budget: Any) -> tuple[int, str]:
     if memory_budget is not None:
         return check_int("memory_budget", memory_budget, low=1), "the memory_budget argument"
@@ -215,13 +237,15 @@ class ModelEngine:
     decode batches and prefill chunk lengths (strictly increasing); ``max_model_len``: the
     context, a multiple of ``block_size`` at most ``max_position_embeddings`` (None: the
     default); ``reserved_blocks``: blocks ``0 … reserved_blocks − 1``, where padding rows write
-    (``>= 1``); ``memory_budget``: the bytes the pool may take. A bad value, or a budget that
+    (``>= 1``); ``memory_budget``: the bytes the pool may take; ``table_widths``: the compiled
+    block-table widths in blocks (module doc; the full width is always one). A bad value, or a budget that
     does not hold the reserved blocks and one sequence, is a typed error naming it, before the
     pool is allocated."""
 
     def __init__(self, model: MoEDecoder, *, block_size: int = 16, num_blocks: int | None = None,
                  batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), chunk_sizes: Sequence[int] = (16, 64, 256),
-                 max_model_len: int | None = None, reserved_blocks: int = 1, memory_budget: int | None = None):
+                 max_model_len: int | None = None, reserved_blocks: int = 1, memory_budget: int | None = None,
+                 table_widths: Sequence[int] | None = None):
         if not isinstance(model, MoEDecoder):
             raise ConfigError(f"model: expected a MoEDecoder (wna16_jax.load_model), got {type(model).__name__}")
         _check_key_impl()
@@ -235,6 +259,7 @@ class ModelEngine:
         self.num_blocks, self.max_blocks_per_seq = _plan_pool(
             num_blocks, width, max_model_len is not None, self.reserved_blocks, self.batch_sizes[-1],
             self.bytes_per_block, _budget(memory_budget))
+        self.table_widths = _table_widths(table_widths, self.max_blocks_per_seq)
         self.vocab_size = int(c.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in c.eos_token_ids)
         self.model = model
@@ -257,7 +282,33 @@ class ModelEngine:
     def __repr__(self) -> str:
         return (f"ModelEngine({self.model.config.family}, {self.num_blocks} blocks of {self.block_size} "
                 f"({self.pool_bytes / 2**20:.1f} MiB), max_model_len={self.max_model_len}, "
-                f"batch_sizes={self.batch_sizes}, chunk_sizes={self.chunk_sizes})")
+                f"batch_sizes={self.batch_sizes}, chunk_sizes={self.chunk_sizes}, table_widths={self.table_widths})")
+
+    def table_width(self, blocks: int) -> int:
+        """The compiled table width (in blocks) a step whose longest row needs ``blocks`` uses."""
+        return _width_of(self.table_widths, check_int("blocks", blocks, low=1, high=self.max_blocks_per_seq))
+
+    def warm_up(self) -> None:
+        """Compile every program a server can use (each decode batch size and prefill chunk
+        size, at each table width) by running it once on the pool's first blocks; their data
+        is stale afterwards and never read (a sequence writes a position before reading it)."""
+        r, bs, width = self.reserved_blocks, self.block_size, self.max_blocks_per_seq
+        greedy = SamplingParams()
+        for w in self.table_widths:
+            table = np.full(width, -1, np.int64)
+            table[:w] = np.arange(r, r + w)
+            pos = (w - 1) * bs
+            for n in self.batch_sizes:
+                tables = np.full((n, width), -1, np.int64)
+                tables[:, 0] = 0
+                tables[0] = table
+                tokens, positions, steps = (np.zeros(n, np.int64) for _ in range(3))
+                positions[0] = pos
+                self.decode(tokens, positions, tables, [greedy] * n, steps)
+            for low, c in zip((0, *self.chunk_sizes), self.chunk_sizes):
+                n = min(c, w * bs)                  # a chunk of bucket c (more than `low` tokens)
+                if n > low:                         # ending at the width's last position
+                    self.prefill(np.zeros(n, np.int64), w * bs - n, table, greedy, True)
 
     # ------------------------------------------------------------------ checks
     def _check_table(self, name: str, table: np.ndarray, length: int) -> None:
@@ -320,9 +371,10 @@ class ModelEngine:
         padded[0, :c] = ids
         positions = np.full((1, size), -1, np.int32)
         positions[0, :c] = np.arange(start, start + c)
+        width = _width_of(self.table_widths, -(-(start + c) // self.block_size))
         out, self._k, self._v = self._programs.prefill(
-            self._leaves, self._k, self._v, padded, positions, table[None].astype(np.int32), np.int32(c - 1),
-            *arrays)
+            self._leaves, self._k, self._v, padded, positions, table[None, :width].astype(np.int32),
+            np.int32(c - 1), *arrays)
         return int(np.asarray(out)[0]) if sample else None
 
     def _decode_inputs(self, tokens, positions, block_tables, sampling, steps):
@@ -342,7 +394,8 @@ class ModelEngine:
         if len(np.unique(owned)) != len(owned):
             raise ValueRangeError("block_tables: a block is in two rows of one batch")
         arrays = self._sampling_arrays(sampling, [f"sampling[{r}]" for r in range(n)])
-        return (ids.astype(np.int32), pos.astype(np.int32), tables.astype(np.int32), arrays[0],
+        width = _width_of(self.table_widths, max([int(pos[r]) // self.block_size + 1 for r in real], default=1))
+        return (ids.astype(np.int32), pos.astype(np.int32), tables[:, :width].astype(np.int32), arrays[0],
                 st.astype(np.int32), *arrays[1:])
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,

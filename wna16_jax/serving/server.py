@@ -232,8 +232,11 @@ class _TextStream:
         window = self._decode(self._ids[self._start:])
         grown = window.startswith(context)
         if final or (grown and not window.endswith("\ufffd")):
-            self.text += window[len(context):]
-            self._start, self._read = self._read, len(self._ids)
+            delta = window[len(context):]
+            self.text += delta
+            if delta:                 # the next context ends in text: an id that decodes to nothing
+                self._start = self._read    # (out of vocabulary, special) must not be all of it, or
+            self._read = len(self._ids)     # the decoder's space before the next word is lost
             return self._release(final, "")
         # a character is still incomplete: hold the window, but look for stop strings in its
         # complete part already, so a stop is found on the token that completes it
