@@ -146,7 +146,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
 # ----------------------------------------------------------------------------- the layer
 
 
-def _local(topk_ids, expert_map, gne, e):
+def local_expert_ids(topk_ids, expert_map, gne, e):
     ids = topk_ids.astype(jnp.int32)
     bad = (ids < 0) | (ids >= gne)
     if expert_map is not None:
@@ -157,7 +157,7 @@ def _local(topk_ids, expert_map, gne, e):
     return local, bad
 
 
-def _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, method="auto"):
+def sorted_blocks(topk_ids, bad, bm, gne, expert_map, e, method="auto"):
     """The routed pairs sorted by expert into ``bm``-row blocks, keeping only the blocks that can
     be non-empty. Returns ``(nb, block_expert [nb], row_expert [nb·bm], valid, flat pair id,
     token, pair_rows)`` per row (``valid`` false on padding rows; ids out of range count as expert
@@ -200,7 +200,7 @@ def layer_inputs(hidden_states, topk_ids, sizes, expert_map, global_num_experts)
     return t, k, cdt, e, h, i, gne
 
 
-def _permute_cols(a, perm, row_expert):
+def permute_cols(a, perm, row_expert):
     if perm is None:
         return a
     return jnp.take_along_axis(a, perm[jnp.maximum(row_expert, 0)], axis=1)
@@ -227,7 +227,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
     bk = tile_bk(bits)
     cfg = dataclasses.replace(cfg, split1=valid_split(cfg.split1, h_dim // bk),
                               split2=valid_split(cfg.split2, i_dim // bk))
-    local, bad = _local(topk_ids, expert_map, gne, e)
+    local, bad = local_expert_ids(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32)
     kw = dict(bits=bits, group_size=group_size, interpret=interpret, dequant=cfg.dequant,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages, dot=cfg.dot)
@@ -242,22 +242,22 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
         twf = jnp.where(pe >= 0, tw.reshape(-1), 0.0)
         a1, top = (x, k)
         if w13.perm is not None:
-            a1, top = _permute_cols(jnp.repeat(x, k, axis=0), w13.perm, pe), 1
+            a1, top = permute_cols(jnp.repeat(x, k, axis=0), w13.perm, pe), 1
         part = pair_gemm(a1, pe, w13.words, w13.scales, w13.zeros, None,
                          w13.bias, poison((cfg.split1, p, 2 * i_dim)), top_k=top,
                          block_n=cfg.block_n1, split_k=cfg.split1, **kw)
         hh = part.sum(0)
         if apply_router_weight_on_input:
             hh = hh * twf[:, None]
-        a2 = _permute_cols(act(hh).astype(cdt), w2.perm, pe)
+        a2 = permute_cols(act(hh).astype(cdt), w2.perm, pe)
         rs = (pe >= 0).astype(jnp.float32) if apply_router_weight_on_input else twf
         y = pair_gemm(a2, pe, w2.words, w2.scales, w2.zeros, rs, w2.bias,
                       poison((cfg.split2, p, h_dim)), top_k=1, block_n=cfg.block_n2, split_k=cfg.split2, **kw)
         out = y.sum(0).reshape(t, k, h_dim).sum(1)
     else:
         bm = cfg.block_m
-        nb, experts, row_expert, valid, flat, tok, _ = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
-        a1 = _permute_cols(jnp.where(valid[:, None], x[tok], 0).astype(cdt), w13.perm, row_expert)
+        nb, experts, row_expert, valid, flat, tok, _ = sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+        a1 = permute_cols(jnp.where(valid[:, None], x[tok], 0).astype(cdt), w13.perm, row_expert)
         tw_rows = jnp.where(valid, tw.reshape(-1)[flat], 0.0)
         fuse = cfg.split1 == 1 and act_name in FUSED_ACTIVATIONS
         rs1 = tw_rows if apply_router_weight_on_input else None
@@ -270,7 +270,7 @@ def fused_moe_tiles(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
                                 w13.bias, poison((cfg.split1, nb * bm, 2 * i_dim)), block_m=bm,
                                 block_n=_divisor(2 * i_dim, (cfg.block_n1, 64, 32, 16)), split_k=cfg.split1, **kw)
             a2 = act(part.sum(0)).astype(cdt)
-        a2 = _permute_cols(a2, w2.perm, row_expert)
+        a2 = permute_cols(a2, w2.perm, row_expert)
         rs2 = valid.astype(jnp.float32) if apply_router_weight_on_input else tw_rows
         y = grouped_gemm(a2, experts, w2.words, w2.scales, w2.zeros, rs2, w2.bias,
                          poison((cfg.split2, nb * bm, h_dim)), block_m=bm, block_n=cfg.block_n2,
@@ -316,7 +316,7 @@ def batched_experts_tiles(batched_hidden, expert_num_tokens, w13: GemmExperts, w
     def poison(shape, dtype=jnp.float32):
         return jnp.full(shape, jnp.nan, dtype) if poison_outputs else None
 
-    a1 = _permute_cols(x, w13.perm, row_expert)
+    a1 = permute_cols(x, w13.perm, row_expert)
     if activation in FUSED_ACTIVATIONS:
         a2 = grouped_gemm(a1, experts, w13.words, w13.scales, w13.zeros, None,
                           w13.bias, poison((e * mp, i_dim), cdt), block_n=bn1, activation=activation, **kw)
@@ -325,7 +325,7 @@ def batched_experts_tiles(batched_hidden, expert_num_tokens, w13: GemmExperts, w
                             w13.bias, poison((1, e * mp, 2 * i_dim)), block_n=_divisor(2 * i_dim, (bn1, 64, 32, 16)),
                             **kw)
         a2 = act(part.sum(0)).astype(cdt)
-    a2 = _permute_cols(a2, w2.perm, row_expert)
+    a2 = permute_cols(a2, w2.perm, row_expert)
     y = grouped_gemm(a2, experts, w2.words, w2.scales, w2.zeros, None, w2.bias,
                      poison((1, e * mp, h)), block_n=bn2, **kw).sum(0)
     y = jnp.where(valid[:, None], y, 0.0).reshape(e, mp, h)[:, :m]
@@ -352,8 +352,8 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, w13: GemmExper
     t, k, cdt, e, h_dim, i_dim, gne = layer_inputs(hidden_states, topk_ids, layer_sizes(w13, w2, bits), expert_map,
                                                     global_num_experts)
     bm = _pow2(max(16, block_m or vllm_block_m(t, k, e)))      # Triton: power-of-two blocks
-    _, bad = _local(topk_ids, expert_map, gne, e)
-    nb, experts, row_expert, valid, flat, tok, _ = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
+    _, bad = local_expert_ids(topk_ids, expert_map, gne, e)
+    nb, experts, row_expert, valid, flat, tok, _ = sorted_blocks(topk_ids, bad, bm, gne, expert_map, e)
     live = valid & (row_expert >= 0)
     w_rows = jnp.where(live, topk_weights.astype(jnp.float32).reshape(-1)[flat], 0.0)
     kw = dict(bits=bits, group_size=group_size, interpret=interpret, block_m=bm)
@@ -367,7 +367,7 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, w13: GemmExper
         idx = perm[jnp.maximum(row_expert, 0)]
         return jnp.zeros_like(d).at[jnp.arange(d.shape[0])[:, None], idx].set(d)
 
-    x_rows = _permute_cols(jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt), w13.perm,
+    x_rows = permute_cols(jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt), w13.perm,
                            row_expert)
     h = grouped_gemm(x_rows, experts, w13.words, w13.scales, w13.zeros, None,
                      w13.bias, block_n=_divisor(2 * i_dim, (64, 32, 16)), **kw).sum(0)   # [M, 2I]
@@ -375,7 +375,7 @@ def fused_moe_tiles_bwd(g, hidden_states, topk_weights, topk_ids, w13: GemmExper
     hw = h * w_rows[:, None] if on_input else h
     a, act_vjp = jax.vjp(act, hw)
     dy = g_rows if on_input else g_rows * w_rows[:, None]
-    a2 = _permute_cols(a.astype(cdt), w2.perm, row_expert)
+    a2 = permute_cols(a.astype(cdt), w2.perm, row_expert)
     da = grouped_gemm_t(dy.astype(cdt), experts, w2.words, w2.scales, w2.zeros,
                         poison((nb * bm, i_dim)), block_n=_divisor(h_dim, (64, 32, 16)), **kw)
     da = unpermute(da, w2.perm)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .activations import act_pair
-from .wgmma_config import IDS_PAD, GemmConfig, _row_words
+from .wgmma_config import IDS_PAD, GemmConfig, row_words
 from .wgmma_layout import BLOCK_K, magic, magic_value
 
 
@@ -103,7 +103,7 @@ class GemmBuild:
         self.bno = self.bn // 2 if cfg.gated else self.bn       # output columns per (warpgroup's) column tile
         self.n_out = n // 2 if cfg.gated else n
         self.rows_ids = -(-(nb + cfg.stream) // IDS_PAD)
-        self.rw = _row_words(self.bm)
+        self.rw = row_words(self.bm)
         self.programs = programs
         self.wcols, self.wswz = 32, 32                         # words per row per K-block; bytes per tile row
         self.row = plgpu.Layout.WGMMA.reduce(1)

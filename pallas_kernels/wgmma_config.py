@@ -37,7 +37,7 @@ IDS_PAD = 32          # TMA copies whole multiples of 128 bytes: the block → e
 _SMEM_ALIGN = 1024    # Mosaic GPU aligns every shared-memory allocation to 1 KB
 
 
-def _row_words(block_m: int) -> int:
+def row_words(block_m: int) -> int:
     """float32 words of a block's row-scale row: ``block_m`` padded to whole 128-byte TMA rows."""
     return -(-block_m // IDS_PAD) * IDS_PAD
 
@@ -63,7 +63,7 @@ def wgmma_smem_bytes(*, block_m: int, block_n: int, kpb: int, stages: int, n_blo
         bufs.append(bufs[-1])
     ring = sum(al(b) for b in bufs)
     out = al((2 if ws else 1) * block_m * (block_n // 2 if gated else block_n) * 2) if tout else 0
-    ids = al(-(-(n_blocks + stream) // IDS_PAD) * IDS_PAD * 4) + (0 if stream else al(_row_words(block_m) * 4) * int(row_scale))
+    ids = al(-(-(n_blocks + stream) // IDS_PAD) * IDS_PAD * 4) + (0 if stream else al(row_words(block_m) * 4) * int(row_scale))
     return ids + (ring + out if ws or stream else max(ring, out)) + 512
 
 

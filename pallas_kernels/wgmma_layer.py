@@ -21,7 +21,7 @@ from . import device
 from .activations import FUSED_ACTIVATIONS, check_activation
 from .errors import KernelConfigError, KernelShapeError
 from .experts import GemmExperts
-from .fused_moe_tiles import _local, _permute_cols, _sorted_blocks, layer_inputs
+from .fused_moe_tiles import layer_inputs, local_expert_ids, permute_cols, sorted_blocks
 from .row_gather import gather_rows, gather_rows_reason, gather_rows_reference
 from .wgmma_config import LayerConfig, pair_schedule, plan_gemm, tuning, wgmma_block_m
 from .wgmma_gemm import wgmma_grouped_gemm, wgmma_grouped_gemm_reference
@@ -102,7 +102,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
     schedule = pair_schedule(t * k, e, layer)
     row_gather = ((gather_rows_reason(h_dim, cdt) is None and t * k >= tune.row_gather_min_pairs)
                   if layer.row_gather is None else bool(layer.row_gather))
-    local, bad = _local(topk_ids, expert_map, gne, e)
+    local, bad = local_expert_ids(topk_ids, expert_map, gne, e)
     tw = topk_weights.astype(jnp.float32).reshape(-1)
 
     def operands(g: GemmExperts):
@@ -149,7 +149,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
         expert_of_row = experts
     else:
         bm = layer.block_m or wgmma_block_m(t * k, e, tune)
-        _, experts, row_expert, live, flat, tok, pair_rows = _sorted_blocks(topk_ids, bad, bm, gne, expert_map, e,
+        _, experts, row_expert, live, flat, tok, pair_rows = sorted_blocks(topk_ids, bad, bm, gne, expert_map, e,
                                                                             layer.align)
         tw_rows = jnp.where(live, tw[flat], 0.0)
 
@@ -169,7 +169,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
         else:
             x_rows = jnp.where(live[:, None], hidden_states[tok], 0).astype(cdt)
         expert_of_row = row_expert
-    a1 = _permute_cols(spread(x_rows), w13.perm, stack_index(row_expert))
+    a1 = permute_cols(spread(x_rows), w13.perm, stack_index(row_expert))
     h, gated, _ = gemm(a1, experts, bm, ops1, 2 * i_dim, h_dim, layer.split1, activation if fuse else None,
                        per_sm4=schedule == "pair", persistent=pers_of[0], stages=stages_of[0])
     if schedule == "pair" and gated and w2.perm is None and h.dtype == cdt:
@@ -187,7 +187,7 @@ def fused_moe_wgmma(hidden_states, topk_weights, topk_ids, w13: GemmExperts, w2:
             if apply_router_weight_on_input:
                 h = h * tw_rows[:, None]
             h = act(h)
-        a2 = _permute_cols(spread(h.astype(cdt)), w2.perm, stack_index(row_expert))
+        a2 = permute_cols(spread(h.astype(cdt)), w2.perm, stack_index(row_expert))
     # the router weights: in GEMM2's epilogue (rows of pairs that route nowhere and padding rows
     # scaled by 0) or in XLA below; with the weights on the input GEMM2's rows are weighted
     # already (padding rows and expert −1 blocks are zero). Default: in GEMM2 for the blocked

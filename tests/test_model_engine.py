@@ -599,28 +599,45 @@ def test_openai_client_against_a_model_engine(engine, generator, qwen):
 
 _SERVE_MAIN = """
 import sys
-from wna16_jax.cli import _Parser
+from wna16_jax.cli import Parser
 from wna16_jax.serving.cli import add_serve_parser, run_serve
-parser = _Parser(prog="wna16-jax")
+parser = Parser(prog="wna16-jax")
 add_serve_parser(parser.add_subparsers(dest="command", required=True))
 sys.exit(run_serve(parser.parse_args(sys.argv[1:])))
 """
 
 
 def _serve_args(*argv):
-    from wna16_jax.cli import _Parser
+    from wna16_jax.cli import Parser
     from wna16_jax.serving.cli import add_serve_parser
 
-    parser = _Parser(prog="wna16-jax")
+    parser = Parser(prog="wna16-jax")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(["serve", *argv])
+
+
+def test_serve_command_options():
+    """``--max-batch N`` compiles decodes for the powers of two below N and N; ``--kv-blocks``
+    (alias ``--num-blocks``) sizes the pool; ``--warm-up`` is off unless asked."""
+    from wna16_jax.serving.cli import _checked_options, batch_sizes
+
+    args = _serve_args(QWEN, "--max-batch", "12", "--kv-blocks", "40", "--warm-up")
+    opts = _checked_options(args)
+    assert opts["batch_sizes"] == (1, 2, 4, 8, 12) and opts["num_blocks"] == 40 and args.warm_up
+    assert _checked_options(_serve_args(QWEN))["batch_sizes"] == (1, 2, 4, 8, 16, 32)
+    assert not _serve_args(QWEN).warm_up
+    assert batch_sizes(1) == (1,) and batch_sizes(16) == (1, 2, 4, 8, 16)
 
 
 @pytest.mark.parametrize("argv, match", [
     ((QWEN, "--port", "0"), "--port"),
     ((QWEN, "--port", "http"), "argument --port: invalid int value"),
     ((QWEN, "--block-size", "0"), "--block-size"),
-    ((QWEN, "--num-blocks", "1"), "--num-blocks"),
+    ((QWEN, "--num-blocks", "1"), "--kv-blocks must be an integer >= 2, got 1"),
+    ((QWEN, "--kv-blocks", "1"), "--kv-blocks"),
+    ((QWEN, "--max-batch", "0"), "--max-batch"),
+    ((QWEN, "--max-batch", "100000"), "--max-batch"),
+    ((QWEN, "--max-batch", "2.5"), "argument --max-batch: invalid int value"),
     ((QWEN, "--max-model-len", "-4"), "--max-model-len"),
     ((QWEN, "--dtype", "int4"), "argument --dtype: invalid choice"),
     ((QWEN, "--host", ""), "--host"),
@@ -650,7 +667,8 @@ def test_serve_command_serves_until_interrupted(generator, qwen):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-c", _SERVE_MAIN, "serve", QWEN, "--port", str(port), "--block-size",
-                             "8", "--max-model-len", "128", "--dtype", "float32", "--model-name", "tiny"],
+                             "8", "--max-model-len", "128", "--max-batch", "2", "--dtype", "float32", "--model-name",
+                             "tiny"],
                             stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,

@@ -31,7 +31,7 @@ from .convert.humming import convert_humming
 from .convert.marlin import convert_marlin, marlin_moe_padded_intermediate
 from .convert.trtllm_mxint4 import convert_trtllm_mxint4
 from .convert.xpu import convert_xpu
-from .device import Device, _dtype_name
+from .device import Device, input_dtype_name
 from .errors import BackendSelectionError, ConfigError, UnsupportedError
 from .schemes import QuantMethod, QuantScheme
 from .weights import CheckpointWeights
@@ -237,7 +237,7 @@ class BackendSpec:
 
     def supports(self, scheme: QuantScheme, device: Device | None = None, **request: Any) -> str | None:
         """``None`` if this backend serves ``scheme`` on ``device``, else the reason it does not."""
-        req = Request(scheme, input_dtype=_dtype_name(request.pop("input_dtype", None)), **request)
+        req = Request(scheme, input_dtype=input_dtype_name(request.pop("input_dtype", None)), **request)
         if req.activation_format not in ACTIVATION_FORMATS:
             raise ConfigError(f"activation_format: expected one of {ACTIVATION_FORMATS}, "
                               f"got {req.activation_format!r}")
@@ -250,7 +250,7 @@ class BackendSpec:
         """
         if self.backend is Backend.FLASHINFER_TRTLLM:
             reason = _supports_trtllm(
-                Request(scheme, input_dtype=_dtype_name(request.pop("input_dtype", None)), **request),
+                Request(scheme, input_dtype=input_dtype_name(request.pop("input_dtype", None)), **request),
                 Device("gpu", "B200", (10, 0)))
             if reason and reason.startswith("opt-in only"):
                 reason = None

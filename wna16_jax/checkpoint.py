@@ -56,7 +56,7 @@ NAMINGS = {
     "mixtral": {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
     "qwen": {"block": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
 }
-_EXPERT_RE = re.compile(
+EXPERT_TENSOR_RE = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp))"
     r"\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z_]+)$"
 )

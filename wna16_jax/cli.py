@@ -435,7 +435,7 @@ def read_prompt_file(path: str) -> list[str]:
     return prompts
 
 
-def _tokenizer(folder: str, needed_by: str, alternative: str):
+def cli_tokenizer(folder: str, needed_by: str, alternative: str):
     """The folder's tokenizer for ``needed_by`` (an argument or a command); a folder without
     ``tokenizer.json`` is told to use ``alternative``."""
     from .models.tokenizer import TOKENIZER_JSON, load_tokenizer
@@ -489,7 +489,7 @@ class _GenerationArgs:
         return as_prng_key(self.seed)
 
 
-def _load_model(folder: str, dtype: str | None):
+def load_cli_model(folder: str, dtype: str | None):
     """``(model, description)``: the model of ``folder`` (already resolved) in ``dtype`` (one of
     :data:`DTYPES`; None: the library's default) and what was loaded in how long, for the user. The
     callers print it once the request is accepted, so that a refused one prints one line."""
@@ -618,9 +618,9 @@ def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | N
     folder = resolve_model_dir(path, revision=revision)
     tok = None
     if texts:
-        tok = _tokenizer(folder, "--prompt", "give token ids with --prompt-ids 1,2,3 instead")
+        tok = cli_tokenizer(folder, "--prompt", "give token ids with --prompt-ids 1,2,3 instead")
         rows += _text_rows(tok, texts, chat, system)
-    model, loaded = _load_model(folder, dtype)
+    model, loaded = load_cli_model(folder, dtype)
     name = "--prompt" if texts else "--prompt-ids"
     checked = as_prompts(rows[0] if len(rows) == 1 else rows, model.config.vocab_size, name=name)
     stops = as_stop_tokens(None if use_stop else (), model.config.eos_token_ids, model.config.vocab_size)
@@ -672,9 +672,9 @@ def run_chat(path: str, *, system: str | None = None, max_new_tokens: int = 256,
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     settings = _GenerationArgs.checked(max_new_tokens, temperature, top_p, top_k, seed, max_len)
     folder = resolve_model_dir(path, revision=revision)
-    tok = _tokenizer(folder, "chat", "chat needs the folder's tokenizer and chat template")
+    tok = cli_tokenizer(folder, "chat", "chat needs the folder's tokenizer and chat template")
     _require_chat_template(tok, "chat")
-    model, loaded = _load_model(folder, dtype)
+    model, loaded = load_cli_model(folder, dtype)
     limit = model.config.max_position_embeddings
     gen = Generator(model, batch_size=1, max_len=settings.max_len or min(CHAT_MAX_LEN, limit or CHAT_MAX_LEN))
     print(f"{loaded}; a cache of {gen.max_len} tokens; one user turn per line, {CHAT_EXIT} or the end of the "
@@ -715,11 +715,11 @@ def package_version() -> str:
         return "unknown"
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every option's help shows its default; descriptions keep their line breaks."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """A parser whose usage errors are :class:`ConfigError` (one line, exit status 2, like every
     other bad input) instead of argparse's usage text and ``SystemExit``."""
 
@@ -727,7 +727,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="DIR", help="checkpoint folder, Hugging Face cache folder (models--ORG--NAME) "
                                                "or hub id (ORG/NAME) in the local cache")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id or cache folder; "
@@ -751,14 +751,14 @@ def _add_generation_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``wna16-jax`` argument parser (its usage errors raise :class:`ConfigError`)."""
-    parser = _Parser(prog="wna16-jax", description=__doc__, formatter_class=_HelpFormatter)
+    parser = Parser(prog="wna16-jax", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
                         help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do (each command has its own --help)")
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
+        return sub.add_parser(name, help=summary, description=description, formatter_class=HelpFormatter)
 
     p = command("demo", "write a tiny MoE in every format, run it, compare with float64",
                 "Write a tiny MoE layer in every quantization format, load it, convert it to every backend "
@@ -770,12 +770,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", "scheme, MoE layers, shapes and backend selection of a checkpoint",
                 "Describe a checkpoint (or a folder written by convert): its scheme, MoE layers, the first "
                 "layer's tensors\nand which backend is selected on this machine, with every refusal's reason.")
-    _add_model_arguments(p)
+    add_model_arguments(p)
 
     p = command("convert", "convert every MoE layer into a backend layout (safetensors + manifest)",
                 "Stream the checkpoint layer by layer into one safetensors file per layer plus manifest.json,\n"
                 "written to a temporary folder and renamed into place at the end; the input is never written.")
-    _add_model_arguments(p)
+    add_model_arguments(p)
     p.add_argument("--backend", required=True,
                    help="the layout: cpu, xpu, marlin, batched_marlin, flashinfer_trtllm, humming or loader")
     p.add_argument("--out", required=True, help="a new or empty folder (not inside the source)")
@@ -790,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "Continue prompts with the whole model (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2 / V3). One "
                 "prompt is\nstreamed as it is generated; several run as one batch, each printed, labelled [i], "
                 "when it is done.\nWhat was loaded and the timing go to stderr at the end.")
-    _add_model_arguments(p)
+    add_model_arguments(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text, repeatable (needs the folder's tokenizer.json and the 'tokenizers' package)")
     p.add_argument("--prompt-file", default=None, help="a text file of prompts, one per line (blank lines skipped)")
@@ -806,7 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
                 f"Chat with the model: each line of stdin is a user turn; the conversation is rendered by the\n"
                 f"checkpoint's chat template and the reply streamed to stdout until an eos token. The end of "
                 f"the\ninput or a line {CHAT_EXIT} ends it.")
-    _add_model_arguments(p)
+    add_model_arguments(p)
     _add_generation_arguments(p, max_new_tokens=256,
                               max_len=f"{CHAT_MAX_LEN}, or max_position_embeddings when smaller")
     from .serving.cli import add_serve_parser

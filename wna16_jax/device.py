@@ -51,7 +51,7 @@ class Device:
 ACT_DTYPES = (None, "float16", "bfloat16", "int8", "float8_e4m3fn")
 
 
-def _dtype_name(input_dtype: Any) -> str | None:
+def input_dtype_name(input_dtype: Any) -> str | None:
     if input_dtype is None:
         return None
     import numpy as np

@@ -39,7 +39,7 @@ from pallas_kernels.wgmma_layer import fused_moe_wgmma
 from .convert.marlin import MarlinWeights
 from .convert.tiles import TileWeights, convert_tiles, tile_unsupported_reason
 from .convert.wgmma import WgmmaForm, WgmmaWeights, convert_wgmma, wgmma_matrix, wgmma_unsupported_reason
-from .device import Device, _dtype_name
+from .device import Device, input_dtype_name
 from .errors import ConfigError, UnsupportedError, kernel_errors
 from .weights import CheckpointForm, LayerStack
 
@@ -261,7 +261,7 @@ class WgmmaEngine(Executor):
 def _input_reason(input_dtype) -> str | None:
     if input_dtype is None:
         return None
-    name = _dtype_name(input_dtype)
+    name = input_dtype_name(input_dtype)
     return None if name in (None, "bfloat16", "float16") else f"the engine takes 16-bit activations, not {name}"
 
 

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .backends import TABLE, Backend
-from .checkpoint import _EXPERT_RE, Checkpoint, DenseWeights, MoELayer, MoEModelConfig, index_by_module
+from .checkpoint import EXPERT_TENSOR_RE, Checkpoint, DenseWeights, MoELayer, MoEModelConfig, index_by_module
 from .errors import (ConfigError, CorruptFileError, MissingTensorError, OutputPathError, ShapeError,
                      UnexpectedTensorError, UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
 from .fields import REQUIRED, Fields, check_int
@@ -360,7 +360,7 @@ def _copy_file(path: str, dst: str) -> int:
 def non_expert_tensor_names(ckpt: Checkpoint) -> list[str]:
     """Every tensor name of ``ckpt`` except the routed experts' (those become the layer files):
     attention, norms, embeddings, ``lm_head``, dense MLPs, routers, shared experts."""
-    return [n for n in ckpt.tensor_names() if _EXPERT_RE.match(n) is None]
+    return [n for n in ckpt.tensor_names() if EXPERT_TENSOR_RE.match(n) is None]
 
 
 def _plan_tensor_files(ckpt: Checkpoint, names: Sequence[str], max_file_bytes: int) -> dict[str, list[str]]:
