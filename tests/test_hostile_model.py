@@ -162,9 +162,18 @@ def test_the_fixture_configs_parse_once_with_the_moe_facts_composed():
     (dict(revision="main"), ConfigError, "revision"),
 ])
 def test_load_arguments(kw, err, words):
+    before = _tree(QWEN3)
+    kept = copy.deepcopy(kw)
     with pytest.raises(err) as e:
         load_model(QWEN3, **kw)
     assert words in str(e.value)
+    assert _tree(QWEN3) == before and kw == kept               # nothing written, the arguments unchanged
+
+
+def _tree(folder):
+    """Every file under ``folder`` with its size and modification time."""
+    return sorted((os.path.relpath(os.path.join(d, f), folder), os.stat(os.path.join(d, f)).st_size,
+                   os.stat(os.path.join(d, f)).st_mtime_ns) for d, _, fs in os.walk(folder) for f in fs)
 
 
 def test_load_path_arguments(tmp_path):
@@ -173,6 +182,7 @@ def test_load_path_arguments(tmp_path):
             load_model(bad)
     with pytest.raises(ConfigError, match="config.json"):
         load_model(str(tmp_path))
+    assert os.listdir(tmp_path) == []                          # nothing created where it looked
 
 
 @pytest.fixture(scope="module")
