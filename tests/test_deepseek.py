@@ -13,6 +13,7 @@ the group-limited / bias-corrected top-k; the library caches the latent and abso
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -480,6 +481,68 @@ def test_model_with_a_partial_group_dense_layer(tmp_path):
 # logits up to ~4; the bound is about four times the largest. A wrong rotary layout, YaRN
 # factor or routing rule moves the logits by 1e-2 or more (test_reference_sees_real_mistakes).
 HF_TOL = 1e-5
+
+
+#: the keys of Kimi-K2's config.json beyond DeepSeek-V3's (its int4 release: the experts in
+#: compressed-tensors pack-quantized int4, group 32, symmetric), at toy sizes
+KIMI_K2_KEYS = {
+    "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16, "beta_fast": 1.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "num_nextn_predict_layers": 0, "bos_token_id": 1, "eos_token_id": 2, "ep_size": 1,
+    "torch_dtype": "bfloat16", "use_cache": True, "initializer_range": 0.02, "aux_loss_alpha": 0.001,
+    "seq_aux": True, "pretraining_tp": 1, "attention_dropout": 0.0, "attention_bias": False,
+}
+
+
+def test_kimi_k2_config_loads_as_deepseek_v3(tmp_path):
+    """A tiny checkpoint with Kimi-K2's config.json keys (model_type kimi_k2, DeepSeek-V3's
+    architecture, compressed-tensors int4 group 32, sigmoid noaux_tc routing with one group, a
+    dense first layer, YaRN): it loads as DeepSeek-V3 and gives bit for bit the logits and greedy
+    tokens of the same folder with model_type deepseek_v3 (the DeepSeek-V3 path is checked
+    against transformers by the fixtures above)."""
+
+    spec = RandomModelSpec(
+        model_type="deepseek_v3", vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4,
+        head_dim=24, num_experts=8, top_k=2, moe_intermediate_size=32, intermediate_size=64,
+        first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=512,
+        scheme=QuantScheme.from_quant_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                                  "num_bits": 4, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": 32}}}}),
+        mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        routing=dict(topk_method="noaux_tc", n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True,
+                     routed_scaling_factor=2.827),
+        extra_config=KIMI_K2_KEYS)
+    kimi = write_random_model(str(tmp_path / "kimi"), spec, seed=int(np.random.default_rng().integers(1 << 30)))
+    v3 = str(tmp_path / "v3")
+    shutil.copytree(kimi, v3)
+    with open(os.path.join(v3, "config.json")) as f:
+        raw = json.load(f)
+    assert raw["model_type"] == "kimi_k2" and raw["quantization_config"]["config_groups"]["group_0"]["weights"][
+        "group_size"] == 32
+    raw["model_type"] = "deepseek_v3"
+    with open(os.path.join(v3, "config.json"), "w") as f:
+        json.dump(raw, f)
+    a, b = _quiet_load(kimi, dtype=jnp.float32), _quiet_load(v3, dtype=jnp.float32)
+    assert a.config.model_type == "deepseek_v3" and a.config.release == "kimi_k2"
+    assert a.config.family == "Kimi-K2 (DeepSeek-V3)" and b.config.family == "DeepSeek-V3"
+    assert a.config.moe.scoring_func == "sigmoid" and a.config.moe.routed_scaling_factor == 2.827
+    assert a.config.rope_type == "yarn" and a.config.sparse_layers == (False, True, True)
+    assert a.config.moe.model_type == "kimi_k2"                     # as config.json says it
+    assert dataclasses.replace(a.config, release=None, moe=dataclasses.replace(a.config.moe,
+                                                                            model_type="deepseek_v3")) == b.config
+    toks = jnp.asarray([np.random.default_rng().integers(0, 96, 12)], jnp.int32)
+    la, lb = np.asarray(_forward(a, toks)), np.asarray(_forward(b, toks))
+    assert np.isfinite(la).all() and np.array_equal(la, lb)
+    prompt = toks[0].tolist()
+    assert Generator(a, batch_size=1, max_len=32).generate([prompt], 6) == \
+        Generator(b, batch_size=1, max_len=32).generate([prompt], 6)
+    with pytest.raises(UnsupportedError, match=r"Kimi-K2 \('kimi_k2', the DeepSeek-V3 architecture\)"):
+        DecoderConfig.from_hf_config({**raw, "model_type": "kimi_k3"})
 
 
 def test_fixtures_exist():

@@ -357,7 +357,28 @@ def test_routing_argument_is_checked(mixtral_dir):
         QuantizedMoE(layer.experts, layer.router, {"top_k": 2})
     with pytest.raises(ConfigError, match=r"num_expert_group: the number of experts 8 is not a multiple of .*=3"):
         QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2, num_expert_group=3, topk_group=1))
-    with pytest.raises(ConfigError, match="e_score_correction_bias: only used by grouped"):
-        QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2), e_score_correction_bias=np.zeros(E, np.float32))
+    with pytest.raises(WNA16Error, match=r"e_score_correction_bias: .*\(9,\)"):
+        QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2),
+                     e_score_correction_bias=np.zeros(E + 1, np.float32))
+
+
+def test_selection_bias_without_groups(mixtral_dir):
+    """A selection bias with ungrouped routing (Kimi-K2: noaux_tc with n_group 1) chooses by
+    score + bias and weighs by the unbiased scores: a large bias on one expert puts it in every
+    token's top-k, with its softmax weight, renormalized, as float64 computes it."""
+    layer = Checkpoint(mixtral_dir).load_layer(0)
+    bias = np.zeros(E, np.float32)
+    bias[3] = 100.0
+    m = QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2), e_score_correction_bias=bias)
+    x = jnp.asarray(np.random.default_rng().standard_normal((5, layer.router.shape[1])), jnp.float32)
+    w, ids = (np.asarray(a) for a in jax.jit(lambda m, x: m.route(x))(m, x))
+    assert (ids == 3).any(axis=1).all()
+    logits = np.asarray(x, np.float64) @ np.asarray(layer.router, np.float64).T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    chosen = np.take_along_axis(p, ids, 1)
+    np.testing.assert_allclose(w, chosen / chosen.sum(1, keepdims=True), rtol=1e-5, atol=0)
+    other = np.argsort(-(p + bias), 1)[:, :2]
+    assert (np.sort(other, 1) == np.sort(ids, 1)).all()
     with pytest.raises(DTypeError, match="param_dtype: expected a float dtype, got 'nope'"):
         QuantizedMoE(layer.experts, layer.router, MoERouting(top_k=2), param_dtype="nope")

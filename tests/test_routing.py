@@ -833,6 +833,7 @@ def test_moe_routing_route_matches_the_topk_functions(grouped):
             gsc = ref_group_scores(c[t], s[t], 4, 4, True)
             eligible = {e for e in range(16) if e // 4 in sorted(range(4), key=lambda g: -gsc[g])[:2]}
         check_topk_row(np.asarray(ids[t]), np.asarray(w[t]), c[t], s[t], eligible, 3, True, 2.5)
-    if not grouped:
-        with pytest.raises(ConfigError, match="e_score_correction_bias"):
-            r.route(logits, bias)
+    if not grouped:         # a selection bias without groups: chosen by score + bias, all experts eligible
+        w, ids = jax.jit(r.route)(logits, bias)
+        for t in range(6):
+            check_topk_row(np.asarray(ids[t]), np.asarray(w[t]), s[t] + bias, s[t], set(range(16)), 3, True, 2.5)

@@ -233,9 +233,6 @@ class QuantizedMoE(nnx.Module):
     def _score_bias(self, bias: Any):
         if bias is None:
             return None
-        if not self.routing.grouped:
-            raise ConfigError("e_score_correction_bias: only used by grouped top-k routing "
-                              "(set num_expert_group > 1)")
         bias = self._checked_float("e_score_correction_bias", bias, (self.num_experts,))
         return RouterBias(jnp.asarray(bias, jnp.float32))
 

@@ -350,16 +350,15 @@ class MoERouting:
 
     def route(self, logits, e_score_correction_bias=None):
         """``(topk_weights [T, k] float32, topk_ids [T, k] int32)`` for router ``logits [T, E]``
-        (:func:`grouped_topk` where grouped, else :func:`fused_topk` times the scaling factor);
-        ``e_score_correction_bias [E]`` only with grouped routing."""
-        if self.grouped:
+        (:func:`grouped_topk` where grouped, else :func:`fused_topk` times the scaling factor).
+        ``e_score_correction_bias [E]`` (DeepSeek-V3's selection bias) selects by the biased
+        scores and weighs by the unbiased ones, grouped or not: without groups it is
+        :func:`grouped_topk` over one group (Kimi-K2's ``n_group: 1``)."""
+        if self.grouped or e_score_correction_bias is not None:
             return grouped_topk(logits, self.top_k, renormalize=self.renormalize,
-                                num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                                num_expert_group=self.num_expert_group or 1, topk_group=self.topk_group or 1,
                                 scoring_func=self.scoring_func, e_score_correction_bias=e_score_correction_bias,
                                 routed_scaling_factor=self.routed_scaling_factor)
-        if e_score_correction_bias is not None:
-            raise ConfigError("e_score_correction_bias: only used by grouped top-k routing "
-                              "(set num_expert_group > 1)")
         w, ids = fused_topk(logits, self.top_k, renormalize=self.renormalize, scoring_func=self.scoring_func)
         if self.routed_scaling_factor != 1.0:
             w = w * jnp.float32(self.routed_scaling_factor)

@@ -1,7 +1,8 @@
 """The decoder facts of a checkpoint's ``config.json``: :class:`DecoderConfig`.
 
 Families: Qwen3-MoE (``qwen3_moe``), Qwen2-MoE (``qwen2_moe``), Mixtral (``mixtral``) and
-DeepSeek-V2 / V3 (``deepseek_v2``, ``deepseek_v3``: multi-head latent attention). Both the
+DeepSeek-V2 / V3 (``deepseek_v2``, ``deepseek_v3``: multi-head latent attention), and
+Kimi-K2 (``kimi_k2``: DeepSeek-V3's architecture, :data:`RELEASES`). Both the
 transformers 4 spelling (``rope_theta`` + ``rope_scaling``) and the transformers 5 one
 (``rope_parameters``) are read. Anything the decoders would get wrong is refused with a typed
 error naming the field, what is supported and what the config says.
@@ -21,6 +22,11 @@ from .generation_config import GenerationDefaults
 #: model_type → human name of the family
 SUPPORTED_FAMILIES = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral",
                       "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}
+#: model types that name a release of a supported architecture: model_type → (the architecture's
+#: model_type, the release's name). Kimi-K2 (Moonshot) is DeepSeek-V3's architecture under its
+#: own model_type; its int4 release stores the routed experts as compressed-tensors
+#: pack-quantized int4, group 32.
+RELEASES = {"kimi_k2": ("deepseek_v3", "Kimi-K2")}
 #: rope types the decoders implement
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 #: transformers' default rope_theta per family (used when the config omits it)
@@ -63,7 +69,9 @@ class MLAConfig:
 
 
 def supported_families_text() -> str:
-    return ", ".join(f"{v} ({k!r})" for k, v in SUPPORTED_FAMILIES.items())
+    return ", ".join([*(f"{v} ({k!r})" for k, v in SUPPORTED_FAMILIES.items()),
+                      *(f"{name} ({k!r}, the {SUPPORTED_FAMILIES[arch]} architecture)"
+                        for k, (arch, name) in RELEASES.items())])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +128,7 @@ class DecoderConfig:
     generation: GenerationDefaults = GenerationDefaults()
     moe: MoEModelConfig | None = None
     num_nextn_predict_layers: int = 0
+    release: str | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -132,7 +141,9 @@ class DecoderConfig:
 
     @property
     def family(self) -> str:
-        return SUPPORTED_FAMILIES[self.model_type]
+        """The family's name; a release of an architecture (:data:`RELEASES`) names both."""
+        arch = SUPPORTED_FAMILIES[self.model_type]
+        return arch if self.release is None else f"{RELEASES[self.release][1]} ({arch})"
 
     @property
     def moe_layer_indices(self) -> list[int]:
@@ -143,6 +154,9 @@ class DecoderConfig:
         """Parse ``config.json`` once (see the module doc); the MoE facts become :attr:`moe`."""
         f = Fields(config, where)
         mt = f.get("model_type")
+        release = mt if isinstance(mt, str) and mt in RELEASES else None
+        if release is not None:
+            mt = RELEASES[release][0]
         if not isinstance(mt, str) or mt not in SUPPORTED_FAMILIES:
             raise UnsupportedError(f"{where}: model_type {mt!r} is not supported by wna16_jax.models; "
                                    f"supported families: {supported_families_text()}")
@@ -158,7 +172,7 @@ class DecoderConfig:
                    eos_token_ids=f.integers("eos_token_id", (), low=0, high=vocab - 1, scalar=True),
                    bos_token_id=f.integer("bos_token_id", None, low=0, high=vocab - 1), moe=moe,
                    num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, low=0, high=MAX_LAYERS)
-                   if mt in _MLA_FAMILIES else 0)
+                   if mt in _MLA_FAMILIES else 0, release=release)
 
 
 def _sizes(f: Fields, mt: str) -> dict:
@@ -287,4 +301,4 @@ def _yarn(f: Fields, scaling: Fields, factor: float, head_dim: int, is_mla: bool
     return dict(rope_yarn=yarn, softmax_scale=scale)
 
 
-__all__ = ["DecoderConfig", "MLAConfig", "SUPPORTED_FAMILIES", "SUPPORTED_ROPE_TYPES", "yarn_mscale"]
+__all__ = ["DecoderConfig", "MLAConfig", "RELEASES", "SUPPORTED_FAMILIES", "SUPPORTED_ROPE_TYPES", "yarn_mscale"]
