@@ -46,7 +46,7 @@ _EXPORTS = {
     "MoEDecoder": "models", "load_model": "models", "DecoderConfig": "models", "QuantizedLinear": "models",
     "QuantizedWeight": "models", "DenseLinear": "models", "quantized_matmul": "matmul", "Generator": "models",
     "generate": "models", "load_tokenizer": "models", "write_random_model": "models", "resolve_model_dir": "hub",
-    "RandomModelSpec": "models.synthetic",
+    "RandomModelSpec": "models.synthetic", "MeshRules": "models.mesh",
     # errors
     "WNA16Error": "errors", "ConfigError": "errors", "ShapeError": "errors", "DTypeError": "errors",
     "MissingTensorError": "errors", "UnexpectedTensorError": "errors", "ValueRangeError": "errors",
@@ -82,6 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .models import (DecoderConfig, DenseLinear, Generator, MoEDecoder, QuantizedLinear,
                          QuantizedWeight, generate, load_model, load_tokenizer, write_random_model)
     from .hub import resolve_model_dir
+    from .models.mesh import MeshRules
     from .models.synthetic import RandomModelSpec
     from .matmul import quantized_matmul
     from .moe import EngineFallbackWarning, batched_experts_forward, fused_moe, shared_expert_moe

@@ -222,6 +222,9 @@ class QuantizedMoE(nnx.Module):
             self.shared_expert_gate = nnx.Param(jnp.asarray(g, self.param_dtype))
         else:
             self.shared_expert_gate = None
+        # None: one device. Set by wna16_jax.models.mesh.place_moe: a MoEPlacement (static), which
+        # runs the routed experts through sharded_fused_moe (``experts`` then lie on its mesh)
+        self.mesh_placement = None
 
     top_k = property(lambda self: self.routing.top_k, doc="``routing.top_k``")
     renormalize = property(lambda self: self.routing.renormalize, doc="``routing.renormalize``")
@@ -340,7 +343,9 @@ class QuantizedMoE(nnx.Module):
         a router, score-correction bias or shared-expert gate holding NaN or Inf is a
         :class:`~wna16_jax.errors.ValueRangeError` naming it; under ``jit`` the values are not
         known and cannot be checked. In a scanned decoder the experts' variables hold
-        :class:`~wna16_jax.weights.LayerStack` values bound to the layer (see :func:`bound_weights`)."""
+        :class:`~wna16_jax.weights.LayerStack` values bound to the layer (see :func:`bound_weights`).
+        With ``mesh_placement`` set (:func:`wna16_jax.models.mesh.place_moe`), the routed experts
+        run :func:`~wna16_jax.sharding.sharded_fused_moe` on its mesh instead (no gradient)."""
         from .autodiff import fused_moe_trainable
 
         if getattr(x, "ndim", None) not in (2, 3) or x.shape[-1] != self.hidden_size:
@@ -353,8 +358,11 @@ class QuantizedMoE(nnx.Module):
         tw, ids = self.route(x2d)
         act = self.routing.activation
         experts = self.expert_weights()
-        out = fused_moe_trainable(x2d, tw, ids, experts, activation=act, formulation=self.formulation,
-                                  compute_dtype=float_compute_dtype(experts, x.dtype))
+        if self.mesh_placement is not None:          # on a mesh (forward only: no gradient)
+            out = self.mesh_placement(x2d, tw, ids, experts, activation=act, formulation=self.formulation)
+        else:
+            out = fused_moe_trainable(x2d, tw, ids, experts, activation=act, formulation=self.formulation,
+                                      compute_dtype=float_compute_dtype(experts, x.dtype))
         if self.shared_experts is not None:
             out = (out.astype(jnp.float32) + self._shared_output(x2d)).astype(x.dtype)
         return out.reshape(*lead, self.hidden_size)

@@ -16,9 +16,10 @@ from .decoder import MoEDecoder, load_model
 from .generation import Generator, generate
 from .kv_cache import KVCache
 from .linear import DenseLinear, QuantizedLinear, QuantizedWeight, quantized_matmul
+from .mesh import MeshRules, check_mesh
 from .synthetic import write_random_model
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DecoderConfig", "SUPPORTED_FAMILIES", "SUPPORTED_ROPE_TYPES", "MoEDecoder", "load_model", "KVCache", "Generator",
            "generate", "QuantizedLinear", "QuantizedWeight", "DenseLinear",
-           "quantized_matmul", "write_random_model", "Tokenizer", "load_tokenizer"]
+           "quantized_matmul", "write_random_model", "Tokenizer", "load_tokenizer", "MeshRules", "check_mesh"]

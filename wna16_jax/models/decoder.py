@@ -381,6 +381,7 @@ class MoEDecoder(nnx.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.scan_layers = bool(scan_layers)
+        self.mesh_plan = None        # on a mesh: its MeshPlan (wna16_jax.models.mesh.place_model)
         if self.scan_layers:
             self.layer_graph, stacked = (layers.finish() if isinstance(layers, _LayerStacker)
                                          else _stacked_layers(list(layers)))
@@ -471,15 +472,19 @@ class MoEDecoder(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
         """A zeroed contiguous :class:`KVCache` of every layer: ``k``, ``v``
         ``[num_layers, batch_size, n, max_len, d]`` (heads before positions, the order attention
-        reads them in; :meth:`cache_shapes`)."""
-        return KVCache.contiguous(self.config.num_layers, batch_size, max_len, self.cache_shapes(),
-                                  dtype or self.dtype)
+        reads them in; :meth:`cache_shapes`). On a mesh (``mesh_plan``) the pools are sharded as
+        :meth:`MeshPlan.cache_spec <wna16_jax.models.mesh.MeshPlan.cache_spec>` says."""
+        cache = KVCache.contiguous(self.config.num_layers, batch_size, max_len, self.cache_shapes(),
+                                   dtype or self.dtype)
+        return cache if self.mesh_plan is None else self.mesh_plan.constrain_cache(cache)
 
     def init_paged_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:
         """A zeroed paged :class:`KVCache` pool of ``num_blocks`` blocks of ``block_size`` positions
-        for every layer (read through the block table :meth:`KVCache.with_block_table` sets)."""
-        return KVCache.paged(self.config.num_layers, num_blocks, block_size, self.cache_shapes(),
-                             dtype or self.dtype)
+        for every layer (read through the block table :meth:`KVCache.with_block_table` sets); on a
+        mesh, sharded as :meth:`init_cache`'s."""
+        cache = KVCache.paged(self.config.num_layers, num_blocks, block_size, self.cache_shapes(),
+                              dtype or self.dtype)
+        return cache if self.mesh_plan is None else self.mesh_plan.constrain_cache(cache)
 
 
 #: ``load_model(scan_layers=None)`` scans models of at least this many identical layers
@@ -868,7 +873,7 @@ def _progress(total: int, enabled: bool | None, what: str):
 
 def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend: Any = None,
                dequantized: bool = False, scan_layers: bool | None = None, revision: str | None = None,
-               progress: bool | None = None) -> MoEDecoder:
+               progress: bool | None = None, mesh=None, sharding=None) -> MoEDecoder:
     """Build the :class:`MoEDecoder` of checkpoint ``path``: a folder (``config.json`` +
     safetensors, or a folder :func:`wna16_jax.convert_checkpoint` wrote), a Hugging Face cache
     folder or a hub id in the local cache (:func:`wna16_jax.resolve_model_dir`; ``revision``
@@ -894,12 +899,22 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     families), config values out of their rules, rope types / sliding-window settings it would
     get wrong, MoE layers where the config does not put them; then, per tensor, missing,
     unexpected, misshapen or non-finite tensors, naming them. Only files inside the folder are read.
+
+    ``mesh`` (a ``jax.sharding.Mesh``): the decoder is placed on it, split as ``sharding`` (a
+    :class:`~wna16_jax.models.mesh.MeshRules`, a mapping of its fields, or None for the defaults)
+    says; a mesh whose axes do not divide what the rules split over them, or an axis that does not
+    exist, is a typed error naming the axis, its size and the dimension, before any weight is read
+    (:func:`~wna16_jax.models.mesh.check_mesh`; docs/models.md, "On a mesh").
     """
     opts = LoadOptions.checked(dtype, param_dtype, backend, dequantized)
     ckpt, config = _open(path, revision)
     head, scanned = _layer_plan(config, scan_layers)
     _check_layers(ckpt, config)
-    loader = _Loader(ckpt, config, opts)
+    plan = None
+    if mesh is not None or sharding is not None:               # checked before any weight is read
+        from . import mesh as _mesh
+        plan = _mesh.plan_for_load(config, ckpt, mesh, sharding, opts)
+    loader = (_Loader if plan is None else _mesh.mesh_loader(_Loader, plan))(ckpt, config, opts)
     with _progress(config.num_layers, progress, "loading layers") as tick:
         heads, layers = _load_layers(loader, head, scanned, bool(scan_layers), tick)
     if loader.fallback:
@@ -907,9 +922,10 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
         warnings.warn(f"{n} of {len(config.moe_layer_indices)} MoE layer{'s' if n > 1 else ''} run the loader layout "
                       f"on the XLA executor ({loader.fallback_why or 'no backend converts the scheme here'})",
                       BackendFallbackWarning, stacklevel=2)
-    return MoEDecoder(config, loader.embeddings(), layers, loader.norm("model.norm.weight", config.hidden_size),
-                      loader.lm_head(), dtype=opts.dtype, scan_layers=isinstance(layers, _LayerStacker),
-                      head_layers=heads)
+    model = MoEDecoder(config, loader.embeddings(), layers, loader.norm("model.norm.weight", config.hidden_size),
+                       loader.lm_head(), dtype=opts.dtype, scan_layers=isinstance(layers, _LayerStacker),
+                       head_layers=heads)
+    return model if plan is None else _mesh.place_model(model, plan)
 
 
 __all__ = ["MoEDecoder", "LoadOptions", "bind_layer", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",

@@ -1,0 +1,434 @@
+"""Whole decoders on a ``jax.sharding.Mesh``: :class:`MeshRules`, :func:`check_mesh`, :func:`place_model`.
+
+``load_model(DIR, mesh=mesh, sharding=rules)`` checks the mesh against the parsed config before
+any weight is read (:func:`check_mesh`), loads the decoder, lays each MoE layer out for
+:func:`wna16_jax.sharding.sharded_fused_moe` and puts every array on the mesh
+(:func:`place_model`). What goes where is one small rule set, :class:`MeshRules`: each kind of
+dimension names the mesh axis it is split over (None: not split):
+
+===========================  ============  ===============================================================
+field                        default       what is split over it
+===========================  ============  ===============================================================
+``experts``                  ``"ep"``      the routed experts (expert parallel; tokens too, inside the layer)
+``expert_intermediate``      ``"tp"``      the experts' intermediate size (tensor parallel: one
+                                           ``[tp, E, ...]`` stack of per-rank slices, each converted alone)
+``heads``                    ``"tp"``      attention heads and KV heads: the q / k / v (DeepSeek: q, q_b,
+                                           kv_b) rows, the o_proj columns, the KV cache's head axis
+``mlp``                      ``"tp"``      the dense MLPs' intermediate size (gate / up rows, down columns)
+``vocab``                    ``"tp"``      the embedding rows and ``lm_head``'s rows
+===========================  ============  ===============================================================
+
+Norms, routers, score-correction biases, shared experts and shared-expert gates are replicated
+(:data:`LINEAR_RULES` and :func:`leaf_specs` are the whole table). A quantized linear as the
+checkpoint stores it is split on its packed arrays' N (rows) or K (columns) axis, each array where
+the axis size divides it (else that array is replicated); a linear laid out for a GPU engine is
+replicated. With ``sharding=None`` the defaults apply to the axes the mesh has (a mesh of one
+``"ep"`` axis is expert parallel only); a mapping changes some of those; an axis a rule names must
+exist.
+
+The MoE layers run :func:`~wna16_jax.sharding.sharded_fused_moe` (a ``shard_map``: each device
+runs its experts' shard on the executor the registry picks for it; where the GPU engine refuses a
+shard, the XLA executor runs it, with the warning the layer gives). Everything else is left to
+XLA's sharding propagation (GSPMD): the programs are ``jax.jit``-compiled with the sharded
+parameters as inputs, and the KV cache is constrained to its sharding where
+:meth:`MoEDecoder.init_cache <wna16_jax.models.MoEDecoder.init_cache>` makes it. Sums are taken in
+another order than on one device (the psums over the mesh, row-parallel linears), so float32
+logits agree to rounding (about 1e-6 of their scale), not bit for bit.
+
+Not yet (this increment): DeepSeek's latent cache is replicated (one latent per token, shared by
+every head); each process reads the whole checkpoint (with expert TP, each MoE layer's experts once
+more, to slice them); one process only; the quantized dense linears' dequantization and the GPU
+kernels (engine linears, decode attention) are partitioned by XLA, not by hand; the sharded MoE
+layers have no gradient (generation, not training); ``dequantized=True``, and expert TP on a
+folder ``wna16-jax convert`` wrote, are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
+from flax import nnx
+
+from ..errors import ConfigError, ShapeError, UnsupportedError
+from ..fields import show_value
+from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE, convert_experts
+from ..sharding import EP_METHODS, sharded_fused_moe, stack_tp_shards
+from ..weights import at_layer
+from .config import DecoderConfig
+
+#: the :class:`MeshRules` fields that name a mesh axis
+AXIS_FIELDS = ("experts", "expert_intermediate", "heads", "mlp", "vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+    """Which mesh axis each kind of dimension is split over (see the module doc; None: not split).
+    ``ep_method``: the expert-parallel design of :func:`~wna16_jax.sharding.sharded_fused_moe`
+    (``"allgather"`` or ``"all_to_all"``)."""
+
+    experts: str | None = "ep"
+    expert_intermediate: str | None = "tp"
+    heads: str | None = "tp"
+    mlp: str | None = "tp"
+    vocab: str | None = "tp"
+    ep_method: str = "allgather"
+
+    def __post_init__(self):
+        for f in AXIS_FIELDS:
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"sharding.{f}: expected a mesh axis name (str) or None, got {show_value(v)}")
+        if not isinstance(self.ep_method, str) or self.ep_method not in EP_METHODS:
+            raise ConfigError(f"sharding.ep_method: expected one of {EP_METHODS}, got {show_value(self.ep_method)}")
+        if self.experts is not None and self.experts == self.expert_intermediate:
+            raise ConfigError(f"sharding: experts and expert_intermediate must name different mesh axes, "
+                              f"both are {self.experts!r}")
+
+    def replace(self, **changes) -> "MeshRules":
+        """The same rules with some fields changed (checked again)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"MeshRules.replace: {unknown} are not fields; expected some of "
+                              f"{list(AXIS_FIELDS) + ['ep_method']}")
+        return dataclasses.replace(self, **changes)
+
+
+def _mesh_axes(mesh) -> dict[str, int]:
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise ConfigError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__} {show_value(mesh)}")
+    return {str(k): int(v) for k, v in mesh.shape.items()}
+
+
+def resolve_rules(mesh, sharding: Any = None) -> MeshRules:
+    """``sharding`` checked against the mesh's axes: None gives the defaults with the axes the mesh
+    lacks set to None (a mesh with neither ``"ep"`` nor ``"tp"`` then needs explicit rules); a
+    mapping of :class:`MeshRules` fields changes those of that; a :class:`MeshRules` is taken as it
+    is. Every axis the result names must exist (a :class:`ConfigError` naming the field, the axis
+    and the mesh's axes)."""
+    axes = _mesh_axes(mesh)
+    if sharding is None or isinstance(sharding, Mapping):
+        rules = MeshRules()
+        rules = rules.replace(**{f: None for f in AXIS_FIELDS if getattr(rules, f) not in axes})
+        if sharding is None and all(getattr(rules, f) is None for f in AXIS_FIELDS):
+            raise ConfigError(f"mesh: has axes {tuple(axes)}, none of which the default rules use ('ep', 'tp'); "
+                              "name them in sharding=MeshRules(experts=..., heads=..., ...)")
+        if sharding is None:
+            return rules
+        unknown = sorted(set(sharding) - set(AXIS_FIELDS) - {"ep_method"})
+        if unknown:
+            raise ConfigError(f"sharding: {unknown} are not MeshRules fields; expected some of "
+                              f"{list(AXIS_FIELDS) + ['ep_method']}")
+        sharding = rules.replace(**sharding)
+    if not isinstance(sharding, MeshRules):
+        raise ConfigError(f"sharding: expected None, a MeshRules or a mapping of its fields, got "
+                          f"{type(sharding).__name__} {show_value(sharding)}")
+    for f in AXIS_FIELDS:
+        a = getattr(sharding, f)
+        if a is not None and a not in axes:
+            raise ConfigError(f"sharding.{f}: mesh axis {a!r} does not exist; the mesh's axes are {tuple(axes)}")
+    return sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEPlacement:
+    """How a :class:`~wna16_jax.nn.QuantizedMoE` runs its routed experts on a mesh: through
+    :func:`~wna16_jax.sharding.sharded_fused_moe` with these axes (``tp_axis`` set: the layer's
+    experts are a ``[tp, E, ...]`` stack). A static (hashable) attribute of the layer."""
+
+    mesh: Mesh
+    ep_axis: str | None
+    tp_axis: str | None
+    ep_method: str = "allgather"
+
+    def __call__(self, x2d, topk_weights, topk_ids, experts, *, activation: str, formulation: str | None):
+        """The routed experts' output ``[T, H]`` (a scanned decoder's bound layer read first)."""
+        return sharded_fused_moe(x2d, topk_weights, topk_ids, at_layer(experts), self.mesh, ep_axis=self.ep_axis,
+                                 tp_axis=self.tp_axis, ep_method=self.ep_method, activation=activation,
+                                 formulation=formulation)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """A mesh and the rules checked against one decoder config (:func:`check_mesh`)."""
+
+    mesh: Any
+    rules: MeshRules
+    latent_cache: bool = False
+
+    def size(self, field: str) -> int:
+        """The size of the mesh axis rule ``field`` names (1: not split)."""
+        a = getattr(self.rules, field)
+        return 1 if a is None else int(self.mesh.shape[a])
+
+    def axis(self, field: str) -> str | None:
+        """The mesh axis rule ``field`` names, where it splits anything (size above 1), else None."""
+        return getattr(self.rules, field) if self.size(field) > 1 else None
+
+    def moe_placement(self) -> MoEPlacement | None:
+        ep, tp = self.axis("experts"), self.axis("expert_intermediate")
+        if ep is None and tp is None:
+            return None                       # replicated experts: the one-device layer, under jit
+        return MoEPlacement(self.mesh, ep, tp, self.rules.ep_method)
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def cache_spec(self) -> P:
+        """The KV cache pools' spec (``[L, rows, n, positions, d]``): the KV heads over ``heads``;
+        DeepSeek's latent cache (``n = 1``) replicated."""
+        return P() if self.latent_cache else _spec(None, None, self.axis("heads"))
+
+    def constrain_cache(self, cache):
+        """``cache`` with its pools constrained to :meth:`cache_spec` (inside or outside ``jit``)."""
+        s = self.sharding(self.cache_spec())
+        return dataclasses.replace(cache, k=jax.lax.with_sharding_constraint(cache.k, s),
+                                   v=jax.lax.with_sharding_constraint(cache.v, s))
+
+
+def _divides(plan: MeshPlan, field: str, dimension: str, value: int) -> None:
+    n = plan.size(field)
+    if value % n:
+        raise ShapeError(f"mesh axis {getattr(plan.rules, field)!r} has size {n}, which does not divide "
+                         f"{dimension} = {value} (sharding.{field})")
+
+
+def _check_expert_slices(plan: MeshPlan, config: DecoderConfig, scheme) -> None:
+    """Each TP rank's slice of the experts' intermediate size holds whole packed words and groups."""
+    tp, i = plan.size("expert_intermediate"), config.moe.moe_intermediate_size
+    if tp == 1 or scheme is None:
+        return
+    loc, rules = i // tp, [(scheme.pack_factor, "pack factor")]
+    if scheme.group_size not in (-1, None):
+        rules.append((scheme.group_size, "group size"))
+    for unit, what in rules:
+        if loc % unit:
+            raise ShapeError(f"mesh axis {plan.rules.expert_intermediate!r} has size {tp}: "
+                             f"{config.moe.intermediate_size_field} = {i} splits into slices of {loc}, "
+                             f"not a multiple of the {what} {unit} (sharding.expert_intermediate)")
+
+
+def check_mesh(config: DecoderConfig, mesh, sharding: Any = None, *, scheme=None) -> MeshPlan:
+    """The :class:`MeshPlan` of ``config`` on ``mesh`` (a ``Mesh`` or an ``AbstractMesh``) under
+    ``sharding`` (:func:`resolve_rules`), or a typed error naming the mesh axis, its size and the
+    dimension it does not divide: the experts count, the attention heads and KV heads, the dense
+    MLPs' intermediate size, the vocabulary; with ``scheme`` (the experts' quantization), each TP
+    slice of the experts' intermediate size must also hold whole packed words and groups. Reads no
+    weight."""
+    if not isinstance(config, DecoderConfig):
+        raise ConfigError(f"config: expected a DecoderConfig, got {type(config).__name__}")
+    rules = resolve_rules(mesh, sharding)
+    plan = MeshPlan(mesh, rules, latent_cache=config.mla is not None)
+    moe = config.moe
+    if moe is not None:
+        _divides(plan, "experts", moe.num_experts_field, moe.num_experts)
+        _divides(plan, "expert_intermediate", moe.intermediate_size_field, moe.moe_intermediate_size)
+        _check_expert_slices(plan, config, scheme)
+    _divides(plan, "heads", "num_attention_heads", config.num_heads)
+    if config.mla is None:
+        _divides(plan, "heads", "num_key_value_heads", config.num_kv_heads)
+    if config.intermediate_size is not None and not all(config.sparse_layers):
+        _divides(plan, "mlp", "intermediate_size", config.intermediate_size)
+    _divides(plan, "vocab", "vocab_size", config.vocab_size)
+    return plan
+
+
+def plan_for_load(config: DecoderConfig, ckpt, mesh, sharding: Any, opts) -> MeshPlan:
+    """:func:`check_mesh` for :func:`~wna16_jax.models.load_model` (the experts' scheme from the
+    checkpoint's headers), and what the load cannot place yet refused; reads no weight."""
+    from ..serialize import ConvertedCheckpoint
+
+    if mesh is None:
+        raise ConfigError(f"sharding: given ({show_value(sharding)}) without a mesh; pass mesh=")
+    plan = check_mesh(config, mesh, sharding, scheme=getattr(ckpt, "scheme", None))
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
+                          f"{type(mesh).__name__}")
+    if opts.dequantized:
+        raise UnsupportedError("dequantized: a dequantized model is not placed on a mesh (mesh= with "
+                               "dequantized=True); load it on one device")
+    if plan.size("expert_intermediate") > 1 and isinstance(ckpt, ConvertedCheckpoint):
+        raise UnsupportedError(f"sharding.expert_intermediate: {ckpt.path!r} holds experts converted to "
+                               f"{ckpt.backend.value}, which cannot be sliced for tensor parallelism; set "
+                               "expert_intermediate=None (expert parallel only) or load the source checkpoint")
+    return plan
+
+
+# --------------------------------------------------------------------------- the MoE layers
+
+
+def _tp_variables(stack):
+    """A ``[tp, E, ...]`` experts stack as :class:`QuantizedExperts` (logical axes
+    ``("tp_ranks", "experts", None, ...)``)."""
+    def wrap(a):
+        return QuantizedExperts(a, **{SHARDING_KEY: ("tp_ranks", "experts") + (None,) * (a.ndim - 2)},
+                                eager_sharding=False)
+
+    return jax.tree.map(wrap, stack)
+
+
+def place_moe(mlp: QuantizedMoE, plan: MeshPlan, tp_shards=None) -> QuantizedMoE:
+    """``mlp`` set to run its routed experts on the mesh (:class:`MoEPlacement`); with expert TP,
+    its experts replaced by ``tp_shards()``, the ``[tp, E, ...]`` stack of its per-rank layouts."""
+    placement = plan.moe_placement()
+    if placement is None:
+        return mlp
+    if placement.tp_axis is not None:
+        if tp_shards is None:
+            raise UnsupportedError("expert tensor parallelism needs the experts sliced before they are converted; "
+                                   "load the model with load_model(DIR, mesh=...)")
+        mlp.experts = nnx.data(_tp_variables(tp_shards()))
+    mlp.mesh_placement = placement
+    return mlp
+
+
+def mesh_loader(base, plan: MeshPlan):
+    """A loader (a subclass of ``base``, :class:`wna16_jax.models.decoder._Loader`) whose MoE layers
+    are placed by :func:`place_moe`: with expert TP, each rank's slice is read
+    (``Checkpoint.load_layer(i, tp_size=, tp_rank=)``) and converted on its own, then stacked."""
+
+    class MeshLoader(base):
+        def moe(self, i: int) -> QuantizedMoE:
+            mlp = super().moe(i)
+            return place_moe(mlp, plan, lambda: self.tp_experts(i, mlp))
+
+        def tp_experts(self, i: int, mlp: QuantizedMoE):
+            tp = plan.size("expert_intermediate")
+            return stack_tp_shards([               # each slice laid out as the whole layer was
+                convert_experts(self.ckpt.load_layer(i, tp_size=tp, tp_rank=r).experts, mlp.backend,
+                                activation=mlp.routing.activation, activation_dtype=self.o.dtype)[0]
+                for r in range(tp)])
+
+    return MeshLoader
+
+
+# --------------------------------------------------------------------------- the state
+
+#: linear weights split over a rule's axis: (path pattern inside a decoder layer or at the top,
+#: rule field, "n" = the output rows are split (column parallel) | "k" = the input columns are)
+LINEAR_RULES = (
+    (r"self_attn/(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)/(weight|bias)", "heads", "n"),
+    (r"self_attn/o_proj/weight", "heads", "k"),
+    (r"mlp/(gate_proj|up_proj)/(weight|bias)", "mlp", "n"),
+    (r"mlp/down_proj/weight", "mlp", "k"),
+    (r"embed_tokens", "vocab", "n"),
+    (r"lm_head/(weight|bias)", "vocab", "n"),
+)
+
+
+def _matrix_axis(method, field: str, side: str) -> int | None:
+    """The axis of a checkpoint-form one-expert :class:`~wna16_jax.weights.QuantMatrix` field
+    ``[1, ...]`` that spans N (``side`` "n") or K ("k"): AWQ and GPTQ store ``[K-ish, N-ish]``,
+    compressed-tensors ``[N-ish, K-ish]``; ``g_idx [1, K]`` has no N axis."""
+    from ..schemes import QuantMethod
+
+    if field == "g_idx":
+        return 1 if side == "k" else None
+    if field not in ("qvalue", "scale", "zero_point"):
+        return None
+    k_first = method in (QuantMethod.AWQ, QuantMethod.GPTQ)
+    return (2 if side == "n" else 1) if k_first else (1 if side == "n" else 2)
+
+
+def _spec(*axes) -> P:
+    """``P(*axes)`` without trailing Nones (``P()``: replicated)."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
+def _split_spec(a, lead: tuple, axis: int | None, name: str | None) -> P:
+    """``P`` splitting ``a``'s ``axis`` (after ``lead``) over mesh axis ``name``."""
+    if axis is None or name is None:
+        return P()
+    return _spec(*lead, *([None] * axis), name)
+
+
+def _linear_specs(plan: MeshPlan, value, lead: tuple, field: str, side: str):
+    """The specs of a linear's weight or bias value (an array, or a checkpoint-form QuantMatrix,
+    each of whose packed arrays is split on its N or K axis where the mesh axis size divides it;
+    another layout, such as an engine's, is replicated)."""
+    from ..weights import CheckpointForm, QuantMatrix
+
+    name, n = plan.axis(field), plan.size(field)
+
+    def fits(a, axis):
+        return axis is not None and a.ndim > len(lead) + axis and a.shape[len(lead) + axis] % n == 0
+
+    if isinstance(value, QuantMatrix):
+        if not isinstance(value.form, CheckpointForm):
+            return jax.tree.map(lambda _: P(), value)
+        method = value.form.scheme.method
+        out = {}
+        for f in QuantMatrix.EXPERT_FIELDS + ("global_scale",):
+            a = getattr(value, f)
+            if a is not None:
+                axis = _matrix_axis(method, f, side)
+                out[f] = _split_spec(a, lead, axis, name) if fits(a, axis) else P()
+        return dataclasses.replace(value, **out)
+    axis = 0 if side == "n" else 1
+    return _split_spec(value, lead, axis, name) if fits(value, axis) else P()
+
+
+def leaf_specs(plan: MeshPlan, path: tuple, variable):
+    """The ``PartitionSpec`` of every array of the state leaf at ``path`` (``nnx`` state keys),
+    as a pytree like its value: a scanned decoder's stacked leaves keep their leading layer axis
+    unsplit; routed experts over ``experts`` (and a TP stack's rank axis over
+    ``expert_intermediate``); linears as :data:`LINEAR_RULES` say; the rest replicated."""
+    keys = [str(k) for k in path]
+    lead: tuple = ()
+    if keys and keys[0] == "stacked_layers":
+        keys, lead = keys[1:], (None,)
+    elif keys and keys[0] == "layers":
+        keys = keys[2:]
+    where, value = "/".join(keys), variable.get_value()
+    if isinstance(variable, QuantizedExperts):
+        spec = P()                                               # shared experts: replicated
+        if where.startswith("mlp/experts/"):
+            ax = tuple(variable.get_metadata().get(SHARDING_KEY) or ())
+            tp_stack = ax[len(lead):len(lead) + 1] == ("tp_ranks",)
+            spec = _spec(*lead, *((plan.axis("expert_intermediate"),) if tp_stack else ()), plan.axis("experts"))
+        return jax.tree.map(lambda _: spec, value)
+    for pattern, field, side in LINEAR_RULES:
+        if re.fullmatch(pattern, where):
+            return _linear_specs(plan, value, lead, field, side)
+    return jax.tree.map(lambda _: P(), value)
+
+
+def place_model(model, plan: MeshPlan):
+    """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
+    :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
+    (``model.mesh_plan``: :meth:`~wna16_jax.models.MoEDecoder.init_cache` shards the cache by it).
+    Returns the model."""
+    if not isinstance(plan.mesh, Mesh):
+        raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
+                          f"{type(plan.mesh).__name__}")
+    state = nnx.state(model)
+    for path, v in nnx.to_flat_state(state):
+        specs = leaf_specs(plan, path, v)
+        v.set_value(jax.device_put(v.get_value(), jax.tree.map(plan.sharding, specs,
+                                                               is_leaf=lambda x: isinstance(x, P))))
+    nnx.update(model, state)
+    model.mesh_plan = plan
+    return model
+
+
+def describe(model) -> dict[str, str]:
+    """``{state path: PartitionSpec}`` of every array leaf of ``model`` as it lies now (for
+    inspection)."""
+    out = {}
+    for path, v in nnx.to_flat_state(nnx.state(model)):
+        for sub, a in jax.tree_util.tree_flatten_with_path(v.get_value())[0]:
+            sh = getattr(a, "sharding", None)
+            out["/".join(map(str, path)) + jax.tree_util.keystr(sub)] = str(getattr(sh, "spec", None))
+    return out
+
+
+__all__ = ["MeshRules", "MeshPlan", "MoEPlacement", "check_mesh", "resolve_rules", "place_model", "place_moe",
+           "leaf_specs", "describe", "AXIS_FIELDS", "LINEAR_RULES"]
