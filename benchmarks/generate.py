@@ -153,7 +153,7 @@ def touched_bytes(model: MoEDecoder, batch: int) -> int:
     for layer in layer_shapes(model):
         if isinstance(layer.mlp, QuantizedMoE):
             moe = layer.mlp
-            e, k = moe.num_experts, moe.top_k
+            e, k = moe.num_experts, moe.routing.top_k
             experts = _nbytes(moe.expert_weights())
             expected = e * (1.0 - (1.0 - k / e) ** batch)
             total += int(experts / e * expected)

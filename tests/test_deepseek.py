@@ -126,7 +126,7 @@ def _rotate(x, pos, inv, factor):
 
 def _route(mlp, hx, raw):
     logits = hx @ _f64(mlp.router[...]).T
-    if mlp.scoring_func == "sigmoid":
+    if mlp.routing.scoring_func == "sigmoid":
         scores = 1 / (1 + np.exp(-logits))
     else:
         scores = np.exp(logits - logits.max(-1, keepdims=True))
@@ -143,11 +143,11 @@ def _route(mlp, hx, raw):
             allowed = np.zeros(g, bool)
             allowed[keep] = True
             choice = np.where(np.repeat(allowed, groups.shape[1]), choice, -np.inf)
-        top = np.argsort(-choice, kind="stable")[:mlp.top_k]
+        top = np.argsort(-choice, kind="stable")[:mlp.routing.top_k]
         w = sc[top]
-        if mlp.renormalize:
+        if mlp.routing.renormalize:
             w = w / w.sum()
-        out.append((top, w * mlp.routed_scaling_factor))
+        out.append((top, w * mlp.routing.routed_scaling_factor))
     return out
 
 

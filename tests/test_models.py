@@ -379,8 +379,8 @@ def _reference_logits(model, tokens):
             w13, w2 = (np.asarray(t, np.float64) for t in mlp.expert_weights().dequantize(jnp.float32))
             y = np.zeros_like(hx)
             for t in range(s):
-                top = np.argsort(-prob[t], kind="stable")[:mlp.top_k]
-                wts = prob[t, top] / (prob[t, top].sum() if mlp.renormalize else 1.0)
+                top = np.argsort(-prob[t], kind="stable")[:mlp.routing.top_k]
+                wts = prob[t, top] / (prob[t, top].sum() if mlp.routing.renormalize else 1.0)
                 for e, wt in zip(top, wts):
                     hh = w13[e] @ hx[t]
                     i = hh.shape[0] // 2

@@ -226,12 +226,6 @@ class QuantizedMoE(nnx.Module):
         # runs the routed experts through sharded_fused_moe (``experts`` then lie on its mesh)
         self.mesh_placement = None
 
-    top_k = property(lambda self: self.routing.top_k, doc="``routing.top_k``")
-    renormalize = property(lambda self: self.routing.renormalize, doc="``routing.renormalize``")
-    scoring_func = property(lambda self: self.routing.scoring_func, doc="``routing.scoring_func``")
-    routed_scaling_factor = property(lambda self: self.routing.routed_scaling_factor,
-                                     doc="``routing.routed_scaling_factor``")
-
     # ------------------------------------------------------------------ construction
     def _score_bias(self, bias: Any):
         if bias is None:
