@@ -63,27 +63,20 @@ def choose_splits(batch: int, kv_heads: int, blocks: int, *, programs: int = 264
     return max(1, min(blocks, -(-programs // max(1, batch * kv_heads))))
 
 
-def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_t, per_split, blocks, scale,
-            window):
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    n = len_ref[b]                                     # slots 0 .. n-1 are valid
-    q = q_ref[...]                                     # [G, D]
+def _attend_blocks(q, n, lo, hi, block, read_k, read_v, acc_ref, m_ref, l_ref, *, scale, window):
+    """The online softmax of ``q [G, D]`` over the cache blocks ``lo … hi - 1`` of ``block`` slots
+    (``read_k(j)``, ``read_v(j)``: block ``j``'s ``[block, D]`` keys / values), slots ``t < n``
+    (and ``t > n - window``) visible; writes the unnormalised partials ``acc``, ``m``, ``l``.
+    Both kernels (contiguous and paged) run it; they differ in how a block is found."""
     g = q.shape[0]
-    first = s * per_split
-    lo = first
-    if window is not None:                             # visible: slot > n - window
-        lo = jnp.maximum(first, (n - window + 1) // block_t)
-    hi = jnp.minimum(jnp.minimum(first + per_split, blocks), (n + block_t - 1) // block_t)   # never past the cache
     neg = jnp.float32(-jnp.inf)
 
     def body(j, carry):
         m, l, acc = carry
-        t0 = pl.multiple_of(j * block_t, block_t)
-        kb = k_ref[layer, b, h, pl.ds(t0, block_t), :]                     # [BT, D]
+        kb = read_k(j)                                                     # [S, D]
         sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * np.float32(scale)   # [G, BT]
-        t = t0 + jax.lax.broadcasted_iota(jnp.int32, (g, block_t), 1)
+                                 preferred_element_type=jnp.float32) * np.float32(scale)   # [G, S]
+        t = j * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
         ok = t < n
         if window is not None:
             ok = ok & (t > n - window)
@@ -92,7 +85,7 @@ def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, b
         m_safe = jnp.where(m_new == neg, 0.0, m_new)                      # a row with nothing seen yet
         p = jnp.exp(sc - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
-        vb = v_ref[layer, b, h, pl.ds(t0, block_t), :]
+        vb = read_v(j)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
@@ -103,6 +96,24 @@ def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, b
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_t, per_split, blocks, scale,
+            window):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    n = len_ref[b]                                     # slots 0 .. n-1 are valid
+    first = s * per_split
+    lo = first
+    if window is not None:                             # visible: slot > n - window
+        lo = jnp.maximum(first, (n - window + 1) // block_t)
+    hi = jnp.minimum(jnp.minimum(first + per_split, blocks), (n + block_t - 1) // block_t)   # never past the cache
+
+    def rows(ref):
+        return lambda j: ref[layer, b, h, pl.ds(pl.multiple_of(j * block_t, block_t), block_t), :]
+
+    _attend_blocks(q_ref[...], n, lo, hi, block_t, rows(k_ref), rows(v_ref), acc_ref, m_ref, l_ref,
+                   scale=scale, window=window)
 
 
 def split_plan(batch: int, kv_heads: int, cache_len: int, splits: int | None = None) -> tuple[int, int, int]:
@@ -258,41 +269,17 @@ def _paged_kernel(layer_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[b]                                     # slots 0 .. n-1 are valid
-    q = q_ref[...]                                     # [G, D]
-    g = q.shape[0]
     first = s * per_split
     lo = first
     if window is not None:                             # visible: slot > n - window
         lo = jnp.maximum(first, (n - window + 1) // block_size)
     hi = jnp.minimum(first + per_split, (n + block_size - 1) // block_size)   # never past the row's blocks
-    neg = jnp.float32(-jnp.inf)
 
-    def body(j, carry):
-        m, l, acc = carry
-        blk = jnp.maximum(table_ref[b, j], 0)          # entries below n's blocks are real; -1 never read
-        kb = k_ref[layer, blk, h, :, :]                                    # [S, D]
-        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * np.float32(scale)   # [G, S]
-        t = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (g, block_size), 1)
-        ok = t < n
-        if window is not None:
-            ok = ok & (t > n - window)
-        sc = jnp.where(ok, sc, neg)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        m_safe = jnp.where(m_new == neg, 0.0, m_new)                      # a row with nothing seen yet
-        p = jnp.exp(sc - m_safe[:, None])
-        alpha = jnp.exp(m - m_safe)
-        vb = v_ref[layer, blk, h, :, :]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+    def block(ref):                                    # entries below n's blocks are real; -1 never read
+        return lambda j: ref[layer, jnp.maximum(table_ref[b, j], 0), h, :, :]
 
-    m0 = jnp.full((g,), neg, jnp.float32)
-    l0 = jnp.zeros((g,), jnp.float32)
-    acc0 = jnp.zeros(q.shape, jnp.float32)
-    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, (m0, l0, acc0))
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    _attend_blocks(q_ref[...], n, lo, hi, block_size, block(k_ref), block(v_ref), acc_ref, m_ref, l_ref,
+                   scale=scale, window=window)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "splits", "interpret", "num_warps", "num_stages"))
