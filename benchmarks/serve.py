@@ -21,6 +21,17 @@ all are done. It prints one table row:
 
 GPU (one H100 or H200; say which): ``PYTHONPATH=$PWD python3 benchmarks/serve.py --model qwen3
 --requests 64 --prompt 512 --new 128 --measure-bandwidth``.
+
+``--mix`` replays a request mix instead: ``--requests`` requests with prompt and output lengths
+uniform in ``--prompt-range`` / ``--new-range``, Poisson arrivals at ``--rate`` per second, at
+most ``--streams`` in flight (each count in turn, the same requests), through the scheduler (no
+HTTP: the server's own overhead is not in these numbers). Each row gives output tokens/s (and its
+ratio to the static ``Generator`` batch of ``--static-batch`` on prompts and outputs of the mean
+lengths, measured first in the same run), time to first token and time per output token (p50 /
+p99) and the p99 TPOT over the static batch's decode step; the last line says whether the goal at
+``--static-batch`` streams holds (tokens/s at least 0.8 of the static batch's, p99 TPOT under 2
+static steps). GPU: ``PYTHONPATH=$PWD python3 benchmarks/serve.py --model qwen3 --mix --requests 96``
+(and ``--model mixtral``).
 CPU smoke run: ``python3 benchmarks/serve.py --tiny``.
 """
 
@@ -51,6 +62,9 @@ from wna16_jax.serving.scheduler import Scheduler  # noqa: E402
 #: what ``--tiny`` sets (a CPU smoke run of a few seconds)
 TINY = dict(model="tiny", layers=1, requests=4, prompt=20, new=8, block_size=8, batch_sizes=[1, 2],
             chunk_sizes=[16], dtype="float32")
+
+#: what ``--tiny --mix`` adds
+TINY_MIX = dict(streams=[1, 2], requests=5, rate=0.0, prompt_range=[4, 20], new_range=[2, 8], static_batch=2)
 
 HEADER = ("| model | requests | prompt | new | tokens/s | decode step ms | rows | floor ms | step / floor "
           "| KV MiB / step | p50 latency s | p99 latency s | p50 first token s | preemptions | pool MiB | compile s |")
@@ -116,6 +130,107 @@ def run(engine: ModelEngine, *, requests: int, prompt: int, new: int, temperatur
             "first_p50": float(np.median(list(first.values()))), "preemptions": scheduler.preemptions}
 
 
+def mix_requests(vocab: int, n: int, prompt_range, new_range, rate: float, seed: int):
+    """``n`` requests of a mix: prompt and output lengths uniform in their ``(low, high)`` ranges,
+    arrival times of a Poisson process of ``rate`` requests / s (0: all at time 0)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, int(rng.integers(prompt_range[0], prompt_range[1] + 1))).tolist()
+               for _ in range(n)]
+    news = [int(rng.integers(new_range[0], new_range[1] + 1)) for _ in range(n)]
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n)) if rate > 0 else np.zeros(n)
+    return prompts, news, arrivals
+
+
+def run_mix(engine: ModelEngine, requests, *, concurrency: int, temperature: float) -> dict:
+    """Replay ``requests`` (:func:`mix_requests`) through the scheduler, at most ``concurrency``
+    in flight (a request waits for its arrival time and a free stream). Time to first token is
+    from when a request is sent; time per output token is a request's (last - first token) over
+    its tokens after the first."""
+    prompts, news, arrivals = requests
+    scheduler = Scheduler(engine)
+    waiting, in_flight = list(range(len(prompts))), set()
+    sent, first, last, count = {}, {}, {}, {}
+    t0 = time.perf_counter()
+    while waiting or scheduler.has_work:
+        now = time.perf_counter() - t0
+        while waiting and len(in_flight) < concurrency and arrivals[waiting[0]] <= now:
+            i = waiting.pop(0)
+            scheduler.add(f"r{i}", prompts[i], SamplingParams(temperature=temperature, max_tokens=news[i], seed=i))
+            in_flight.add(i)
+            sent[i], count[i] = now, 0
+        if not scheduler.has_work:
+            time.sleep(max(0.0, min(arrivals[waiting[0]] - now, 0.05)))
+            continue
+        for event in scheduler.step():
+            t, i = time.perf_counter() - t0, int(event.request_id[1:])
+            first.setdefault(i, t)
+            last[i], count[i] = t, count[i] + 1
+            if event.finish_reason is not None:
+                in_flight.discard(i)
+    wall = time.perf_counter() - t0
+    ttft = np.asarray([first[i] - sent[i] for i in first])
+    tpot = np.asarray([(last[i] - first[i]) / (count[i] - 1) for i in first if count[i] > 1] or [np.nan])
+    return {"tokens_s": sum(count.values()) / wall, "ttft_p50": float(np.percentile(ttft, 50)),
+            "ttft_p99": float(np.percentile(ttft, 99)), "tpot_p50": float(np.percentile(tpot, 50)),
+            "tpot_p99": float(np.percentile(tpot, 99)), "preemptions": scheduler.preemptions,
+            "finished": len(first)}
+
+
+def static_generator(model, batch: int, prompt: int, new: int, max_len: int, seed: int = 0) -> dict:
+    """The static batch the server is compared with: ``Generator(batch_size=batch)`` on ``batch``
+    random prompts of ``prompt`` tokens, ``new`` tokens each (no stop token), compiled first;
+    ``step_s``: one decode step, from the difference of a run of ``new`` and one of 2 tokens."""
+    from wna16_jax.models.generation import Generator
+
+    rng = np.random.default_rng(seed)
+    gen = Generator(model, batch_size=batch, max_len=max_len)
+    prompts = [rng.integers(3, model.config.vocab_size, prompt).tolist() for _ in range(batch)]
+
+    def timed(n):
+        t = time.perf_counter()
+        gen.generate(prompts, n, stop_tokens=())
+        return time.perf_counter() - t
+
+    timed(2)                                         # compiles the prefill bucket and the decode step
+    short, full = timed(2), timed(new)
+    return {"tokens_s": batch * new / full, "step_s": (full - short) / max(1, new - 2)}
+
+
+MIX_HEADER = ("| model | streams | requests | rate /s | tokens/s | vs static | TTFT p50 s | TTFT p99 s "
+              "| TPOT p50 ms | TPOT p99 ms | TPOT p99 / static step | preemptions |")
+
+
+def mix_row(label: str, streams: int, args, r: dict, static: dict) -> str:
+    return (f"| {label} | {streams} | {args.requests} | {args.rate:g} | {r['tokens_s']:.1f} | "
+            f"{r['tokens_s'] / static['tokens_s']:.2f} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | "
+            f"{r['tpot_p50'] * 1e3:.2f} | {r['tpot_p99'] * 1e3:.2f} | {r['tpot_p99'] / static['step_s']:.2f} | "
+            f"{r['preemptions']} |")
+
+
+def main_mix(args, model, engine: ModelEngine, label: str, max_len: int) -> int:
+    """``--mix``: the request mix at each ``--streams`` count beside the static Generator batch."""
+    prompt = (args.prompt_range[0] + args.prompt_range[1]) // 2
+    new = (args.new_range[0] + args.new_range[1]) // 2
+    static = static_generator(model, args.static_batch, prompt, new, max_len)
+    print(f"# static Generator, batch {args.static_batch}, prompt {prompt}, {new} new tokens: "
+          f"{static['tokens_s']:.1f} tokens/s, decode step {static['step_s'] * 1e3:.2f} ms", flush=True)
+    requests = mix_requests(engine.vocab_size, args.requests, args.prompt_range, args.new_range, args.rate, 0)
+    lines = [MIX_HEADER, "|" + "|".join("---" for _ in MIX_HEADER.split("|")[1:-1]) + "|"]
+    results = {}
+    for streams in args.streams:
+        results[streams] = r = run_mix(engine, requests, concurrency=streams, temperature=args.temperature)
+        if r["finished"] != args.requests:
+            raise SystemExit(f"{r['finished']} of {args.requests} requests finished at {streams} streams")
+        lines.append(mix_row(label, streams, args, r, static))
+    print("\n".join(lines), flush=True)
+    if args.static_batch in results:
+        r = results[args.static_batch]
+        ok = r["tokens_s"] >= 0.8 * static["tokens_s"] and r["tpot_p99"] < 2 * static["step_s"]
+        print(f"goal at {args.static_batch} streams (tokens/s >= 0.8 x static, TPOT p99 < 2 x static step): "
+              f"{'met' if ok else 'not met'}", flush=True)
+    return 0
+
+
 def row_md(label: str, args, r: dict, floor_s: float, pool_bytes: int, compile_s: float) -> str:
     return (f"| {label} | {args.requests} | {args.prompt} | {args.new} | {r['tokens_s']:.1f} | "
             f"{r['step_s'] * 1e3:.2f} | {r['rows']} | {floor_s * 1e3:.3f} | {r['step_s'] / floor_s:.2f} | "
@@ -143,16 +258,25 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--measure-bandwidth", action="store_true", help="use a device copy's bandwidth instead")
     ap.add_argument("--unrolled", action="store_true", help="load_model(scan_layers=False)")
     ap.add_argument("--workdir", default=None, help="where the random checkpoint goes (default: a temp folder)")
+    ap.add_argument("--mix", action="store_true",
+                    help="replay a request mix (Poisson arrivals, mixed lengths) at each --streams count, "
+                         "beside the static Generator batch of --static-batch")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="--mix: requests in flight at most")
+    ap.add_argument("--rate", type=float, default=16.0, help="--mix: Poisson arrivals per second (0: all at once)")
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024], help="--mix: prompt lengths")
+    ap.add_argument("--new-range", type=int, nargs=2, default=[32, 256], help="--mix: output lengths")
+    ap.add_argument("--static-batch", type=int, default=32, help="--mix: the static Generator's batch")
     return ap
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.tiny:
-        for k, v in TINY.items():
+        for k, v in {**TINY, **(TINY_MIX if args.mix else {})}.items():
             setattr(args, k, v)
     bs = args.block_size
-    max_len = args.max_model_len or -(-(args.prompt + args.new) // bs) * bs
+    longest = args.prompt_range[1] + args.new_range[1] if args.mix else args.prompt + args.new
+    max_len = args.max_model_len or -(-longest // bs) * bs
     bandwidth = measure_bandwidth() if args.measure_bandwidth else args.bandwidth
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; floor at "
           f"{bandwidth:.3g} B/s{' (measured)' if args.measure_bandwidth else ''}", flush=True)
@@ -168,6 +292,9 @@ def main(argv=None) -> int:
                          batch_sizes=args.batch_sizes, chunk_sizes=args.chunk_sizes)
     print(f"# {label}: {engine!r}", flush=True)
     compile_s = compile_all(engine)
+    if args.mix:
+        print(f"# compiled the serving programs in {compile_s:.0f} s", flush=True)
+        return main_mix(args, model, engine, label, max_len)
     r = run(engine, requests=args.requests, prompt=args.prompt, new=args.new, temperature=args.temperature)
     floor_s = touched_bytes(model, r["rows"]) / bandwidth
     print("\n".join([HEADER, "|" + "|".join("---" for _ in HEADER.split("|")[1:-1]) + "|",

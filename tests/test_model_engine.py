@@ -715,3 +715,21 @@ def test_serve_benchmark_smoke(capsys):
     assert cells[1:4] == [str(bench.TINY[k]) for k in ("requests", "prompt", "new")]
     numbers = [float(c.replace(",", "")) for c in cells[4:]]
     assert all(np.isfinite(numbers)) and numbers[0] > 0 and numbers[1] > 0
+
+
+def test_serve_benchmark_mix_smoke(capsys):
+    """``benchmarks/serve.py --tiny --mix`` replays its request mix at each stream count beside the
+    static Generator batch: one row per count, every request finished, finite numbers, the goal
+    line printed (timings mean nothing on the CPU and are not checked)."""
+    from benchmarks import serve as bench
+
+    assert bench.main(["--tiny", "--mix"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny")]
+    assert [r.split("|")[2].strip() for r in rows] == [str(s) for s in bench.TINY_MIX["streams"]]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == len(bench.MIX_HEADER.strip("|").split("|"))
+        numbers = [float(c) for c in cells[4:]]
+        assert all(np.isfinite(numbers)) and numbers[0] > 0
+    assert "static Generator, batch 2" in out and "goal at 2 streams" in out
