@@ -207,19 +207,19 @@ def _memory() -> tuple[int | None, int | None]:
 
 
 def bench_model(model: MoEDecoder, *, batch: int, prompt: int, new: int, reps: int, bandwidth: float,
-                seed: int = 0, profile: bool = False, moe_share: bool = True) -> dict:
+                seed: int = 0, profile: bool = False, moe_share: bool = True, decode_steps: int = 1) -> dict:
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, vocab, prompt).tolist() for _ in range(batch)]
     max_len = prompt + new
-    gen = G.Generator(model, batch_size=batch, max_len=max_len)
+    gen = G.Generator(model, batch_size=batch, max_len=max_len, decode_steps=decode_steps)
     t0 = time.perf_counter()                                     # first call: compiling included
     temp = prefill_temp_bytes(model, batch, gen.bucket(prompt), max_len)
     free = _free_bytes()
     if free is not None and temp > free:
         raise MemoryError(f"the prefill program needs {temp / 2**30:.1f} GiB of temporaries; "
                           f"{free / 2**30:.1f} GiB are free")
-    gen.generate(prompts, 2)                                     # compile prefill + decode
+    gen.generate(prompts, 2 + decode_steps)                      # compile prefill + decode
     t_compile = time.perf_counter() - t0
     progs, leaves = G.programs(model)
     tokens = np.zeros((batch, gen.bucket(prompt)), np.int32)
@@ -369,6 +369,8 @@ def main(argv=None) -> int:
                              help="run the decoder layers as one lax.scan (load_model(scan_layers=True); "
                                   "default: load_model's choice, scanned from 8 alike layers)")
     layers_mode.add_argument("--unrolled", action="store_true", help="one compiled layer per decoder layer")
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                    help="Generator(decode_steps=K) for the int4 rows: one row per K (tokens/s is the stream's)")
     ap.add_argument("--profile", action="store_true",
                     help="also print one decode step's device kernels (JAX profiler trace), every batch size")
     args = ap.parse_args(argv)
@@ -378,6 +380,8 @@ def main(argv=None) -> int:
         ap.error(f"--models: unknown {bad}; known: {sorted(SHAPES)}")
     if args.new < 2 or args.prompt < 1 or any(b < 1 for b in args.batch):
         ap.error("--new must be >= 2, --prompt and --batch >= 1")
+    if any(k < 1 or k + 2 > args.new for k in args.decode_steps):
+        ap.error(f"--decode-steps: each K must be >= 1 and at most --new - 2 = {args.new - 2}")
     bandwidth = measure_bandwidth() if args.measure_bandwidth else args.bandwidth
     dtype = jnp.dtype(args.dtype)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; floor at "
@@ -407,25 +411,27 @@ def main(argv=None) -> int:
                                        scan_layers=True if args.scan_layers else False if args.unrolled else None)
                 print(f"# {label}, {variant}: loaded in {time.perf_counter() - t0:.0f} s", flush=True)
                 batches = args.batch if variant == "GPTQ int4" or not args.bf16_batch else args.bf16_batch
-                for b in batches:
+                steps = args.decode_steps if variant == "GPTQ int4" else [1]
+                for b, k in ((b, k) for b in batches for k in steps):
+                    shown = variant if steps == [1] else f"{variant}, {k} steps / program"
                     try:
                         # the bf16 twin is what XLA alone does: its decode steps attend on XLA too
                         with (contextlib.nullcontext() if variant == "GPTQ int4" else
                               mock.patch.object(decoder, "decode_kernel_mode", lambda: None)):
                             r = bench_model(model, batch=b, prompt=args.prompt, new=args.new, reps=args.reps,
                                             bandwidth=bandwidth, profile=args.profile,
-                                            moe_share=not args.no_moe_share)
+                                            moe_share=not args.no_moe_share, decode_steps=k)
                     except Exception as ex:  # noqa: BLE001 - out of memory: report the row, go on
                         if not isinstance(ex, MemoryError) and "RESOURCE_EXHAUSTED" not in str(ex):
                             raise
                         print_live_arrays("out of memory")
                         print("# memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in _stats().items()
                                                              if "bytes" in k), flush=True)
-                        line = f"| {label} | {variant} | {b} | out of memory: {str(ex).splitlines()[0][:160]} |"
+                        line = f"| {label} | {shown} | {b} | out of memory: {str(ex).splitlines()[0][:160]} |"
                         print(line, flush=True)
                         table.append(line)
                         continue
-                    line = row_md(label, variant, r)
+                    line = row_md(label, shown, r)
                     print(line, flush=True)
                     table.append(line)
                 del model

@@ -17,10 +17,11 @@ from wna16_jax.schemes import QuantScheme
 
 def test_generate_benchmark_smoke(tmp_path, capsys):
     out_md = tmp_path / "RESULTS.md"
-    assert bench.main(["--models", "tiny", "--layers", "1", "--batch", "1", "--prompt", "16", "--new", "4",
-                       "--reps", "1", "--append", str(out_md)]) == 0
+    assert bench.main(["--models", "tiny", "--layers", "1", "--batch", "1", "--prompt", "16", "--new", "6",
+                       "--reps", "1", "--decode-steps", "1", "3", "--append", str(out_md)]) == 0
     rows = [line for line in out_md.read_text().splitlines() if line.startswith("| tiny")]
-    assert len(rows) == 2 and "GPTQ int4" in rows[0] and "dequantized" in rows[1]
+    assert len(rows) == 3 and "dequantized" in rows[2]
+    assert "GPTQ int4, 1 steps / program" in rows[0] and "GPTQ int4, 3 steps / program" in rows[1]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == len(bench.HEADER.strip("|").split("|"))

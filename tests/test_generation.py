@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import os
 import shutil
 import types
@@ -532,3 +533,39 @@ def test_hostile_arrays_and_lists_are_not_modified(gen):
         with pytest.raises(ValueRangeError, match=r"prompts\[1\]\[2\]"):
             gen.generate(p, 2, stop_tokens=stops)
     assert np.array_equal(rows, keep[0]) and lists == keep[1] and stops == keep[2]
+
+
+# --------------------------------------------------------------------------- several steps per program
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_several_decode_steps_per_program_give_the_one_step_tokens(model, gen, k):
+    """``decode_steps=K``: K tokens per device program (a while_loop, stop tokens detected on the
+    device), the same tokens as one step per program — greedy, seeded sampling with per-prompt
+    keys, stop tokens met inside a block (one row stops, then the other), a filler row, a
+    ``max_new_tokens`` that is not a multiple of K — and the same streamed steps."""
+    rng = np.random.default_rng()
+    many = Generator(model, batch_size=3, max_len=32, decode_steps=k)
+    assert many.decode_steps == k and gen.decode_steps == 1
+    prompts = _prompts(rng)
+    for kw in (dict(), dict(temperature=0.9, top_p=0.9, top_k=7, key=int(rng.integers(1 << 31))),
+               dict(temperature=1.2, key=[jax.random.key(int(s)) for s in rng.integers(1 << 31, size=2)])):
+        free = gen.generate(prompts, 13, stop_tokens=(), **kw)
+        assert many.generate(prompts, 13, stop_tokens=(), **kw) == free, kw
+        stops = (free[0][4], free[1][9])                      # row 0 stops in block one, row 1 later
+        want = gen.generate(prompts, 13, stop_tokens=stops, **kw)
+        assert any(len(o) < 13 for o in want)
+        assert many.generate(prompts, 13, stop_tokens=stops, **kw) == want, kw
+        steps_one = [s.tolist() for s in gen.stream(prompts, 13, stop_tokens=stops, **kw)]
+        assert [s.tolist() for s in many.stream(prompts, 13, stop_tokens=stops, **kw)] == steps_one
+    assert many.generate(prompts[:1], 1) == gen.generate(prompts[:1], 1)
+
+
+@pytest.mark.parametrize("value, err, words", [
+    (0, ConfigError, "decode_steps"), (-2, ConfigError, "decode_steps"), (2.5, ConfigError, "decode_steps"),
+    (True, ConfigError, "decode_steps"), ("4", ConfigError, "decode_steps"),
+    (32, ValueRangeError, "decode_steps: 32 steps per program do not fit a cache of max_len=32"),
+])
+def test_bad_decode_steps_are_refused(model, value, err, words):
+    with pytest.raises(err, match=re.escape(words)):
+        Generator(model, batch_size=1, max_len=32, decode_steps=value)

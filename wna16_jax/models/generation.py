@@ -352,6 +352,11 @@ def step_keys(keys, steps):
     return jax.vmap(jax.random.fold_in)(keys, steps)
 
 
+#: :class:`Generator`'s default ``decode_steps`` (one step per program: the K-step program is
+#: kept off by default until it is measured faster on the GPU, benchmarks/generate.py --decode-steps)
+DEFAULT_DECODE_STEPS = 1
+
+
 class Programs:
     """The compiled steps of one model structure: ``prefill(leaves, tokens [B, P], lengths [B],
     keys, temperature, top_p, top_k=0, max_len=, sample=) -> (next [B], logits [B, V], cache)`` and
@@ -383,9 +388,31 @@ class Programs:
             nxt = choose_tokens(logits, step_keys(keys, step), temperature, top_p, top_k, sample=sample)
             return nxt, logits, cache
 
+        def decode_steps(leaves, cache, tokens, positions, keys, step, limit, done, stops, temperature, top_p,
+                         top_k=0, *, k: int, sample: bool):
+            model = model_of(leaves)
+            out = jnp.full((k,) + tokens.shape, -1, jnp.int32)
+
+            def go(c):
+                return (c[0] < limit) & ~jnp.all(c[4])
+
+            def body(c):
+                i, tok, pos, cache, done, out = c
+                h, cache = model.hidden_states(tok[:, None], pos[:, None], cache)
+                nxt = choose_tokens(model.logits(h[:, 0]), step_keys(keys, step + i), temperature, top_p, top_k,
+                                    sample=sample)
+                out = out.at[i].set(jnp.where(done, -1, nxt))
+                return i + 1, nxt, pos + 1, cache, done | jnp.isin(nxt, stops), out
+
+            _, tok, positions, cache, done, out = jax.lax.while_loop(
+                go, body, (jnp.int32(0), tokens, positions, cache, done, out))
+            return out, tok, positions, done, cache
+
         self.prefill = jax.jit(prefill, static_argnames=("max_len", "sample"))
         self.decode = jax.jit(decode, static_argnames=("sample",))
         self.decode_donating = jax.jit(decode, static_argnames=("sample",), donate_argnames=("cache",))
+        self.decode_steps = jax.jit(decode_steps, static_argnames=("k", "sample"))
+        self.decode_steps_donating = jax.jit(decode_steps, static_argnames=("k", "sample"), donate_argnames=("cache",))
 
 
 @functools.lru_cache(maxsize=16)
@@ -399,6 +426,17 @@ def programs(model: MoEDecoder) -> tuple[Programs, list]:
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     return _programs_for(graphdef, treedef), leaves
+
+
+def _host(x) -> np.ndarray:
+    """``x`` on the host. A global array split over the devices of several processes (a model on
+    a mesh of several processes) is gathered from all of them: a collective, which every process
+    reaches in the same order, as each runs the same generation loop."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,10 +462,17 @@ class Generator:
     model generates with its current parameters.
 
     ``memory_budget``: the bytes the KV cache may take (default :func:`device_memory_budget`); a larger
-    cache is refused here, before anything is allocated."""
+    cache is refused here, before anything is allocated.
+
+    ``decode_steps``: tokens decoded per device program (default :data:`DEFAULT_DECODE_STEPS`).
+    With ``K > 1`` one program runs up to ``K`` decode steps in a ``while_loop`` (sampling from the
+    same per-step keys, stop tokens detected on the device, the loop left once every sequence has
+    stopped), and the host reads ``K`` tokens per round trip: the tokens are the one-step path's.
+    ``stream(..., with_logits=True)`` always runs one step per program (it returns every step's
+    logits)."""
 
     def __init__(self, model: MoEDecoder, *, batch_size: int, max_len: int, min_bucket: int = 16,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, decode_steps: int | None = None):
         _check_model(model)
         batch_size = check_int("batch_size", batch_size, low=1)
         max_len = check_int("max_len", max_len, low=1, high=MAX_CACHE_LEN)
@@ -437,6 +482,11 @@ class Generator:
         if limit is not None and max_len > limit:
             raise ValueRangeError(f"max_len: expected at most max_position_embeddings={limit} "
                                   f"(config.json), got {max_len}")
+        k = DEFAULT_DECODE_STEPS if decode_steps is None else check_int("decode_steps", decode_steps, low=1)
+        if k >= max_len:
+            raise ValueRangeError(f"decode_steps: {k} steps per program do not fit a cache of max_len={max_len} "
+                                  f"positions (at most {max_len - 1})")
+        self.decode_steps = k
         self.cache_bytes = check_cache_fits(model, batch_size, max_len, budget)
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
@@ -492,6 +542,51 @@ class Generator:
         return self._run(req, with_logits)
 
     def _run(self, req: Request, with_logits: bool) -> Iterator[np.ndarray]:
+        if self.decode_steps > 1 and not with_logits:
+            return self._run_steps(req)
+        return self._run_one(req, with_logits)
+
+    def _run_steps(self, req: Request) -> Iterator[np.ndarray]:
+        """:meth:`_run_one` with ``decode_steps`` tokens per program: the next block is dispatched
+        before this one is read back; ``done`` (filler rows done from the start) stays on the device."""
+        rows = req.prompts.rows
+        n, k = len(rows), self.decode_steps
+        tokens, lengths = self._padded(rows)
+        sample, key = req.sample, req.keys
+        temp, tp = jnp.float32(req.temperature), jnp.float32(req.top_p)
+        tk = jnp.int32(min(req.top_k, self.model.config.vocab_size))
+        stop = np.asarray(req.stop_tokens, np.int64)
+        stops = jnp.asarray(req.stop_tokens or (-1,), jnp.int32)        # -1: no token is ever -1
+        progs, leaves = programs(self.model)
+        run = progs.decode_steps if jax.default_backend() == "cpu" else progs.decode_steps_donating
+        tok, _, cache = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp, tk,
+                                      max_len=self.max_len, sample=sample)
+        host = _host(tok)[:n].astype(np.int64)
+        done = np.isin(host, stop)
+        yield host
+        if done.all() or req.max_new_tokens == 1:
+            return
+        dev_done = jnp.asarray(np.concatenate([done, np.ones(self.batch_size - n, bool)]))
+        positions, step = jnp.asarray(lengths), 1
+
+        def block(step, tok, positions, dev_done, cache):
+            limit = min(k, req.max_new_tokens - step)
+            return run(leaves, cache, tok, positions, key, jnp.int32(step), jnp.int32(limit), dev_done, stops,
+                       temp, tp, tk, k=k, sample=sample), limit
+
+        pending = block(step, tok, positions, dev_done, cache)
+        while pending is not None:
+            (outs, tok, positions, dev_done, cache), limit = pending
+            step += limit
+            pending = block(step, tok, positions, dev_done, cache) if step < req.max_new_tokens else None
+            for row in _host(outs)[:limit, :n].astype(np.int64):
+                out = np.where(done, -1, row)
+                done = done | np.isin(row, stop)
+                yield out
+                if done.all():
+                    return
+
+    def _run_one(self, req: Request, with_logits: bool) -> Iterator[np.ndarray]:
         rows = req.prompts.rows
         n = len(rows)
         tokens, lengths = self._padded(rows)
@@ -510,10 +605,10 @@ class Generator:
             if step < req.max_new_tokens:        # dispatch the next step before reading this one back
                 nxt = decode(leaves, cache, tok, positions, key, jnp.int32(step), temp, tp, tk, sample=sample)
                 positions = positions + 1
-            host = np.asarray(tok)[:n].astype(np.int64)
+            host = _host(tok)[:n].astype(np.int64)
             out = np.where(done, -1, host)
             done = done | np.isin(host, stop)
-            yield (out, np.asarray(logits)[:n]) if with_logits else out
+            yield (out, _host(logits)[:n]) if with_logits else out
             if done.all() or nxt is None:
                 return
             tok, logits, cache = nxt
@@ -547,7 +642,7 @@ class Generator:
         _, logits, _ = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), row_keys(None, 0, self.batch_size),
                                      jnp.float32(0), jnp.float32(1), jnp.int32(0), max_len=self.max_len,
                                      sample=False)
-        return np.asarray(logits)[:len(rows)]
+        return _host(logits)[:len(rows)]
 
 
 def default_max_len(prompts, max_new_tokens: int, minimum: int = 64) -> int:
