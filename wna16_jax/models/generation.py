@@ -119,9 +119,10 @@ def kv_cache_bytes(config: DecoderConfig, batch_size: int, max_len: int, dtype) 
 
 def device_memory_budget(device=None) -> tuple[int, str]:
     """``(bytes, where they come from)``: the free memory ``device`` (default
-    ``jax.devices()[0]``) reports (``bytes_limit - bytes_in_use`` of ``memory_stats()``), or
+    ``jax.local_devices()[0]``: this process's first device, ``jax.devices()[0]`` in one process)
+    reports (``bytes_limit - bytes_in_use`` of ``memory_stats()``), or
     :data:`DEFAULT_MEMORY_BUDGET` where it reports none (the CPU)."""
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     try:
         stats = device.memory_stats()
     except (NotImplementedError, RuntimeError, AttributeError):

@@ -35,22 +35,32 @@ parameters as inputs, and the KV cache is constrained to its sharding where
 another order than on one device (the psums over the mesh, row-parallel linears), so float32
 logits agree to rounding (about 1e-6 of their scale), not bit for bit.
 
+Several processes (``jax.distributed.initialize``, one mesh over every process's devices, the same
+in each): :func:`put_global` builds each global array with ``jax.make_array_from_callback``, each
+process supplying only its own devices' shards (in one process: ``jax.device_put``, as before).
+Before any weight is read, :func:`check_processes` refuses a mesh of devices outside the run, one
+without this process's devices, and one over some of the processes but not all;
+:func:`check_same_in_every_process` compares a digest of the mesh and the rules across the
+processes (:class:`ConfigError` where they differ).
+
 Not yet (this increment): DeepSeek's latent cache is replicated (one latent per token, shared by
 every head); each process reads the whole checkpoint (with expert TP, each MoE layer's experts once
-more, to slice them); one process only; the quantized dense linears' dequantization and the GPU
-kernels (engine linears, decode attention) are partitioned by XLA, not by hand; the sharded MoE
-layers have no gradient (generation, not training); ``dequantized=True``, and expert TP on a
-folder ``wna16-jax convert`` wrote, are refused.
+more, to slice them), though it places only its shards; the quantized dense linears'
+dequantization and the GPU kernels (engine linears, decode attention) are partitioned by XLA, not
+by hand; the sharded MoE layers have no gradient (generation, not training); ``dequantized=True``,
+and expert TP on a folder ``wna16-jax convert`` wrote, are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before flax)
 from flax import nnx
@@ -238,6 +248,60 @@ def check_mesh(config: DecoderConfig, mesh, sharding: Any = None, *, scheme=None
     return plan
 
 
+def check_processes(mesh: Mesh) -> None:
+    """``mesh``'s devices against the processes of this run (``jax.distributed.initialize``): each
+    one of this backend's devices (``jax.devices()``), this process holding some of them, and a
+    mesh that spans other processes spanning every one (each process of the run loads and runs
+    the same model; a mesh of this process's devices alone is a model of this process alone).
+    A :class:`ConfigError` naming the devices or processes otherwise; reads no weight."""
+    devices = list(mesh.devices.flat)
+    platforms = sorted({d.platform for d in devices})
+    if len(platforms) > 1:
+        raise ConfigError(f"mesh: mixes devices of several platforms {platforms}; expected one")
+    try:
+        known = set(jax.devices(platforms[0]))
+    except RuntimeError as e:
+        raise ConfigError(f"mesh: its devices are {platforms[0]} devices, which this process has no backend "
+                          f"for ({e})") from None
+    unknown = [d for d in devices if d not in known]
+    if unknown:
+        raise ConfigError(f"mesh: devices {[str(d) for d in unknown[:4]]} are not among this run's "
+                          f"{len(known)} {platforms[0]} devices (jax.devices())")
+    here, count = jax.process_index(), jax.process_count(platforms[0])
+    held = sorted({d.process_index for d in devices})
+    if here not in held:
+        raise ConfigError(f"mesh: holds no device of this process (process {here} of {count}), only of "
+                          f"process{'es' if len(held) > 1 else ''} {held}; every process of the run must place "
+                          "part of the model (build the mesh from jax.devices(), the same in every process)")
+    if held != [here] and held != list(range(count)):
+        missing = sorted(set(range(count)) - set(held))
+        raise ConfigError(f"mesh: spans processes {held}, but jax.process_count() is {count}: processes {missing} "
+                          "hold no device of it; a mesh over several processes must span all of them "
+                          "(build it from jax.devices(), the same in every process)")
+
+
+def check_same_in_every_process(plan: MeshPlan) -> None:
+    """Where ``plan.mesh`` spans several processes, each of them must have been given the same
+    mesh (devices in the same order, the same axes) and the same rules, or their programs would
+    not match: a digest of both is compared across the processes (one small collective, which
+    every process reaches at the same point of its load; a :class:`ConfigError` in all of them
+    when they differ). Reads no weight."""
+    mesh = plan.mesh
+    if len({d.process_index for d in mesh.devices.flat}) < 2:
+        return
+    from jax.experimental import multihost_utils
+
+    what = repr(([d.id for d in mesh.devices.flat], dict(mesh.shape), plan.rules))
+    digest = np.frombuffer(hashlib.sha256(what.encode()).digest()[:16], np.int32)   # 32-bit: no x64 needed
+    try:
+        multihost_utils.assert_equal(digest)
+    except AssertionError:
+        raise ConfigError(f"mesh: process {jax.process_index()} of {jax.process_count()} was given a mesh "
+                          f"({dict(mesh.shape)}, devices {[d.id for d in mesh.devices.flat][:8]}...) or sharding "
+                          "rules other than another process's; every process must pass the same mesh "
+                          "(its devices in the same order) and the same sharding=") from None
+
+
 def plan_for_load(config: DecoderConfig, ckpt, mesh, sharding: Any, opts) -> MeshPlan:
     """:func:`check_mesh` for :func:`~wna16_jax.models.load_model` (the experts' scheme from the
     checkpoint's headers), and what the load cannot place yet refused; reads no weight."""
@@ -249,6 +313,8 @@ def plan_for_load(config: DecoderConfig, ckpt, mesh, sharding: Any, opts) -> Mes
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
                           f"{type(mesh).__name__}")
+    check_processes(mesh)
+    check_same_in_every_process(plan)
     if opts.dequantized:
         raise UnsupportedError("dequantized: a dequantized model is not placed on a mesh (mesh= with "
                                "dequantized=True); load it on one device")
@@ -401,6 +467,28 @@ def leaf_specs(plan: MeshPlan, path: tuple, variable):
     return jax.tree.map(lambda _: P(), value)
 
 
+def _from_host(a, sharding: NamedSharding) -> jax.Array:
+    """The global array of ``a`` (this process's copy of the whole value) laid out as
+    ``sharding``: this process supplies only the shards its own devices hold, with no exchange
+    between processes."""
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def put_global(value, shardings):
+    """``value`` (a pytree of arrays) on the mesh as ``shardings`` (a tree prefix of it) say. Where
+    every device of a sharding is this process's, ``jax.device_put`` (bit for bit the one-process
+    placement); else each global array is built by ``jax.make_array_from_callback`` from this
+    process's copy: ``device_put`` would also accept that copy, but first checks that every
+    process holds the same value by gathering it from all of them (a collective per array)."""
+    def put(sharding, sub):
+        if sharding.is_fully_addressable:
+            return jax.device_put(sub, sharding)
+        return jax.tree.map(lambda a: _from_host(a, sharding), sub)
+
+    return jax.tree.map(put, shardings, value, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def place_model(model, plan: MeshPlan):
     """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
     :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
@@ -411,9 +499,8 @@ def place_model(model, plan: MeshPlan):
                           f"{type(plan.mesh).__name__}")
     state = nnx.state(model)
     for path, v in nnx.to_flat_state(state):
-        specs = leaf_specs(plan, path, v)
-        v.set_value(jax.device_put(v.get_value(), jax.tree.map(plan.sharding, specs,
-                                                               is_leaf=lambda x: isinstance(x, P))))
+        shardings = jax.tree.map(plan.sharding, leaf_specs(plan, path, v), is_leaf=lambda x: isinstance(x, P))
+        v.set_value(put_global(v.get_value(), shardings))
     nnx.update(model, state)
     model.mesh_plan = plan
     return model
@@ -430,5 +517,5 @@ def describe(model) -> dict[str, str]:
     return out
 
 
-__all__ = ["MeshRules", "MeshPlan", "MoEPlacement", "check_mesh", "resolve_rules", "place_model", "place_moe",
-           "leaf_specs", "describe", "AXIS_FIELDS", "LINEAR_RULES"]
+__all__ = ["MeshRules", "MeshPlan", "MoEPlacement", "check_mesh", "check_processes", "check_same_in_every_process",
+           "put_global", "resolve_rules", "place_model", "place_moe", "leaf_specs", "describe", "AXIS_FIELDS", "LINEAR_RULES"]

@@ -1,0 +1,269 @@
+"""A decoder on a mesh of two processes (``jax.distributed.initialize`` on 127.0.0.1, JAX's CPU
+collectives) generates the single-device model's tokens.
+
+The test starts two subprocesses of 4 fake CPU devices each; both build one global mesh of the 8
+devices, load a fixture with ``load_model(DIR, mesh=mesh)`` (each process supplying only its own
+devices' shards, :func:`wna16_jax.models.mesh.put_global`) and run :class:`wna16_jax.Generator`
+greedy, each printing one JSON object. The reference is the one-device model of this pytest
+process. Cases: Qwen3-MoE (the AWQ fixture, its experts whole: groups of 128 = the intermediate
+size) expert parallel over ``ep = 8`` with a batch of 8 rows, whose outputs the program leaves
+split over the processes (the Generator gathers them); Mixtral (the GPTQ fixture, scanned layers)
+over ``ep = 4 x tp = 2``, the experts' intermediate size split over ``tp`` too. Before that, with
+every weight read made to fail: the two processes are given the same devices in another order
+each, and process 1 a mesh of process 0's devices alone: ``ConfigError`` before any weight is
+read. Logits: float32, summed in another order on the mesh (see tests/test_model_mesh.py), so
+within 1e-5 of their scale; tokens exactly. The processes print to files, not pipes (a process
+blocked on a full pipe would hold the other at its next collective); both are killed, and their
+stderr shown, past :data:`TIMEOUT_S`.
+
+Not tested here (not done yet): each process still reads the whole checkpoint; what it places is
+only its shards."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "quantizers")
+XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+             "--xla_cpu_use_fusion_emitters=false")
+PROMPTS, NEW, MAX_LEN = [[1, 2, 3], [7, 5, 9, 11, 4]], 6, 16
+#: family: (fixture folder, scan_layers, batch size)
+FAMILIES = {"qwen3_moe": ("awq-qwen3moe", None, 8), "mixtral": ("gptq-mixtral", True, 2)}
+TIMEOUT_S = 150
+
+SCRIPT = textwrap.dedent(r'''
+    import json, os, sys, time, warnings
+    pid, port, fixtures = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import jax
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=60)
+    import jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh
+    warnings.simplefilter("ignore")
+    import wna16_jax as wj
+    from wna16_jax.errors import ConfigError
+    from wna16_jax.safetensors_io import SafetensorsFile
+
+    assert (jax.process_count(), len(jax.devices()), len(jax.local_devices())) == (2, 8, 4)
+    PROMPTS, NEW, MAX_LEN = json.loads(sys.argv[4])
+    devs = np.array(jax.devices())
+    res = {"process": pid, "families": {}, "seconds": {}}
+
+    def refused(mesh):
+        """The ConfigError of a load on ``mesh`` (None: it loaded), with every weight read failing."""
+        read_into = SafetensorsFile.read_into
+        def guard(self, name, *a, **k):
+            raise AssertionError(f"weight {name!r} read before the mesh was checked")
+        SafetensorsFile.read_into = guard
+        try:
+            wj.load_model(os.path.join(fixtures, "awq-qwen3moe"), mesh=mesh)
+            return None
+        except ConfigError as e:
+            return str(e)
+        finally:
+            SafetensorsFile.read_into = read_into
+
+    # the processes given meshes of the same devices in another order: refused in both
+    res["other_order"] = refused(Mesh(devs if pid == 0 else devs[::-1], ("ep",)))
+    if pid == 1:                         # a mesh of the other process's devices: refused
+        res["bad_mesh"] = refused(Mesh(devs[:4], ("ep",)))
+
+    CASES = {"qwen3_moe": ("awq-qwen3moe", None, 8, Mesh(devs, ("ep",)), None),
+             "mixtral": ("gptq-mixtral", True, 2, Mesh(devs.reshape(4, 2), ("ep", "tp")), None)}
+    for family, (folder, scan, batch, mesh, rules) in CASES.items():
+        clock = time.perf_counter()
+        m = wj.load_model(os.path.join(fixtures, folder), dtype=jnp.float32, scan_layers=scan, mesh=mesh,
+                          sharding=rules)
+        gen = wj.Generator(m, batch_size=batch, max_len=MAX_LEN)
+        toks, logits = [], []
+        for t, lg in gen.stream(PROMPTS, NEW, stop_tokens=(), with_logits=True):
+            toks.append(t.tolist()); logits.append(np.asarray(lg).tolist())
+        w13 = next(a for p, v in nnx.to_flat_state(nnx.state(m)) if "mlp/experts/w13" in "/".join(map(str, p))
+                   for a in jax.tree.leaves(v.get_value()))
+        res["families"][family] = {
+            "tokens": toks, "logits": logits,
+            "expert": {"shape": list(w13.shape), "spec": [x if x is None or isinstance(x, str) else list(x)
+                                                          for x in w13.sharding.spec],
+                       "fully_addressable": w13.is_fully_addressable, "devices": len(w13.sharding.device_set),
+                       "local_shards": len(w13.addressable_shards),
+                       "on_local_devices": sorted(s.device.id for s in w13.addressable_shards)
+                                           == sorted(d.id for d in jax.local_devices()),
+                       "owners": sorted({d.process_index for d in w13.sharding.device_set}),
+                       "shard": list(w13.addressable_shards[0].data.shape)}}
+        res["seconds"][family] = time.perf_counter() - clock
+    print(json.dumps(res))
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    port, args = str(_free_port()), json.dumps([PROMPTS, NEW, MAX_LEN])
+    tmp = tmp_path_factory.mktemp("two_processes")
+    # output to files, not pipes: a process blocked on a full pipe would hold the other at its
+    # next collective (or at the shutdown barrier) while this one waits on the first
+    files = [(open(tmp / f"out{i}", "w+"), open(tmp / f"err{i}", "w+")) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port, FIXTURES, args], stdout=o, stderr=e,
+                              text=True, env=env, cwd=ROOT) for i, (o, e) in enumerate(files)]
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        late = [p.poll() is None for p in procs]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for o, e in files:
+        o.seek(0), e.seek(0)
+        texts.append((o.read(), e.read()))
+        o.close(), e.close()
+    stderr = "\n----\n".join(f"process {i}:\n{e[-4000:]}" for i, (_, e) in enumerate(texts))
+    if any(late):
+        pytest.fail(f"the two processes did not finish in {TIMEOUT_S} s; their stderr:\n{stderr}")
+    if any(p.returncode for p in procs):
+        pytest.fail(f"exit codes {[p.returncode for p in procs]}; stderr:\n{stderr}")
+    # the JSON object is the last line of stdout (Gloo prints its connections there too)
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in texts]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    import jax.numpy as jnp
+
+    import wna16_jax as wj
+
+    res = {}
+    for family, (folder, scan, _) in FAMILIES.items():
+        m = wj.load_model(os.path.join(FIXTURES, folder), dtype=jnp.float32, scan_layers=scan)
+        gen = wj.Generator(m, batch_size=2, max_len=MAX_LEN)
+        toks, logits = [], []
+        for t, lg in gen.stream(PROMPTS, NEW, stop_tokens=(), with_logits=True):
+            toks.append(t.tolist())
+            logits.append(lg)
+        res[family] = (toks, np.stack(logits))
+    return res
+
+
+def test_both_processes_ran_every_family(runs):
+    assert [r["process"] for r in runs] == [0, 1]
+    for r in runs:
+        assert set(r["families"]) == set(FAMILIES)
+
+
+def test_tokens_equal_the_single_device_model(runs, reference):
+    for r in runs:
+        for family, (want, _) in reference.items():
+            assert r["families"][family]["tokens"] == want, (r["process"], family)
+
+
+def test_logits_match_to_rounding(runs, reference):
+    for r in runs:
+        for family, (_, want) in reference.items():
+            got = np.asarray(r["families"][family]["logits"], np.float64)
+            assert got.shape == want.shape, (r["process"], family)
+            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            assert err <= 1e-5, (r["process"], family, err)
+
+
+def test_each_process_holds_only_its_devices_shards(runs):
+    for r in runs:
+        q, m = r["families"]["qwen3_moe"]["expert"], r["families"]["mixtral"]["expert"]
+        for e in (q, m):
+            assert not e["fully_addressable"] and e["devices"] == 8, e
+            assert e["local_shards"] == 4 and e["on_local_devices"] and e["owners"] == [0, 1], e
+        assert q["spec"] == ["ep"] and q["shard"][0] * 8 == q["shape"][0]               # 8 experts, one a device
+        # Mixtral (scanned): [L, tp, E, ...], the TP ranks over tp, the 4 experts over ep
+        assert m["spec"] == [None, "tp", "ep"] and m["shape"][1] == 2 and m["shard"][1] == 1, m
+        assert m["shard"][2] * 4 == m["shape"][2], m
+
+
+def test_a_mesh_without_this_process_is_refused_before_any_read(runs):
+    assert "bad_mesh" not in runs[0]
+    msg = runs[1]["bad_mesh"]
+    assert msg is not None, "process 1 loaded a model on a mesh of process 0's devices"
+    assert "holds no device of this process (process 1 of 2)" in msg and "[0]" in msg, msg
+
+
+def test_different_meshes_in_the_processes_are_refused_before_any_read(runs):
+    for r in runs:
+        msg = r["other_order"]
+        assert msg is not None, r["process"]
+        assert f"process {r['process']} of 2 was given a mesh" in msg and "the same mesh" in msg, msg
+
+
+def test_bounded_in_time(runs):
+    for r in runs:
+        assert sum(r["seconds"].values()) < TIMEOUT_S, r["seconds"]
+
+
+# --------------------------------------------------------------------------- the process checks, in this process
+
+
+def _fake_run(monkeypatch, count: int, here: int):
+    """``jax`` (as wna16_jax.models.mesh sees it) reporting ``count`` processes of 2 CPU devices each,
+    this being process ``here``; returns the run's devices."""
+    import jax
+
+    from wna16_jax.models import mesh as mesh_mod
+
+    class Dev(types.SimpleNamespace):
+        __hash__ = object.__hash__
+        __eq__ = object.__eq__
+
+    devs = [Dev(id=i, platform="cpu", process_index=i // 2) for i in range(2 * count)]
+    fake = types.SimpleNamespace(devices=lambda platform=None: devs, process_index=lambda: here,
+                                 process_count=lambda platform=None: count)
+    monkeypatch.setattr(mesh_mod, "jax", types.SimpleNamespace(**{**vars(jax), **vars(fake)}))
+    return devs
+
+
+def _mesh_of(devices):
+    return types.SimpleNamespace(devices=np.array(devices, dtype=object))
+
+
+def test_a_mesh_over_some_but_not_all_processes_is_a_config_error(monkeypatch):
+    from wna16_jax.errors import ConfigError
+    from wna16_jax.models.mesh import check_processes
+
+    devs = _fake_run(monkeypatch, 3, 0)
+    check_processes(_mesh_of(devs))                  # all three processes
+    check_processes(_mesh_of(devs[:2]))              # this process alone: a model of its own
+    with pytest.raises(ConfigError, match=r"spans processes \[0, 1\], but jax.process_count\(\) is 3: "
+                                          r"processes \[2\] hold no device"):
+        check_processes(_mesh_of(devs[:4]))
+    with pytest.raises(ConfigError, match=r"holds no device of this process \(process 0 of 3\)"):
+        check_processes(_mesh_of(devs[2:]))
+
+
+def test_a_device_outside_the_run_is_a_config_error(monkeypatch):
+    from wna16_jax.errors import ConfigError
+    from wna16_jax.models.mesh import check_processes
+
+    devs = _fake_run(monkeypatch, 1, 0)
+    stranger = type(devs[0])(id=7, platform="cpu", process_index=0)
+    with pytest.raises(ConfigError, match=r"are not among this run's 2 cpu devices"):
+        check_processes(_mesh_of([devs[0], stranger]))
+    with pytest.raises(ConfigError, match=r"mixes devices of several platforms \['cpu', 'gpu'\]"):
+        check_processes(_mesh_of([devs[0], type(devs[0])(id=8, platform="gpu", process_index=0)]))
