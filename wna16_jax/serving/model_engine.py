@@ -290,8 +290,9 @@ class ModelEngine:
 
     def warm_up(self) -> None:
         """Compile every program a server can use (each decode batch size and prefill chunk
-        size, at each table width) by running it once on the pool's first blocks; their data
-        is stale afterwards and never read (a sequence writes a position before reading it)."""
+        size, at each table width) by running it once on the pool's first blocks. Call it before
+        the first request (``wna16-jax serve --warm-up`` does): it writes into those blocks, whose
+        data is then stale and never read (a sequence writes a position before reading it)."""
         r, bs, width = self.reserved_blocks, self.block_size, self.max_blocks_per_seq
         greedy = SamplingParams()
         for w in self.table_widths:
