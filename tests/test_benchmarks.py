@@ -274,3 +274,29 @@ def test_before_after_on_cpu(tmp_path):
     row = next(line for line in out_md.read_text().splitlines() if line.startswith("| tiny"))
     before, after = (float(v) for v in row.rstrip(" |").rsplit("|", 1)[1].split("/"))
     assert before == after and before < 2e-2, row
+
+
+def test_model_sharding_benchmark_tiny_on_four_cpu_devices():
+    """``benchmarks/model_sharding.py --tiny`` on 4 fake CPU devices (a subprocess): one row per
+    mesh (one device, EP=2, TP=2, EP×TP), each with a decode rate, its ratio to the one-device
+    row, the greedy tokens equal to the one-device model's, and the bytes the fullest device
+    holds, fewer on a mesh than on one device."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_force_host_platform_device_count=4").strip(), JAX_PLATFORMS="cpu",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "model_sharding.py"), "--tiny"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+            if line.startswith("| tiny")]
+    assert [r[1].split(" ")[0] for r in rows] == ["1", "ep2", "tp2", "ep2xtp2"]
+    assert [r[2] for r in rows] == ["1", "2", "2", "4"]
+    for r in rows:
+        assert float(r[5]) > 0 and float(r[7]) > 0 and r[8] == "same", r
+    top = [float(r[9].replace(",", "")) for r in rows]
+    assert all(t < top[0] for t in top[1:]), top
