@@ -118,12 +118,12 @@ def test_decode_attention_lowers_to_triton():
         assert "xla.gpu.triton" in text
 
 
-def _decode_logits(model, prompts, steps=3):
+def _decode_logits(model, prompts, steps=3, cache=None):
     """Last-position float32 logits of ``steps`` decode steps after a prefill of ``prompts``
     (``[B, P]``), the model's own greedy tokens fed back; jitted afresh, so the decoder's
     attention path is chosen when this traces."""
     b, p = prompts.shape
-    cache = model.init_cache(b, 64)
+    cache = model.init_cache(b, 64) if cache is None else cache
 
     @jax.jit
     def run(tokens, cache):
@@ -175,23 +175,7 @@ def test_decoder_decode_steps_on_the_kernel(tmp_path, monkeypatch, model_type, s
 
 def _paged_decode_logits(model, prompts, table, blocks, block_size, steps=3):
     """:func:`_decode_logits` over a paged pool of ``blocks`` blocks read through ``table``."""
-    b, p = prompts.shape
-    cache = model.init_paged_cache(blocks, block_size).with_block_table(table)
-
-    @jax.jit
-    def run(tokens, cache):
-        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-        h, cache = model.hidden_states(tokens, pos, cache)
-        nxt = jnp.argmax(model.logits(h[:, -1]), -1)
-        out = []
-        for i in range(steps):
-            h, cache = model.hidden_states(nxt[:, None], jnp.full((b, 1), p + i, jnp.int32), cache)
-            logits = model.logits(h[:, 0])
-            out.append(logits)
-            nxt = jnp.argmax(logits, -1)
-        return jnp.stack(out, 1)
-
-    return np.asarray(run(jnp.asarray(prompts), cache))
+    return _decode_logits(model, prompts, steps, model.init_paged_cache(blocks, block_size).with_block_table(table))
 
 
 @pytest.mark.parametrize("model_type, scan", [("qwen3_moe", True), ("mixtral", False)])
