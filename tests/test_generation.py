@@ -337,6 +337,26 @@ def test_kv_cache_bytes_is_init_caches_size(model):
     assert kv_cache_bytes(c, 1, 1, jnp.float32) == c.num_layers * (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) * 4
 
 
+def test_the_cache_holds_whole_kernel_blocks(model):
+    """A Generator's cache holds ``max_len`` rounded up to whole blocks of the decode-attention
+    kernels (a multiple of 64, of 16 below 64), so that any ``max_len`` decodes on the kernel;
+    the budget is checked against what is allocated, and the tokens are those of a Generator
+    with a shorter cache (the extra slots are never written or attended to)."""
+    from wna16_jax.models.generation import cache_len
+
+    assert [cache_len(n) for n in (1, 15, 16, 17, 63, 64, 65, 100, 768, 769)] == [16, 16, 16, 32, 64, 64, 128,
+                                                                                  128, 768, 832]
+    g = Generator(model, batch_size=2, max_len=100)
+    assert (g.max_len, g.cache_len) == (100, 128)
+    assert g.cache_bytes == kv_cache_bytes(model.config, 2, 128, model.dtype)
+    with pytest.raises(ValueRangeError, match="exceeds the cache length max_len=100"):
+        g.generate([[5] * 90], 11)                     # max_len still bounds a request, not the rounding
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    assert g.generate(prompts, 6) == Generator(model, batch_size=2, max_len=64).generate(prompts, 6)
+    shapes = jax.eval_shape(lambda: model.init_cache(2, g.cache_len))
+    assert shapes.k.shape[3] == 128
+
+
 class _Device:
     def __init__(self, stats):
         self.stats = stats
@@ -433,7 +453,9 @@ HOSTILE = [
     (ConfigError, ["min_bucket", "got 0"], lambda t: Generator(t.m, batch_size=1, max_len=8, min_bucket=0)),
     (ConfigError, ["memory_budget", "'1GB'"],
      lambda t: Generator(t.m, batch_size=1, max_len=8, memory_budget="1GB")),
-    (ValueRangeError, ["max_len=2147483647", "batch_size=1", "549755813632 bytes", "memory budget"],
+    # the cache holds max_len rounded up to a multiple of 64 positions (2**31), 256 bytes each
+    (ValueRangeError, ["max_len=2147483647", "batch_size=1", "549755813888 bytes", "2147483648 positions",
+                       "memory budget"],
      lambda t: Generator(t.m, batch_size=1, max_len=2**31 - 1)),
     (ValueRangeError, ["max_len=1024", "batch_size=1000000", "memory budget"],
      lambda t: Generator(t.m, batch_size=10**6, max_len=1024)),

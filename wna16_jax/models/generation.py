@@ -93,6 +93,19 @@ def _kind(v) -> str:
     return f"{type(v).__name__} {v!r}" if len(repr(v)) <= 60 else type(v).__name__
 
 
+#: a Generator's cache holds a multiple of this many positions (a multiple of 16 below it): the
+#: decode-attention kernels read whole blocks of 64 (or 32, 16) slots and refuse other lengths
+CACHE_ALIGN = 64
+
+
+def cache_len(max_len: int) -> int:
+    """The positions a :class:`Generator`'s cache holds for ``max_len``: ``max_len`` rounded up to a
+    multiple of :data:`CACHE_ALIGN` (of 16 below it). The slots past ``max_len`` are never written,
+    and a row reads only its own positions, so the tokens do not depend on the rounding."""
+    align = CACHE_ALIGN if max_len >= CACHE_ALIGN else 16
+    return -(-int(max_len) // align) * align
+
+
 def prompt_buckets(max_len: int, min_bucket: int = 16) -> tuple[int, ...]:
     """Prefill lengths: ``min_bucket, 2·min_bucket, …`` below ``max_len``, then ``max_len``."""
     out, b = [], min_bucket
@@ -133,22 +146,24 @@ def device_memory_budget(device=None) -> tuple[int, str]:
 
 
 def check_cache_fits(model: MoEDecoder, batch_size: int, max_len: int, budget: int | None = None, *,
-                     origin: str = "") -> int:
+                     origin: str = "", positions: int | None = None) -> int:
     """The KV cache's bytes (:func:`kv_cache_bytes` of ``model``'s config and dtype), or a
     :class:`ValueRangeError` naming ``batch_size``, ``max_len``, the bytes and the budget when
     they exceed ``budget`` (None: :func:`device_memory_budget`). ``origin`` says where ``max_len`` came
-    from, for the message."""
+    from, for the message; ``positions``: what the cache holds per row, if more than ``max_len``
+    (:func:`cache_len`)."""
     c = model.config
-    need = kv_cache_bytes(c, batch_size, max_len, model.dtype)
+    t = max(int(max_len), int(positions or 0))
+    need = kv_cache_bytes(c, batch_size, t, model.dtype)
     if budget is None:
         budget, source = device_memory_budget()
     else:
         source = "the memory_budget argument"
     if need > budget:
-        per = need // (c.num_layers * batch_size * max_len)
+        per = need // (c.num_layers * batch_size * t)
         raise ValueRangeError(
             f"max_len={max_len}{origin}, batch_size={batch_size}: the KV cache needs {need} bytes "
-            f"({need / 2**30:.3g} GiB = {c.num_layers} layers x {batch_size} sequences x {max_len} positions x "
+            f"({need / 2**30:.3g} GiB = {c.num_layers} layers x {batch_size} sequences x {t} positions x "
             f"{per} bytes per position and layer), more than the memory budget of {budget} bytes "
             f"({budget / 2**30:.3g} GiB, {source}); lower max_len or batch_size, or pass memory_budget=")
     return need
@@ -488,7 +503,8 @@ class Generator:
             raise ValueRangeError(f"decode_steps: {k} steps per program do not fit a cache of max_len={max_len} "
                                   f"positions (at most {max_len - 1})")
         self.decode_steps = k
-        self.cache_bytes = check_cache_fits(model, batch_size, max_len, budget)
+        self.cache_len = cache_len(max_len)
+        self.cache_bytes = check_cache_fits(model, batch_size, max_len, budget, positions=self.cache_len)
         self.model = model
         self.batch_size, self.max_len = batch_size, max_len
         self.buckets = prompt_buckets(self.max_len, min_bucket)
@@ -561,7 +577,7 @@ class Generator:
         progs, leaves = programs(self.model)
         run = progs.decode_steps if jax.default_backend() == "cpu" else progs.decode_steps_donating
         tok, _, cache = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp, tk,
-                                      max_len=self.max_len, sample=sample)
+                                      max_len=self.cache_len, sample=sample)
         host = _host(tok)[:n].astype(np.int64)
         done = np.isin(host, stop)
         yield host
@@ -598,7 +614,7 @@ class Generator:
         progs, leaves = programs(self.model)
         decode = progs.decode if jax.default_backend() == "cpu" else progs.decode_donating
         tok, logits, cache = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), key, temp, tp, tk,
-                                           max_len=self.max_len, sample=sample)
+                                           max_len=self.cache_len, sample=sample)
         positions = jnp.asarray(lengths)
         done = np.zeros((n,), bool)
         for step in range(1, req.max_new_tokens + 1):
@@ -641,7 +657,7 @@ class Generator:
         tokens, lengths = self._padded(rows)
         progs, leaves = programs(self.model)
         _, logits, _ = progs.prefill(leaves, jnp.asarray(tokens), jnp.asarray(lengths), row_keys(None, 0, self.batch_size),
-                                     jnp.float32(0), jnp.float32(1), jnp.int32(0), max_len=self.max_len,
+                                     jnp.float32(0), jnp.float32(1), jnp.int32(0), max_len=self.cache_len,
                                      sample=False)
         return _host(logits)[:len(rows)]
 
