@@ -63,19 +63,24 @@ def choose_splits(batch: int, kv_heads: int, blocks: int, *, programs: int = 264
     return max(1, min(blocks, -(-programs // max(1, batch * kv_heads))))
 
 
-def _attend_blocks(q, n, lo, hi, block, read_k, read_v, acc_ref, m_ref, l_ref, *, scale, window):
-    """The online softmax of ``q [G, D]`` over the cache blocks ``lo … hi - 1`` of ``block`` slots
-    (``read_k(j)``, ``read_v(j)``: block ``j``'s ``[block, D]`` keys / values), slots ``t < n``
-    (and ``t > n - window``) visible; writes the unnormalised partials ``acc``, ``m``, ``l``.
-    Both kernels (contiguous and paged) run it; they differ in how a block is found."""
-    g = q.shape[0]
+def _attend_blocks(qs, n, lo, hi, block, read, acc_ref, m_ref, l_ref, *, scale, window):
+    """The online softmax of the queries ``qs`` (a tuple of ``[G, D_i]`` parts, whose scores add)
+    over the cache blocks ``lo … hi - 1`` of ``block`` slots, slots ``t < n`` (and
+    ``t > n - window``) visible; ``read(j)``: block ``j``'s ``(key parts, values)`` — a tuple of
+    ``[block, D_i]`` keys matching ``qs``, and ``[block, Dv]`` values (which may be a key part:
+    latent attention attends to its latent and reads it once). Writes the unnormalised partials
+    ``acc [G, Dv]``, ``m``, ``l``. Every kernel here runs it; they differ in how a block is found."""
+    g = qs[0].shape[0]
     neg = jnp.float32(-jnp.inf)
 
     def body(j, carry):
         m, l, acc = carry
-        kb = read_k(j)                                                     # [S, D]
-        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * np.float32(scale)   # [G, S]
+        keys, vb = read(j)
+        sc = None
+        for q, kb in zip(qs, keys):                                       # [G, D_i] · [S, D_i]ᵀ
+            part = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            sc = part if sc is None else sc + part
+        sc = sc * np.float32(scale)                                       # [G, S]
         t = j * block + jax.lax.broadcasted_iota(jnp.int32, (g, block), 1)
         ok = t < n
         if window is not None:
@@ -85,13 +90,12 @@ def _attend_blocks(q, n, lo, hi, block, read_k, read_v, acc_ref, m_ref, l_ref, *
         m_safe = jnp.where(m_new == neg, 0.0, m_new)                      # a row with nothing seen yet
         p = jnp.exp(sc - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
-        vb = read_v(j)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     m0 = jnp.full((g,), neg, jnp.float32)
     l0 = jnp.zeros((g,), jnp.float32)
-    acc0 = jnp.zeros(q.shape, jnp.float32)
+    acc0 = jnp.zeros((g, acc_ref.shape[-1]), jnp.float32)
     m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, (m0, l0, acc0))
     acc_ref[...] = acc
     m_ref[...] = m
@@ -112,7 +116,8 @@ def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, b
     def rows(ref):
         return lambda j: ref[layer, b, h, pl.ds(pl.multiple_of(j * block_t, block_t), block_t), :]
 
-    _attend_blocks(q_ref[...], n, lo, hi, block_t, rows(k_ref), rows(v_ref), acc_ref, m_ref, l_ref,
+    rk, rv = rows(k_ref), rows(v_ref)
+    _attend_blocks((q_ref[...],), n, lo, hi, block_t, lambda j: ((rk(j),), rv(j)), acc_ref, m_ref, l_ref,
                    scale=scale, window=window)
 
 
@@ -174,9 +179,15 @@ def partials(q, k_cache, v_cache, layer, lengths, out=None, *, scale: float, win
 def combine(acc, m, l, q, k_new, v_new, scale: float):
     """Merge the splits' partials with the step's own key / value: ``q [B, H, G, D]`` (the real
     heads), ``k_new``, ``v_new`` ``[B, H, D]``; returns ``[B, H, G, D]`` float32."""
-    g = q.shape[2]
-    acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]
     s_new = jnp.einsum("bhgd,bhd->bhg", q.astype(jnp.float32), k_new.astype(jnp.float32)) * np.float32(scale)
+    return combine_scores(acc, m, l, s_new, v_new)
+
+
+def combine_scores(acc, m, l, s_new, v_new):
+    """:func:`combine` with the new row's scaled scores ``s_new [B, H, G]`` given (``G`` the real
+    heads; the partials may hold padding heads past them) and its values ``v_new [B, H, Dv]``."""
+    g = s_new.shape[2]
+    acc, m, l = acc[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]
     top = jnp.maximum(jnp.max(m, axis=2), s_new)                                 # finite: s_new is
     w = jnp.exp(m - top[:, :, None])                                             # [B, H, S, G]
     w_new = jnp.exp(s_new - top)
@@ -278,7 +289,8 @@ def _paged_kernel(layer_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m
     def block(ref):                                    # entries below n's blocks are real; -1 never read
         return lambda j: ref[layer, jnp.maximum(table_ref[b, j], 0), h, :, :]
 
-    _attend_blocks(q_ref[...], n, lo, hi, block_size, block(k_ref), block(v_ref), acc_ref, m_ref, l_ref,
+    rk, rv = block(k_ref), block(v_ref)
+    _attend_blocks((q_ref[...],), n, lo, hi, block_size, lambda j: ((rk(j),), rv(j)), acc_ref, m_ref, l_ref,
                    scale=scale, window=window)
 
 
@@ -371,6 +383,189 @@ def paged_reference(q, k_new, v_new, k_pool, v_pool, layer, block_table, lengths
     return reference(q, k_new, v_new, gather(k_pool), gather(v_pool), 0, lengths, scale=scale, window=window)
 
 
-__all__ = ["BLOCK_T", "block_t_for", "choose_splits", "combine", "decode_attention", "paged_decode_attention",
+
+# --------------------------------------------------------------------------- latent attention
+
+#: slots a latent-attention program reads per loop step (a block of the latent is ``[block, R]``:
+#: at R = 512, 32 rows are 32 KiB of bfloat16, the most that stays out of local memory)
+LATENT_BLOCK_T = (32, 16)
+
+
+def latent_unsupported_reason(q_shape, rope_dim: int, pool_shape, dtype, *, paged: bool) -> str | None:
+    """Why :func:`latent_decode_attention` cannot take these shapes / dtype (None: it can):
+    ``q_shape`` ``[B, H, R]`` (the queries in latent space), ``rope_dim`` the rotated part's width,
+    ``pool_shape`` the latent pool's ``[L, P, 1, S, R]`` (contiguous: ``P = B``, ``S`` the cache
+    length)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {dtype.name}: the kernel takes bfloat16 or float16"
+    for name, d in (("kv_lora_rank", int(q_shape[-1])), ("qk_rope_head_dim", int(rope_dim))):
+        if d < 16 or d & (d - 1):
+            return f"{name} {d}: the kernel takes a power of two ≥ 16"
+    s = int(pool_shape[-2])
+    if paged:
+        if s < 16 or s & (s - 1):
+            return f"block_size {s}: the kernel reads whole blocks, a power of two ≥ 16"
+    elif not any(s % bt == 0 for bt in LATENT_BLOCK_T):
+        return f"cache length {s}: the kernel needs a multiple of {LATENT_BLOCK_T[-1]}"
+    return None
+
+
+def _latent_kernel(layer_ref, len_ref, table_ref, q_ref, qr_ref, c_ref, r_ref, acc_ref, m_ref, l_ref, *, block,
+                   per_split, blocks, scale, paged):
+    b, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    n = len_ref[b]                                     # slots 0 .. n-1 are valid
+    lo = s * per_split
+    hi = jnp.minimum(lo + per_split, (n + block - 1) // block)
+    if not paged:
+        hi = jnp.minimum(hi, blocks)                   # never past the cache
+
+    def read(j):
+        if paged:                                      # entries below n's blocks are real; -1 never read
+            p = jnp.maximum(table_ref[b, j], 0)
+            lat, rot = c_ref[layer, p, 0, :, :], r_ref[layer, p, 0, :, :]
+        else:
+            rows = pl.ds(pl.multiple_of(j * block, block), block)
+            lat, rot = c_ref[layer, b, 0, rows, :], r_ref[layer, b, 0, rows, :]
+        return (lat, rot), lat                         # the latent is both a key part and the value
+
+    _attend_blocks((q_ref[...], qr_ref[...]), n, lo, hi, block, read, acc_ref, m_ref, l_ref, scale=scale,
+                   window=None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "paged", "splits", "interpret", "num_warps", "num_stages"))
+def latent_partials(q, q_rope, c_pool, r_pool, layer, block_table, lengths, *, scale: float, paged: bool,
+                    splits: int | None = None, interpret: bool = False, num_warps: int = 8, num_stages: int = 2):
+    """The per-split ``(acc [B, S, G, R], m [B, S, G], l [B, S, G])``, float32, of the latent
+    queries ``q [B, G, R]`` and ``q_rope [B, G, Dr]`` (``G`` a power of two ≥ 16) against layer
+    ``layer`` (int32 ``[1]``) of the latent pool ``c_pool [L, P, 1, S, R]`` and the rotated-key
+    pool ``r_pool [L, P, 1, S, Dr]``, slots ``t < lengths[b]``; with ``paged``, read through
+    ``block_table [B, M]`` (int32), else (a placeholder table) row ``b`` of a contiguous pool
+    (``P = B``, ``S`` the cache length). Every program writes its three blocks, also where it has
+    no slot to read."""
+    bsz, g, r = q.shape
+    dr = q_rope.shape[-1]
+    width = int(c_pool.shape[3])
+    if paged:
+        block, entries = width, int(block_table.shape[1])
+    else:
+        block = next(bt for bt in LATENT_BLOCK_T if width % bt == 0)
+        entries = width // block
+    per_split = -(-entries // (splits or choose_splits(bsz, 1, entries)))
+    n_splits = -(-entries // per_split)
+    kernel = functools.partial(_latent_kernel, block=block, per_split=per_split, blocks=entries, scale=float(scale),
+                               paged=paged)
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - the whole array
+    out_specs = [pl.BlockSpec((None, None, g, r), lambda b, s: (b, s, 0, 0)),
+                 pl.BlockSpec((None, None, g), lambda b, s: (b, s, 0)),
+                 pl.BlockSpec((None, None, g), lambda b, s: (b, s, 0))]
+    out_shape = [jax.ShapeDtypeStruct((bsz, n_splits, g, r), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, n_splits, g), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, n_splits, g), jnp.float32)]
+    in_specs = [full(layer), full(lengths), full(block_table), pl.BlockSpec((None, g, r), lambda b, s: (b, 0, 0)),
+                pl.BlockSpec((None, g, dr), lambda b, s: (b, 0, 0)), full(c_pool), full(r_pool)]
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(
+        kernel, grid=(bsz, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name=f"latent_decode_attention_b{bsz}_{'m' if paged else 't'}"
+                                  f"{entries if paged else width}_s{n_splits}", **kwargs,
+    )(layer, lengths, block_table, q, q_rope, c_pool, r_pool)
+
+
+def _check_latent(q, q_rope, c_new, r_new, c_pool, r_pool, block_table, lengths):
+    if q.ndim != 3 or q_rope.ndim != 3 or q_rope.shape[:2] != q.shape[:2]:
+        raise KernelShapeError(f"q, q_rope: expected [B, H, R] and [B, H, Dr], got shapes {tuple(q.shape)} and "
+                               f"{tuple(q_rope.shape)}")
+    bsz, _, r = q.shape
+    dr = q_rope.shape[2]
+    for name, a, d in (("c_pool", c_pool, r), ("r_pool", r_pool, dr)):
+        if a.ndim != 5 or a.shape[2] != 1 or a.shape[4] != d:
+            raise KernelShapeError(f"{name}: expected [L, P, 1, S, {d}], got shape {tuple(a.shape)}")
+        if a.dtype != q.dtype:
+            raise KernelDTypeError(f"{name}: expected {q.dtype}, got {a.dtype}")
+    if c_pool.shape[:4] != r_pool.shape[:4]:
+        raise KernelShapeError(f"r_pool: expected [{', '.join(map(str, c_pool.shape[:4]))}, {dr}] beside c_pool "
+                               f"{tuple(c_pool.shape)}, got shape {tuple(r_pool.shape)}")
+    if q_rope.dtype != q.dtype:
+        raise KernelDTypeError(f"q_rope: expected {q.dtype}, got {q_rope.dtype}")
+    for name, a, d in (("c_new", c_new, r), ("r_new", r_new, dr)):
+        if tuple(a.shape) != (bsz, d):
+            raise KernelShapeError(f"{name}: expected [{bsz}, {d}], got shape {tuple(a.shape)}")
+    if block_table is None:
+        if c_pool.shape[1] != bsz:
+            raise KernelShapeError(f"c_pool: a contiguous pool holds one row per sequence, expected [L, {bsz}, 1, T, "
+                                   f"{r}], got shape {tuple(c_pool.shape)}")
+    elif block_table.ndim != 2 or block_table.shape[0] != bsz or not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise KernelShapeError(f"block_table: expected an integer [{bsz}, M], got {block_table.dtype} "
+                               f"{tuple(block_table.shape)}")
+    if tuple(lengths.shape) != (bsz,):
+        raise KernelShapeError(f"lengths: expected [{bsz}], got shape {tuple(lengths.shape)}")
+    reason = latent_unsupported_reason(q.shape, dr, c_pool.shape, q.dtype, paged=block_table is not None)
+    if reason:
+        raise KernelConfigError(f"latent_decode_attention: {reason}")
+
+
+def latent_decode_attention(q, q_rope, c_new, r_new, c_pool, r_pool, layer, block_table, lengths, *, scale: float,
+                            splits: int | None = None, interpret: bool = False):
+    """One decode step of DeepSeek's latent attention (the absorbed form); returns the attended
+    latent ``[B, H, R]`` in ``q``'s dtype (``W_uv`` and ``o_proj`` are the caller's).
+
+    Every head attends to the one shared latent key / value: the score of slot ``t`` is
+    ``(q · c_t + q_rope · r_t) · scale`` and the output ``Σ_t p_t c_t``. ``q [B, H, R]``: the
+    queries taken into latent space (``q_nope · W_uk``), ``q_rope [B, H, Dr]`` their rotated part;
+    ``c_new [B, R]``, ``r_new [B, Dr]``: the step's own normed latent and rotated key (attended to,
+    not written). ``c_pool [L, P, 1, S, R]``, ``r_pool [L, P, 1, S, Dr]`` and ``layer`` (an int32
+    scalar, may be traced): layer ``layer``'s slots ``t < lengths[b]``, read where they lie —
+    through ``block_table [B, M]`` (a paged pool, ``S`` the block size) or, with ``block_table``
+    None, row ``b`` of a contiguous pool (``P = B``, ``S`` the cache length)."""
+    _check_latent(q, q_rope, c_new, r_new, c_pool, r_pool, block_table, lengths)
+    h = q.shape[1]
+    gp = max(MIN_GROUP, 1 << (h - 1).bit_length())
+    pad = ((0, 0), (0, gp - h), (0, 0))
+    qp, qrp = (q, q_rope) if gp == h else (jnp.pad(q, pad), jnp.pad(q_rope, pad))
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    paged = block_table is not None
+    table = block_table.astype(jnp.int32) if paged else jnp.zeros((1, 1), jnp.int32)
+    acc, m, l = latent_partials(qp, qrp, c_pool, r_pool, layer, table, lengths.astype(jnp.int32), scale=float(scale),
+                                paged=paged, splits=splits, interpret=interpret)
+    f32 = jnp.float32
+    s_new = (jnp.einsum("bhr,br->bh", q.astype(f32), c_new.astype(f32))
+             + jnp.einsum("bhd,bd->bh", q_rope.astype(f32), r_new.astype(f32))) * np.float32(scale)
+    out = combine_scores(acc[:, None], m[:, None], l[:, None], s_new[:, None], c_new[:, None])
+    return out[:, 0].astype(q.dtype)
+
+
+def latent_reference(q, q_rope, c_new, r_new, c_pool, r_pool, layer, block_table, lengths, *, scale: float):
+    """:func:`latent_decode_attention` in plain ``jnp`` (in the inputs' precision promoted to at least
+    float32): the layer's rows (gathered through the table where paged), the new row appended."""
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+
+    def rows(pool):                                    # → [B, T, d]
+        a = jnp.asarray(pool)[layer][:, 0]                                 # [P, S, d]
+        if block_table is None:
+            return a
+        g = jnp.take(a, jnp.maximum(jnp.asarray(block_table), 0), axis=0)  # [B, M, S, d]
+        return g.reshape(g.shape[0], -1, g.shape[-1])
+
+    c, r = rows(c_pool).astype(dt), rows(r_pool).astype(dt)
+    t = c.shape[1]
+    c = jnp.concatenate([c, c_new.astype(dt)[:, None]], axis=1)
+    r = jnp.concatenate([r, r_new.astype(dt)[:, None]], axis=1)
+    hi = jax.lax.Precision.HIGHEST
+    sc = (jnp.einsum("bhr,btr->bht", q.astype(dt), c, precision=hi)
+          + jnp.einsum("bhd,btd->bht", q_rope.astype(dt), r, precision=hi)) * scale
+    slot = jnp.arange(t + 1)
+    ok = (slot[None] < jnp.asarray(lengths)[:, None]) | (slot[None] == t)
+    p = jax.nn.softmax(jnp.where(ok[:, None], sc, -jnp.inf), axis=-1)
+    return jnp.einsum("bht,btr->bhr", p, c, precision=hi)
+
+__all__ = ["BLOCK_T", "LATENT_BLOCK_T", "block_t_for", "choose_splits", "combine", "combine_scores", "decode_attention",
+           "latent_decode_attention", "latent_partials", "latent_reference", "latent_unsupported_reason",
+           "paged_decode_attention",
            "paged_partials", "paged_reference", "paged_unsupported_reason", "partials", "reference",
            "split_plan", "unsupported_reason"]

@@ -379,3 +379,193 @@ def test_paged_decode_attention_at_model_shapes_gpu():
         ref = _gather_ref64(q, kn, vn, kp, vp, layer, table, lengths, 128 ** -0.5, None)
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, ref, atol=TOL * np.abs(ref).max(), rtol=0)
+
+
+# --------------------------------------------------------------------------- latent attention
+
+
+def _latent_case(rng, layers, rows, b, h, r, dr, slots):
+    def x(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    return x(b, h, r), x(b, h, dr), x(b, r), x(b, dr), x(layers, rows, 1, slots, r), x(layers, rows, 1, slots, dr)
+
+
+def _latent_ref64(q, qr, cn, rn, cp, rp, layer, table, lengths, scale):
+    """The latent step in numpy float64: the layer's rows (through ``table`` where paged), the new
+    row appended, every head scoring latent + rotated key and taking the latent back."""
+    q, qr, cn, rn, cp, rp = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, qr, cn, rn, cp, rp))
+    c, r = cp[layer][:, 0], rp[layer][:, 0]                                  # [P, S, d]
+    if table is not None:
+        t = np.maximum(np.asarray(table), 0)
+        c, r = c[t].reshape(t.shape[0], -1, c.shape[-1]), r[t].reshape(t.shape[0], -1, r.shape[-1])
+    n_slots = c.shape[1]
+    c = np.concatenate([c, cn[:, None]], 1)
+    r = np.concatenate([r, rn[:, None]], 1)
+    sc = (np.einsum("bhr,btr->bht", q, c) + np.einsum("bhd,btd->bht", qr, r)) * scale
+    slot = np.arange(n_slots + 1)
+    ok = (slot[None] < np.asarray(lengths)[:, None]) | (slot[None] == n_slots)
+    sc = np.where(ok[:, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bht,btr->bhr", p, c)
+
+
+@pytest.mark.parametrize("paged, b, h, r, dr, slots, splits", [
+    (False, 3, 16, 64, 16, 96, None),      # contiguous, DeepSeek's 16 heads, the default splits
+    (False, 2, 5, 32, 16, 64, 3),          # heads not a power of two (padded to 16), uneven splits
+    (True, 3, 16, 64, 32, 16, None),       # paged, blocks of 16
+    (True, 2, 8, 128, 16, 32, 2),          # paged, larger blocks
+])
+def test_latent_decode_attention_matches_float64(paged, b, h, r, dr, slots, splits):
+    """The latent kernel (interpret mode on the CPU) against float64 and against its jnp
+    reference: a full row, an empty one (only the new row), one ending mid-block; in a paged pool
+    the blocks outside a row's table hold other data, and a contiguous pool's other layers too."""
+    rng = np.random.default_rng()
+    layers, m = 3, 5
+    rows = b * m + 3 if paged else b
+    q, qr, cn, rn, cp, rp = _latent_case(rng, layers, rows, b, h, r, dr, slots)
+    row_slots = m * slots if paged else slots
+    lengths = rng.integers(1, row_slots + 1, b)
+    lengths[0], lengths[1] = row_slots, 0
+    if b > 2:
+        lengths[2] = row_slots // 2 + 3
+    table = None
+    if paged:
+        table = rng.permutation(np.arange(rows))[:b * m].reshape(b, m).astype(np.int32)
+        table[1, 1:] = -1                                              # unused entries of the empty row
+    layer = int(rng.integers(layers))
+    scale = 0.11
+    fn = jax.jit(functools.partial(da.latent_decode_attention, scale=scale, splits=splits, interpret=INTERPRET))
+    args = (q, qr, cn, rn, cp, rp, jnp.int32(layer), None if table is None else jnp.asarray(table),
+            jnp.asarray(lengths, jnp.int32))
+    got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
+    ref = _latent_ref64(q, qr, cn, rn, cp, rp, layer, table, lengths, scale)
+    assert got.shape == (b, h, r) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=TOL * np.abs(ref).max(), rtol=0)
+    plain = np.asarray(da.latent_reference(*args, scale=scale), np.float64)
+    np.testing.assert_allclose(plain, ref, atol=TOL * np.abs(ref).max(), rtol=0)
+    other = _latent_ref64(q, qr, cn, rn, cp, rp, (layer + 1) % layers, table, lengths, scale)
+    assert np.abs(got[0] - other[0]).max() > 10 * TOL * np.abs(ref).max()    # another layer's rows: far off
+
+
+def test_latent_partials_fill_poisoned_buffers():
+    """Every latent program writes its three blocks, also where its slots lie past the row's
+    length (``m = -inf``, ``l = 0``, ``acc = 0``): compiled afresh twice on the same inputs, the
+    outputs are identical and finite where they must be (no uninitialised memory leaks in)."""
+    rng = np.random.default_rng()
+    b, h, r, dr, slots = 2, 16, 32, 16, 128
+    q, qr, _, _, cp, rp = _latent_case(rng, 2, b, b, h, r, dr, slots)
+    lengths = jnp.asarray([5, 70], jnp.int32)
+    fn = jax.jit(functools.partial(da.latent_partials, scale=0.2, paged=False, splits=4, interpret=INTERPRET))
+    acc, m, l = (np.asarray(a) for a in fn(q, qr, cp, rp, jnp.asarray([1], jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                                            lengths))
+    assert acc.shape == (b, 4, h, r) and m.shape == l.shape == (b, 4, h)
+    assert not np.isnan(acc).any() and not np.isnan(m).any() and not np.isnan(l).any()
+    assert np.isneginf(m[0, 1:]).all() and (l[0, 1:] == 0).all() and (acc[0, 1:] == 0).all()
+    assert np.isfinite(m[1, :3]).all() and np.isneginf(m[1, 3:]).all()
+
+
+def test_latent_refused_shapes_name_what_they_got():
+    rng = np.random.default_rng()
+    q, qr, cn, rn, cp, rp = _latent_case(rng, 2, 2, 2, 16, 32, 16, 64)
+    lengths = jnp.asarray([3, 4], jnp.int32)
+    call = functools.partial(da.latent_decode_attention, scale=1.0, interpret=True)
+    why = da.latent_unsupported_reason
+    assert "qk_rope_head_dim 8" in why(q.shape, 8, cp.shape, jnp.bfloat16, paged=False)
+    assert "kv_lora_rank 48" in why((2, 16, 48), 16, (2, 2, 1, 64, 48), jnp.bfloat16, paged=False)
+    assert "cache length 40" in why(q.shape, 16, (2, 2, 1, 40, 32), jnp.bfloat16, paged=False)
+    assert "block_size 24" in why(q.shape, 16, (2, 2, 1, 24, 32), jnp.bfloat16, paged=True)
+    assert "dtype float32" in why(q.shape, 16, cp.shape, jnp.float32, paged=False)
+    with pytest.raises(KernelConfigError, match="cache length 40"):
+        call(q, qr, cn, rn, cp[:, :, :, :40], rp[:, :, :, :40], 0, None, lengths)
+    with pytest.raises(KernelDTypeError, match="r_pool: expected bfloat16, got float16"):
+        call(q, qr, cn, rn, cp, rp.astype(jnp.float16), 0, None, lengths)
+    with pytest.raises(KernelShapeError, match=r"c_pool: expected \[L, P, 1, S, 32\], got shape \(2, 2, 64, 32\)"):
+        call(q, qr, cn, rn, cp[:, :, 0], rp, 0, None, lengths)
+    with pytest.raises(KernelShapeError, match=r"c_new: expected \[2, 32\], got shape \(32,\)"):
+        call(q, qr, cn[0], rn, cp, rp, 0, None, lengths)
+    with pytest.raises(KernelShapeError, match=r"a contiguous pool holds one row per sequence"):
+        call(q, qr, cn, rn, jnp.concatenate([cp, cp], 1), jnp.concatenate([rp, rp], 1), 0, None, lengths)
+    with pytest.raises(KernelShapeError, match=r"block_table: expected an integer \[2, M\]"):
+        call(q, qr, cn, rn, cp, rp, 0, jnp.zeros((3, 2), jnp.int32), lengths)
+    with pytest.raises(KernelShapeError, match=r"lengths: expected \[2\]"):
+        call(q, qr, cn, rn, cp, rp, 0, None, lengths[:1])
+
+
+@cpu_only
+def test_latent_decode_attention_lowers_to_triton():
+    """The latent kernel lowers to Triton IR for CUDA at DeepSeek-V3's widths (rank 512, rope 64,
+    128 heads) over a 61-layer cache of 64 rows of 4096 slots (past 2^32 bytes: 64-bit offsets),
+    contiguous and paged."""
+    s = jax.ShapeDtypeStruct
+    q, qr, cn, rn = (s((64, 128, 512), jnp.bfloat16), s((64, 128, 64), jnp.bfloat16), s((64, 512), jnp.bfloat16),
+                     s((64, 64), jnp.bfloat16))
+    for pools, table in ((((61, 64, 1, 4096, 512), (61, 64, 1, 4096, 64)), None),
+                         (((61, 16384, 1, 16, 512), (61, 16384, 1, 16, 64)), s((64, 256), jnp.int32))):
+        args = (q, qr, cn, rn, s(pools[0], jnp.bfloat16), s(pools[1], jnp.bfloat16), s((), jnp.int32), table,
+                s((64,), jnp.int32))
+        with abstract_h200():
+            text = jax.jit(functools.partial(da.latent_decode_attention, scale=0.1)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_deepseek_decode_steps_on_the_latent_kernel(tmp_path, monkeypatch, paged):
+    """A scanned bf16 DeepSeek-V2 decoder (latent rank 32, rope 16) whose decode steps attend with
+    the latent kernel, against the same steps on XLA, over a contiguous cache and a paged pool
+    with a scrambled table. Both round in bf16 (the kernel its softmax weights, XLA its
+    probabilities); most rows agree to 3%, as for the grouped-query kernel."""
+    from wna16_jax.models import decoder, load_model, write_random_model
+    from wna16_jax.models.synthetic import RandomModelSpec
+    from wna16_jax.schemes import QuantScheme
+
+    spec = RandomModelSpec(model_type="deepseek_v2", scheme=QuantScheme("gptq", 4, 32, False), vocab_size=256,
+                           hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=8, head_dim=48, num_experts=4,
+                           top_k=2, moe_intermediate_size=64, intermediate_size=128, first_k_dense_replace=1,
+                           n_shared_experts=1,
+                           mla=dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                    v_head_dim=32))
+    path = write_random_model(str(tmp_path / "m"), spec, seed=int(np.random.default_rng().integers(1 << 30)))
+    model = load_model(path, dtype=jnp.bfloat16, scan_layers=True)
+    rng = np.random.default_rng()
+    prompts = rng.integers(3, 256, (4, 20))
+    cache = None
+    if paged:
+        bs, m, blocks = 16, 3, 16
+        table = np.full((4, m), -1, np.int32)
+        table[:, :2] = rng.permutation(np.arange(1, blocks))[:8].reshape(4, 2)
+        cache = model.init_paged_cache(blocks, bs).with_block_table(table)
+    monkeypatch.setattr(decoder, "decode_kernel_mode", lambda: None)
+    xla = _decode_logits(model, prompts, cache=cache)
+    monkeypatch.setattr(decoder, "decode_kernel_mode", lambda: "gpu" if ON_GPU else "interpret")
+    calls = []
+    kernel = da.latent_decode_attention
+    monkeypatch.setattr(da, "latent_decode_attention", lambda *a, **k: calls.append(a[7]) or kernel(*a, **k))
+    got = _decode_logits(model, prompts, cache=cache)
+    # the dense head layer (unrolled) and the scanned layer body, traced once per decode step
+    assert len(calls) == 2 * 3 and all((t is not None) == paged for t in calls)
+    assert np.isfinite(got).all()
+    err = (np.abs(got - xla).max(axis=-1) / np.abs(xla).max(axis=-1)).ravel()
+    assert (err <= 3e-2).mean() >= 0.75, err
+
+
+@gpu
+@needs_gpu
+def test_latent_decode_attention_at_model_shapes_gpu():
+    """Compiled on the GPU at DeepSeek-V2-Lite's (16 heads) and V3's (128 heads) latent widths,
+    batch 1 / 8, 1024 slots contiguous and a paged pool of blocks of 16, against float64."""
+    rng = np.random.default_rng()
+    for h, b, paged in ((16, 1, False), (16, 8, False), (128, 4, False), (16, 8, True)):
+        layers, m = 4, 64
+        rows, slots = (b * m + 5, 16) if paged else (b, 1024)
+        q, qr, cn, rn, cp, rp = _latent_case(rng, layers, rows, b, h, 512, 64, slots)
+        lengths = rng.integers(0, (m * 16 if paged else slots) + 1, b)
+        table = rng.permutation(np.arange(rows))[:b * m].reshape(b, m).astype(np.int32) if paged else None
+        layer = int(rng.integers(layers))
+        got = np.asarray(jax.jit(functools.partial(da.latent_decode_attention, scale=192 ** -0.5))(
+            q, qr, cn, rn, cp, rp, jnp.int32(layer), None if table is None else jnp.asarray(table),
+            jnp.asarray(lengths, jnp.int32)).astype(jnp.float32), np.float64)
+        ref = _latent_ref64(q, qr, cn, rn, cp, rp, layer, table, lengths, 192 ** -0.5)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, atol=TOL * np.abs(ref).max(), rtol=0)

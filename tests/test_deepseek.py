@@ -622,7 +622,7 @@ ENGINE_CASES = {
 def test_engine_sized_deepseek_on_the_engine_gpu(tmp_path, name):
     """An engine-sized DeepSeek model in bfloat16 on Hopper (the dense layer unrolled, the MoE
     layers scanned; latent-attention projections and experts in the wgmma layout, ``kv_b_proj``
-    dequantized from it inside the program) against the same checkpoint's unrolled float32 model:
+    dequantized at load; decode steps on the latent kernel) against the same checkpoint's unrolled float32 model:
     prefill logits and greedy tokens, with the tolerances ``scanned_model_matches_float32`` states."""
     from test_layer_stack import scanned_model_matches_float32
 

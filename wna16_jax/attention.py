@@ -7,7 +7,9 @@ elsewhere, and for shapes a kernel refuses, the decoder attends on XLA. One row 
 of :class:`~wna16_jax.models.kv_cache.KVCache`:
 
 * ``"contiguous"`` — a row's positions are one block of the pool (``decode_attention``);
-* ``"paged"`` — a row's positions are the blocks its block table names (``paged_decode_attention``).
+* ``"paged"`` — a row's positions are the blocks its block table names (``paged_decode_attention``);
+* ``"latent"`` — DeepSeek's latent attention over either form (``latent_decode_attention``): every
+  head scores the shared latent and rotated key, and takes the latent back.
 
 The decoder asks :func:`kernel_reason` (None: the kernel takes the step) and calls
 :func:`kernel_decode`; nothing under :mod:`wna16_jax.models` imports a kernel module itself.
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 from pallas_kernels import decode_attention as _kernels
 
-#: the table's rows (the cache form → what the row's kernel is called)
-FORMS = {"contiguous": "decode_attention", "paged": "paged_decode_attention"}
+#: the table's rows (the cache form → what the row's kernel is called); latent attention's
+#: (DeepSeek's MLA, absorbed: one shared latent key / value) takes both forms in one kernel
+FORMS = {"contiguous": "decode_attention", "paged": "paged_decode_attention",
+         "latent": "latent_decode_attention"}
 
 
 def kernel_reason(paged: bool, q_shape, pool_shape, dtype) -> str | None:
@@ -42,4 +46,21 @@ def kernel_decode(q, k_new, v_new, k_pool, v_pool, layer, block_table, lengths, 
                                            scale=scale, window=window, interpret=interpret)
 
 
-__all__ = ["FORMS", "kernel_decode", "kernel_reason"]
+def latent_kernel_reason(paged: bool, q_shape, rope_dim: int, pool_shape, dtype) -> str | None:
+    """Why no kernel attends a latent-attention decode step with latent queries of ``q_shape``
+    ``[B, H, R]`` and ``rope_dim`` rotated dimensions over a latent pool ``[L, P, 1, S, R]`` of
+    ``dtype`` (None: the kernel takes it)."""
+    return _kernels.latent_unsupported_reason(q_shape, rope_dim, pool_shape, dtype, paged=paged)
+
+
+def latent_kernel_decode(q, q_rope, c_new, r_new, c_pool, r_pool, layer, block_table, lengths, *, scale: float,
+                         interpret: bool = False):
+    """``[B, H, R]``: the attended latent of the step's latent queries ``q [B, H, R]`` and rotated
+    ``q_rope [B, H, Dr]`` over slots ``0 … lengths[b] - 1`` of layer ``layer`` of the pools and
+    the step's own ``c_new [B, R]`` / ``r_new [B, Dr]`` (not written); ``block_table`` as in
+    :func:`kernel_decode`."""
+    return _kernels.latent_decode_attention(q, q_rope, c_new, r_new, c_pool, r_pool, layer, block_table, lengths,
+                                            scale=scale, interpret=interpret)
+
+
+__all__ = ["FORMS", "kernel_decode", "kernel_reason", "latent_kernel_decode", "latent_kernel_reason"]

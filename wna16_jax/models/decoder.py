@@ -11,7 +11,8 @@ One decoder class covers the Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V2 / V3 
   score-correction bias), a gated SiLU MLP on the dense ones (``decoder_sparse_step`` /
   ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``);
 * every linear layer the checkpoint quantizes is a :class:`~wna16_jax.models.linear.QuantizedLinear`
-  (packed as stored); the rest (embeddings, ``lm_head``, norms, routers) stays 16-bit;
+  (packed as stored), except latent attention's ``kv_b_proj``, only ever read whole, which is kept
+  dequantized and frozen (:func:`absorb_dtype`); the rest (embeddings, ``lm_head``, norms, routers) stays 16-bit;
   ``lm_head`` is the embedding matrix when ``tie_word_embeddings``.
 
 State: ``nnx.Param`` for the 16-bit weights (embeddings, norms, 16-bit linears, routers),
@@ -238,6 +239,13 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, 1, nh * hd)), cache.update(k, v, positions)
 
 
+def absorb_dtype(dtype):
+    """What :class:`LatentAttention` absorbs ``kv_b_proj`` in for ``dtype`` activations: their own
+    dtype on a GPU (and for float32), float32 for 16-bit activations on the CPU."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype == jnp.float32 or jax.default_backend() != "cpu" else jnp.dtype(jnp.float32)
+
+
 class LatentAttention(nnx.Module):
     """DeepSeek's multi-head latent attention (MLA). Queries: ``q_proj``, or ``q_a_proj`` →
     RMS norm → ``q_b_proj``; each head's query is ``qk_nope_head_dim`` plain dimensions and
@@ -286,13 +294,7 @@ class LatentAttention(nnx.Module):
                                      attention_factor=self.rope_scale)
                           for t in (q[..., nope:], kva[..., None, r:]))
         k_rope = jnp.swapaxes(k_rope, 1, 2)                               # [B, 1, S, rope]
-        if cache is None:
-            lat, kr, kpos = latent, k_rope, positions
-        else:
-            cache = cache.update(latent, k_rope, positions)
-            lat, kr, kpos = cache.read(kv_len, x.dtype)
-        lat, kr = lat[:, 0], kr[:, 0]                                     # [B, T, rank], [B, T, rope]
-        cdt = x.dtype if x.dtype == jnp.float32 or jax.default_backend() != "cpu" else jnp.float32
+        cdt = absorb_dtype(x.dtype)
         prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
         w = self.kv_b_proj.dense(cdt).reshape(nh, nope + self.v_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
@@ -301,6 +303,25 @@ class LatentAttention(nnx.Module):
             return jnp.einsum(spec, a.astype(cdt), c.astype(cdt), precision=prec, preferred_element_type=jnp.float32)
 
         q_lat = dot("bsnd,ndr->bsnr", q[..., :nope], w_uk).astype(cdt)
+        mode = decode_kernel_mode() if cache is not None and s == 1 else None
+        if (mode and cache.k.dtype == x.dtype
+                and not attention_table.latent_kernel_reason(cache.paged_pool, q_lat[:, 0].shape, self.rope,
+                                                             cache.k.shape, x.dtype)):
+            # one decode step: the kernel reads the layer's earlier slots where they lie, the new
+            # latent / rotated key join its softmax, then they are written in place
+            o_lat = attention_table.latent_kernel_decode(
+                q_lat[:, 0].astype(x.dtype), q_rope[:, 0].astype(x.dtype), latent[:, 0, 0].astype(x.dtype),
+                k_rope[:, 0, 0].astype(x.dtype), cache.k, cache.v,
+                jnp.asarray(cache.layer, jnp.int32), cache.block_table, positions[:, 0],
+                scale=self.softmax_scale, interpret=mode == "interpret")
+            out = dot("bsnr,nvr->bsnv", o_lat[:, None], w_uv).astype(x.dtype)
+            return self.o_proj(out.reshape(b, s, nh * self.v_dim)), cache.update(latent, k_rope, positions)
+        if cache is None:
+            lat, kr, kpos = latent, k_rope, positions
+        else:
+            cache = cache.update(latent, k_rope, positions)
+            lat, kr, kpos = cache.read(kv_len, x.dtype)
+        lat, kr = lat[:, 0], kr[:, 0]                                     # [B, T, rank], [B, T, rope]
         scores = dot("bsnr,btr->bnst", q_lat, lat) + dot("bsnd,btd->bnst", q_rope, kr)
         scores = scores * np.float32(self.softmax_scale)
         scores = jnp.where(_mask(positions, kpos)[:, None], scores, _MASKED)
@@ -707,10 +728,15 @@ class _Loader:
             x_proj = (None, x_proj[0], x_proj[1]) if isinstance(x_proj, tuple) else x_proj
             q_a_norm = self.norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS)
             q_b = self.linear(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank)
+        kv_b = self.linear(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        if isinstance(kv_b, QuantizedLinear):
+            # absorbed, kv_b is only ever read whole (into the queries and the attended latent), never
+            # multiplied as a linear: dequantizing it at every step was two kernels a layer, so it is
+            # kept dequantized, frozen, in the dtype the absorption computes in (LatentAttention)
+            kv_b = kv_b.dequantized(absorb_dtype(self.o.dtype), frozen=True)
         return LatentAttention(
             self.c, x_proj, q_a_norm, q_b, self.norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
-            self.linear(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-            self.linear(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
+            kv_b, self.linear(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
 
     def moe(self, i: int) -> QuantizedMoE:
         """MoE layer ``i``: its experts in the layout the dispatch table picks (or dequantized)."""

@@ -96,10 +96,11 @@ class QuantizedLinear(nnx.Module):
         """``W [N, K]`` in ``dtype``, dequantized inside the program (a stack: the bound layer's)."""
         return at_layer(self._weights()[0]).dequantize(dtype)[0]
 
-    def dequantized(self, dtype=jnp.bfloat16) -> "DenseLinear":
-        """The same layer with ``W`` (and the bias) dequantized into a 16-bit :class:`DenseLinear`."""
+    def dequantized(self, dtype=jnp.bfloat16, *, frozen: bool = False) -> "DenseLinear":
+        """The same layer with ``W`` (and the bias) dequantized into a :class:`DenseLinear` of ``dtype``
+        (``frozen``: its weights stay out of the optimizer's ``nnx.Param`` set, as these are)."""
         b = None if self.bias is None else jnp.asarray(self.bias.get_value(), dtype)
-        return DenseLinear(self.dense(dtype), b, compute_dtype=self.compute_dtype)
+        return DenseLinear(self.dense(dtype), b, compute_dtype=self.compute_dtype, frozen=frozen)
 
     def __call__(self, x):
         w, b = self._weights()
@@ -111,32 +112,37 @@ class DenseLinear(nnx.Module):
     in its stored dtype; computed in ``compute_dtype`` (None → the input's dtype), accumulated
     in float32."""
 
-    def __init__(self, weight, bias=None, *, compute_dtype=None, param_dtype=None):
+    def __init__(self, weight, bias=None, *, compute_dtype=None, param_dtype=None, frozen: bool = False):
+        """``frozen``: the weight (and bias) are :class:`QuantizedWeight` variables, not ``nnx.Param``
+        (a quantized checkpoint's matrix kept dequantized: optimizers leave it alone, as they leave
+        the quantized one)."""
+        var = QuantizedWeight if frozen else nnx.Param
         w = jnp.asarray(weight, param_dtype) if param_dtype is not None else jnp.asarray(weight)
         if w.ndim != 2:
             raise ShapeError(f"weight: expected a rank-2 [out, in] array, got shape {tuple(w.shape)}")
         self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
-        self.weight = nnx.Param(w)
+        self.weight = var(w)
         if bias is not None:
             b = jnp.asarray(bias, param_dtype) if param_dtype is not None else jnp.asarray(bias)
             if tuple(b.shape) != (self.out_features,):
                 raise ShapeError(f"bias: expected shape ({self.out_features},), got {tuple(b.shape)}")
-            self.bias = nnx.Param(b)
+            self.bias = var(b)
         else:
             self.bias = None
 
     def dense(self, dtype):
-        """``W [N, K]`` in ``dtype`` (a 16-bit weight is sliced by the scan)."""
-        return self.weight[...].astype(dtype)
+        """``W [N, K]`` in ``dtype`` (in a scanned decoder a 16-bit weight is sliced by the scan, a
+        frozen one read at the layer's index of its stack)."""
+        return at_layer(self.weight.get_value()).astype(dtype)
 
     def __call__(self, x):
         cdt = jnp.dtype(self.compute_dtype or x.dtype)
         prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
-        y = jnp.einsum("...k,nk->...n", x.astype(cdt), self.weight[...].astype(cdt), precision=prec,
+        y = jnp.einsum("...k,nk->...n", x.astype(cdt), self.dense(cdt), precision=prec,
                        preferred_element_type=jnp.float32)
         if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
+            y = y + at_layer(self.bias.get_value()).astype(jnp.float32)
         return y.astype(x.dtype)
 
 
