@@ -122,8 +122,8 @@ def profile_step(fn, leaves, cache, tok, pos, rest, calls):
 def bench(model, batch, args, bandwidth, label):
     rng = np.random.default_rng(batch)
     vocab, layers = model.config.vocab_size, model.config.num_layers
-    max_len = args.prompt + max(args.k * (2 * args.reps + 4), 64) + 8
-    gen = G.Generator(model, batch_size=batch, max_len=max_len)
+    gen = G.Generator(model, batch_size=batch, max_len=args.prompt + max(args.k * (2 * args.reps + 4), 64) + 8)
+    max_len = gen.cache_len            # the positions the Generator's own cache holds (a multiple of 64)
     prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(batch)]
     progs, leaves = G.programs(model)
     p = gen.bucket(args.prompt)
@@ -157,6 +157,12 @@ def bench(model, batch, args, bandwidth, label):
             print(f"# {label}, batch {batch}, {name}: did not compile: {str(ex).splitlines()[0][:200]}", flush=True)
             continue
         t_compile = time.perf_counter() - t0
+        if args.hlo_dir:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            hlo = os.path.join(args.hlo_dir, f"{label.split(',')[0].replace(' ', '_')}-b{batch}-{name}.hlo.txt")
+            with open(hlo, "w") as f:
+                f.write(step.as_text())
+            print(f"# optimized HLO of the step: {hlo}", flush=True)
         waited, chained, cache = time_step(step, leaves, cache, tok, pos, rest, args.reps)
         prof, cache = profile_step(step, leaves, cache, tok, pos, rest, args.profile_calls)
         kern, busy = sum(n for _, _, n in prof[0]), sum(us for _, us, _ in prof[0])
@@ -185,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="kernels listed per profile")
     ap.add_argument("--no-cmdbuf", action="store_true", help="skip the command-buffer variants")
     ap.add_argument("--unrolled", action="store_true", help="load the layers unrolled (default: scanned)")
+    ap.add_argument("--hlo-dir", default=None, help="write each step program's optimized HLO here (to name "
+                                                   "the profile's kernels)")
     args = ap.parse_args(argv)
     args.k = max(args.k_list or [1])
     names = [n for n in args.models.split(",") if n]
@@ -194,8 +202,8 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
           f"copy bandwidth {bandwidth:.3g} B/s", flush=True)
-    table = ["| model | batch | variant | step µs (waited) | chained µs | " + " | ".join(
-        f"loop {k} µs/token" for k in args.k_list) + " | floor µs | waited / floor | busy µs | idle µs "
+    table = ["| model | batch | variant | step µs (waited) | chained µs | " + "".join(
+        f"loop {k} µs/token | " for k in args.k_list) + "floor µs | waited / floor | busy µs | idle µs "
              "| kernels / step | / layer | prefill ms |"]
     table.append("|" + "---|" * (table[0].count("|") - 1))
     with tempfile.TemporaryDirectory() as tmp:
