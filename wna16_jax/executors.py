@@ -25,7 +25,6 @@ The engines adapt this library's weight pytrees to the kernels of the leaf packa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import jax
 import jax.numpy as jnp
@@ -254,10 +253,7 @@ class WgmmaEngine(Executor):
         with kernel_errors():
             experts = jnp.zeros((nb,), jnp.int32) if layer is None else jnp.full((nb,), layer, jnp.int32)
             out = (gemm or wgmma_grouped_gemm)(a, experts, w.qvalue, w.scale, w.zero_point, config=cfg)
-        # the rows first, then the K splits as unrolled adds: the padding rows (7 of 8 at batch 1)
-        # never reach the sum, and XLA fuses the adds into the next elementwise work (the residual
-        # add and the norm), where a reduction over the split axis was a slow kernel of its own
-        y = functools.reduce(jnp.add, [out[j, :m].astype(jnp.float32) for j in range(out.shape[0])])
+        y = out.astype(jnp.float32).sum(0)[:m]
         y = y if bias is None else y + bias.astype(jnp.float32)
         return y.reshape(*lead, n)
 
