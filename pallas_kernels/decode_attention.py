@@ -413,7 +413,7 @@ def latent_unsupported_reason(q_shape, rope_dim: int, pool_shape, dtype, *, page
 
 def _latent_kernel(layer_ref, len_ref, table_ref, q_ref, qr_ref, c_ref, r_ref, acc_ref, m_ref, l_ref, *, block,
                    per_split, blocks, scale, paged):
-    b, s = pl.program_id(0), pl.program_id(1)
+    b, s = pl.program_id(0), pl.program_id(2)          # axis 1: the tile of heads
     layer = layer_ref[0]
     n = len_ref[b]                                     # slots 0 .. n-1 are valid
     lo = s * per_split
@@ -438,7 +438,9 @@ def _latent_kernel(layer_ref, len_ref, table_ref, q_ref, qr_ref, c_ref, r_ref, a
 def latent_partials(q, q_rope, c_pool, r_pool, layer, block_table, lengths, *, scale: float, paged: bool,
                     splits: int | None = None, interpret: bool = False, num_warps: int = 8, num_stages: int = 2):
     """The per-split ``(acc [B, S, G, R], m [B, S, G], l [B, S, G])``, float32, of the latent
-    queries ``q [B, G, R]`` and ``q_rope [B, G, Dr]`` (``G`` a power of two ≥ 16) against layer
+    queries ``q [B, G, R]`` and ``q_rope [B, G, Dr]`` (``G`` a multiple of :data:`MIN_GROUP`: each
+    program takes one tile of that many heads, so that its accumulator ``[16, R]`` stays in
+    registers however many heads share the latent — 128 for DeepSeek-V3) against layer
     ``layer`` (int32 ``[1]``) of the latent pool ``c_pool [L, P, 1, S, R]`` and the rotated-key
     pool ``r_pool [L, P, 1, S, Dr]``, slots ``t < lengths[b]``; with ``paged``, read through
     ``block_table [B, M]`` (int32), else (a placeholder table) row ``b`` of a contiguous pool
@@ -452,26 +454,28 @@ def latent_partials(q, q_rope, c_pool, r_pool, layer, block_table, lengths, *, s
     else:
         block = next(bt for bt in LATENT_BLOCK_T if width % bt == 0)
         entries = width // block
-    per_split = -(-entries // (splits or choose_splits(bsz, 1, entries)))
+    tiles = g // MIN_GROUP
+    per_split = -(-entries // (splits or choose_splits(bsz, tiles, entries)))
     n_splits = -(-entries // per_split)
     kernel = functools.partial(_latent_kernel, block=block, per_split=per_split, blocks=entries, scale=float(scale),
                                paged=paged)
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - the whole array
-    out_specs = [pl.BlockSpec((None, None, g, r), lambda b, s: (b, s, 0, 0)),
-                 pl.BlockSpec((None, None, g), lambda b, s: (b, s, 0)),
-                 pl.BlockSpec((None, None, g), lambda b, s: (b, s, 0))]
+    t = MIN_GROUP
+    out_specs = [pl.BlockSpec((None, None, t, r), lambda b, h, s: (b, s, h, 0)),
+                 pl.BlockSpec((None, None, t), lambda b, h, s: (b, s, h)),
+                 pl.BlockSpec((None, None, t), lambda b, h, s: (b, s, h))]
     out_shape = [jax.ShapeDtypeStruct((bsz, n_splits, g, r), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, n_splits, g), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, n_splits, g), jnp.float32)]
-    in_specs = [full(layer), full(lengths), full(block_table), pl.BlockSpec((None, g, r), lambda b, s: (b, 0, 0)),
-                pl.BlockSpec((None, g, dr), lambda b, s: (b, 0, 0)), full(c_pool), full(r_pool)]
+    in_specs = [full(layer), full(lengths), full(block_table), pl.BlockSpec((None, t, r), lambda b, h, s: (b, h, 0)),
+                pl.BlockSpec((None, t, dr), lambda b, h, s: (b, h, 0)), full(c_pool), full(r_pool)]
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return pl.pallas_call(
-        kernel, grid=(bsz, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=(bsz, tiles, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, name=f"latent_decode_attention_b{bsz}_{'m' if paged else 't'}"
                                   f"{entries if paged else width}_s{n_splits}", **kwargs,
     )(layer, lengths, block_table, q, q_rope, c_pool, r_pool)
@@ -525,7 +529,7 @@ def latent_decode_attention(q, q_rope, c_new, r_new, c_pool, r_pool, layer, bloc
     None, row ``b`` of a contiguous pool (``P = B``, ``S`` the cache length)."""
     _check_latent(q, q_rope, c_new, r_new, c_pool, r_pool, block_table, lengths)
     h = q.shape[1]
-    gp = max(MIN_GROUP, 1 << (h - 1).bit_length())
+    gp = -(-h // MIN_GROUP) * MIN_GROUP                # whole tiles of heads
     pad = ((0, 0), (0, gp - h), (0, 0))
     qp, qrp = (q, q_rope) if gp == h else (jnp.pad(q, pad), jnp.pad(q_rope, pad))
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))

@@ -413,6 +413,7 @@ def _latent_ref64(q, qr, cn, rn, cp, rp, layer, table, lengths, scale):
 @pytest.mark.parametrize("paged, b, h, r, dr, slots, splits", [
     (False, 3, 16, 64, 16, 96, None),      # contiguous, DeepSeek's 16 heads, the default splits
     (False, 2, 5, 32, 16, 64, 3),          # heads not a power of two (padded to 16), uneven splits
+    (False, 2, 40, 32, 16, 64, None),      # three tiles of 16 heads, the last padded
     (True, 3, 16, 64, 32, 16, None),       # paged, blocks of 16
     (True, 2, 8, 128, 16, 32, 2),          # paged, larger blocks
 ])
@@ -556,7 +557,7 @@ def test_latent_decode_attention_at_model_shapes_gpu():
     """Compiled on the GPU at DeepSeek-V2-Lite's (16 heads) and V3's (128 heads) latent widths,
     batch 1 / 8, 1024 slots contiguous and a paged pool of blocks of 16, against float64."""
     rng = np.random.default_rng()
-    for h, b, paged in ((16, 1, False), (16, 8, False), (128, 4, False), (16, 8, True)):
+    for h, b, paged in ((16, 1, False), (16, 8, False), (128, 4, False), (128, 2, True), (16, 8, True)):
         layers, m = 4, 64
         rows, slots = (b * m + 5, 16) if paged else (b, 1024)
         q, qr, cn, rn, cp, rp = _latent_case(rng, layers, rows, b, h, 512, 64, slots)
