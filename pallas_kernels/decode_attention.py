@@ -196,25 +196,37 @@ def combine_scores(acc, m, l, s_new, v_new):
     return num / den[..., None]
 
 
-def _check(q, k_new, v_new, k_cache, v_cache, lengths):
+def _check_step(kernel, q, k_new, v_new, pools, lengths, pool_ok, pool_shape, reason):
+    """The checks both grouped-query kernels share: ``q [B, H, G, D]``; the two pools (``pools``:
+    ``(name, array)`` pairs) of ``q``'s dtype, of one shape, each passing ``pool_ok(a, b, h, d)``
+    (else named with the expected ``pool_shape(b, h, d)``); ``k_new``, ``v_new`` ``[B, H, D]``;
+    ``lengths [B]``; then the kernel's own ``reason``."""
     if q.ndim != 4:
         raise KernelShapeError(f"q: expected [B, H, G, D], got shape {tuple(q.shape)}")
     bsz, hk, _, d = q.shape
-    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if a.ndim != 5 or tuple(a.shape[1:3]) != (bsz, hk) or a.shape[4] != d:
-            raise KernelShapeError(f"{name}: expected [L, {bsz}, {hk}, T, {d}], got shape {tuple(a.shape)}")
+    for name, a in pools:
+        if not pool_ok(a, bsz, hk, d):
+            raise KernelShapeError(f"{name}: expected {pool_shape(bsz, hk, d)}, got shape {tuple(a.shape)}")
         if a.dtype != q.dtype:
             raise KernelDTypeError(f"{name}: expected {q.dtype}, got {a.dtype}")
-    if k_cache.shape != v_cache.shape:
-        raise KernelShapeError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    (k_name, k), (v_name, v) = pools
+    if k.shape != v.shape:
+        raise KernelShapeError(f"{v_name}: expected the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
     for name, a in (("k_new", k_new), ("v_new", v_new)):
         if tuple(a.shape) != (bsz, hk, d):
             raise KernelShapeError(f"{name}: expected [{bsz}, {hk}, {d}], got shape {tuple(a.shape)}")
     if tuple(lengths.shape) != (bsz,):
         raise KernelShapeError(f"lengths: expected [{bsz}], got shape {tuple(lengths.shape)}")
-    reason = unsupported_reason(q.shape, k_cache.shape, q.dtype)
-    if reason:
-        raise KernelConfigError(f"decode_attention: {reason}")
+    why = reason()
+    if why:
+        raise KernelConfigError(f"{kernel}: {why}")
+
+
+def _check(q, k_new, v_new, k_cache, v_cache, lengths):
+    _check_step("decode_attention", q, k_new, v_new, (("k_cache", k_cache), ("v_cache", v_cache)), lengths,
+                lambda a, b, h, d: a.ndim == 5 and tuple(a.shape[1:3]) == (b, h) and a.shape[4] == d,
+                lambda b, h, d: f"[L, {b}, {h}, T, {d}]",
+                lambda: unsupported_reason(q.shape, k_cache.shape, q.dtype))
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, layer, lengths, *, scale: float,
@@ -327,27 +339,16 @@ def paged_partials(q, k_pool, v_pool, layer, block_table, lengths, *, scale: flo
 
 
 def _check_paged(q, k_new, v_new, k_pool, v_pool, block_table, lengths):
-    if q.ndim != 4:
-        raise KernelShapeError(f"q: expected [B, H, G, D], got shape {tuple(q.shape)}")
-    bsz, hk, _, d = q.shape
-    for name, a in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if a.ndim != 5 or a.shape[2] != hk or a.shape[4] != d:
-            raise KernelShapeError(f"{name}: expected [L, P, {hk}, block_size, {d}], got shape {tuple(a.shape)}")
-        if a.dtype != q.dtype:
-            raise KernelDTypeError(f"{name}: expected {q.dtype}, got {a.dtype}")
-    if k_pool.shape != v_pool.shape:
-        raise KernelShapeError(f"v_pool: expected the shape of k_pool {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}")
-    for name, a in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(a.shape) != (bsz, hk, d):
-            raise KernelShapeError(f"{name}: expected [{bsz}, {hk}, {d}], got shape {tuple(a.shape)}")
-    if block_table.ndim != 2 or block_table.shape[0] != bsz or not jnp.issubdtype(block_table.dtype, jnp.integer):
-        raise KernelShapeError(f"block_table: expected an integer [{bsz}, M], got {block_table.dtype} "
-                               f"{tuple(block_table.shape)}")
-    if tuple(lengths.shape) != (bsz,):
-        raise KernelShapeError(f"lengths: expected [{bsz}], got shape {tuple(lengths.shape)}")
-    reason = paged_unsupported_reason(q.shape, k_pool.shape, q.dtype)
-    if reason:
-        raise KernelConfigError(f"paged_decode_attention: {reason}")
+    def table_then_reason():
+        bsz = q.shape[0]
+        if block_table.ndim != 2 or block_table.shape[0] != bsz or not jnp.issubdtype(block_table.dtype, jnp.integer):
+            raise KernelShapeError(f"block_table: expected an integer [{bsz}, M], got {block_table.dtype} "
+                                   f"{tuple(block_table.shape)}")
+        return paged_unsupported_reason(q.shape, k_pool.shape, q.dtype)
+
+    _check_step("paged_decode_attention", q, k_new, v_new, (("k_pool", k_pool), ("v_pool", v_pool)), lengths,
+                lambda a, b, h, d: a.ndim == 5 and a.shape[2] == h and a.shape[4] == d,
+                lambda b, h, d: f"[L, P, {h}, block_size, {d}]", table_then_reason)
 
 
 def paged_decode_attention(q, k_new, v_new, k_pool, v_pool, layer, block_table, lengths, *, scale: float,
