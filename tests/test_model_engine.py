@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import threading
 import time
 import warnings
 
@@ -500,34 +499,6 @@ def test_hostile_decode_arguments(engine, change, error, match):
 # --------------------------------------------------------------------------- (e) the server
 
 
-class _Server:
-    """uvicorn serving ``app`` on a free loopback port in a daemon thread, stopped on exit."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "_Server":
-        self.thread.start()
-        deadline = time.monotonic() + DEADLINE
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(DEADLINE)
-        self.sock.close()
-        assert not self.thread.is_alive(), "the server did not stop"
-
-
 def _served_text(tok, ids) -> str:
     """The text the server answers for generated ``ids``: the tokenizer's decoding of them."""
     return tok.decode(ids, skip_special_tokens=True)
@@ -570,8 +541,7 @@ def test_openai_client_against_a_model_engine(engine, generator, qwen):
     """``wna16_jax.serving.server`` over a ModelEngine and the fixture's tokenizer, on a loopback
     port, driven by the official client: a greedy completion of a text prompt and a seeded,
     streamed one of token ids give Generator's tokens, decoded."""
-    import openai
-
+    from server_helpers import BackgroundServer
     from wna16_jax.models.tokenizer import load_tokenizer
     from wna16_jax.serving.server import create_app
 
@@ -583,9 +553,8 @@ def test_openai_client_against_a_model_engine(engine, generator, qwen):
     greedy_want = _reference(generator, tok.encode(text), SamplingParams(max_tokens=10))
     sampled_want = _reference(generator, ids, SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=seed,
                                                              max_tokens=10))
-    with _Server(create_app(engine, tok, "awq-qwen3moe")) as srv:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused", max_retries=0,
-                               timeout=DEADLINE)
+    with BackgroundServer(create_app(engine, tok, "awq-qwen3moe"), deadline=DEADLINE) as srv:
+        client = srv.client()
         r = client.completions.create(model="awq-qwen3moe", prompt=text, max_tokens=10, temperature=0)
         assert r.choices[0].text == _served_text(tok, greedy_want)
         assert r.usage.completion_tokens == len(greedy_want) and r.choices[0].finish_reason == "length"

@@ -1,0 +1,89 @@
+"""A uvicorn server on a free loopback port in a daemon thread, for the tests that meet the
+server as a user does (tests/test_server.py, tests/test_model_engine.py): started, driven by a
+real client, stopped, every wait bounded by ``deadline`` seconds."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import openai
+import uvicorn
+
+
+class BackgroundServer:
+    """uvicorn serving ``app`` on a free 127.0.0.1 port in a daemon thread (``start`` / ``stop``, or
+    ``with``); ``deadline``: the seconds any one wait (start, stop, a request) may take."""
+
+    def __init__(self, app, *, deadline: float = 20.0):
+        self.deadline = float(deadline)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + self.deadline
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.deadline)
+        assert not self.thread.is_alive(), "the server did not stop"
+        self.sock.close()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=self.deadline, **kw)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """``(status, parsed JSON or text)`` of one raw HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.deadline)
+        try:
+            conn.request(method, path, body=body, headers=headers or {"content-type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(data)
+        except ValueError:
+            return resp.status, data.decode()
+
+    def post(self, path: str, payload) -> tuple[int, object]:
+        return self.request("POST", path, json.dumps(payload).encode())
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.request("GET", "/metrics")
+        assert status == 200
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    def wait_metrics(self, ok, what: str) -> dict[str, float]:
+        deadline = time.monotonic() + self.deadline
+        while True:
+            m = self.metrics()
+            if ok(m):
+                return m
+            assert time.monotonic() < deadline, f"{what}: {m}"
+            time.sleep(0.02)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
