@@ -141,6 +141,7 @@ def _decode_logits(model, prompts, steps=3, cache=None):
     return np.asarray(run(jnp.asarray(prompts), cache))
 
 
+@gpu                                 # on the CPU too (the kernel in the interpreter)
 @pytest.mark.parametrize("model_type, scan", [("qwen3_moe", True), ("mixtral", False)])
 def test_decoder_decode_steps_on_the_kernel(tmp_path, monkeypatch, model_type, scan):
     """A bf16 decoder's decode steps with the kernel (Qwen3-MoE scanned: the layer's slots read
@@ -178,6 +179,7 @@ def _paged_decode_logits(model, prompts, table, blocks, block_size, steps=3):
     return _decode_logits(model, prompts, steps, model.init_paged_cache(blocks, block_size).with_block_table(table))
 
 
+@gpu                                 # on the CPU too (the kernel in the interpreter)
 @pytest.mark.parametrize("model_type, scan", [("qwen3_moe", True), ("mixtral", False)])
 def test_decoder_paged_decode_steps_on_the_kernel(tmp_path, monkeypatch, model_type, scan):
     """The decoder's decode steps over a paged pool (scrambled block tables, the other blocks
@@ -511,6 +513,7 @@ def test_latent_decode_attention_lowers_to_triton():
         assert "xla.gpu.triton" in text
 
 
+@gpu                                 # on the CPU too (the kernel in the interpreter)
 @pytest.mark.parametrize("paged", [False, True])
 def test_deepseek_decode_steps_on_the_latent_kernel(tmp_path, monkeypatch, paged):
     """A scanned bf16 DeepSeek-V2 decoder (latent rank 32, rope 16) whose decode steps attend with
