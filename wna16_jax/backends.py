@@ -390,6 +390,13 @@ class BackendFallbackWarning(UserWarning):
 _FALLBACK_WARNED: set = set()
 
 
+def fallback_summary(scheme, dev) -> str:
+    """The one-line reason a layer of ``scheme`` runs the loader layout on ``dev``'s XLA executor
+    (the fallback warning's first line, which is given once per process; callers that report
+    every fallback use this)."""
+    return f"no WNA16 MoE backend converts {scheme.describe()} on {dev.describe()}"
+
+
 def priority_backends(device: Device | None = None) -> list[Backend]:
     """vLLM's ``_get_priority_backends`` on JAX platforms (the converting rows; when none of
     them accepts a layer, :func:`select_backend` falls back to :attr:`Backend.LOADER`)."""
@@ -443,7 +450,7 @@ def select_backend(scheme: QuantScheme, device: Device | None = None, *, backend
             _FALLBACK_WARNED.add(key)
             import warnings
 
-            warnings.warn(f"no WNA16 MoE backend converts {scheme.describe()} on {dev.describe()}; "
+            warnings.warn(f"{fallback_summary(scheme, dev)}; "
                           f"running the loader layout on the XLA executor. Refused rows:\n{lines}",
                           BackendFallbackWarning, stacklevel=2)
         return Backend.LOADER

@@ -38,7 +38,7 @@ from .. import _flax_compat  # noqa: F401 - lets Flax import on JAX 0.11 (before
 from flax import nnx
 
 from .. import attention as attention_table
-from ..backends import Backend, BackendFallbackWarning
+from ..backends import Backend, BackendFallbackWarning, fallback_summary
 from ..checkpoint import Checkpoint, DenseWeights
 from ..device import Device
 from ..errors import ConfigError, DTypeError, MissingTensorError, ShapeError, UnexpectedTensorError, ValueRangeError
@@ -748,13 +748,14 @@ class _Loader:
             layer = dataclasses.replace(layer, experts=_dense_experts(layer.experts, jnp.bfloat16),
                                         shared_experts=_dense_experts(layer.shared_experts, jnp.bfloat16))
             return QuantizedMoE.from_layer(layer, self.c.moe)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True):      # the CLI and load_model say it once, below
             warnings.simplefilter("always")
             mlp = QuantizedMoE.from_layer(layer, self.c.moe, self.o.backend, activation_dtype=self.o.dtype)
         if self.o.backend is None and mlp.backend == str(Backend.LOADER) and isinstance(layer.experts,
                                                                                        CheckpointWeights):
             self.fallback.append(i)
-            self.fallback_why = self.fallback_why or next((str(w.message).split(";")[0] for w in caught), None)
+            # the warning is given once per process: the reason does not depend on it
+            self.fallback_why = self.fallback_why or fallback_summary(layer.experts.scheme, Device.current())
         return mlp
 
     def layer(self, i: int) -> DecoderLayer:
