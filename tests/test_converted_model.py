@@ -178,7 +178,7 @@ def test_folder_holds_the_whole_model(case):
     """config.json, generation_config.json and the tokenizer files equal the source's byte for
     byte; the folder holds exactly the layer files, the non-expert files and the manifest."""
     m = _manifest(case.out)
-    assert m["version"] == 3
+    assert m["version"] == 4
     copied = [n for n in MODEL_FILES if os.path.exists(os.path.join(case.src, n))]
     assert "config.json" in copied and "tokenizer.json" in copied
     for name in copied:

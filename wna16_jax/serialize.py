@@ -50,15 +50,17 @@ from .checkpoint import EXPERT_TENSOR_RE, Checkpoint, DenseWeights, MoELayer, Mo
 from .errors import (ConfigError, CorruptFileError, MissingTensorError, OutputPathError, ShapeError,
                      UnexpectedTensorError, UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
 from .fields import REQUIRED, Fields, check_int
+from .routing import MoERouting
 from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, confined_path, load_json
 from .schemes import QuantConfig, QuantScheme
 from .weights import CheckpointWeights
 
 MANIFEST = "manifest.json"
 FORMAT = "wna16-jax-converted-moe"
-#: 3: the folder is a whole checkpoint (config, tokenizer, every non-expert tensor)
-VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: 3: the folder is a whole checkpoint (config, tokenizer, every non-expert tensor);
+#: 4: ``model_config`` holds the routing as one object (``model_config.routing``), not flat
+VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 #: the first version whose folders carry the whole model
 WHOLE_MODEL_VERSION = 3
 CONFIG = "config.json"
@@ -786,23 +788,37 @@ def open_checkpoint(path: str | os.PathLike | Checkpoint | ConvertedCheckpoint) 
 
 
 def _model_config(d: Any, where: str) -> MoEModelConfig | None:
+    """The manifest's ``model_config``: the routing nested (version 4) or flat (versions 1–3)."""
     if d is None:
         return None
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: field 'model_config' must be an object, got {d!r}")
-    fields = {f.name for f in dataclasses.fields(MoEModelConfig)}
+    d = dict(d)
+    routing_names = [f.name for f in dataclasses.fields(MoERouting)]
+    if "routing" in d:
+        r = d.pop("routing")
+        if not isinstance(r, dict):
+            raise ConfigError(f"{where}: field 'model_config.routing' must be an object, got {r!r}")
+        unknown = sorted(set(r) - set(routing_names))
+        if unknown:
+            raise ConfigError(f"{where}: field 'model_config.routing' has unknown keys {unknown}")
+    else:
+        r = {n: d.pop(n) for n in routing_names if n in d}
+    fields = {f.name for f in dataclasses.fields(MoEModelConfig)} - {"routing"}
     unknown = sorted(set(d) - fields)
     if unknown:
         raise ConfigError(f"{where}: field 'model_config' has unknown keys {unknown}")
-    try:
-        cfg = MoEModelConfig(**d)
-    except TypeError as e:
-        raise ConfigError(f"{where}: field 'model_config' is incomplete ({e})") from None
-    for k in ("num_experts", "top_k", "hidden_size", "moe_intermediate_size"):
-        v = getattr(cfg, k)
+    for k in ("num_experts", "hidden_size", "moe_intermediate_size"):
+        v = d.get(k)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{where}: model_config.{k} must be a positive integer, got {v!r}")
-    return cfg
+    try:
+        routing = MoERouting(**r)
+        return MoEModelConfig(**d, routing=routing)
+    except TypeError as e:
+        raise ConfigError(f"{where}: field 'model_config' is incomplete ({e})") from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: model_config.{e}") from None
 
 
 def _check_decodes(weights: Any, where: str) -> None:
