@@ -378,6 +378,16 @@ MANIFESTS = {
                                ["hidden size"]),
     "model_config_not_int": (_set(["model_config", "num_experts"], "four"), ConfigError, ["num_experts"]),
     "model_config_unknown": (_set(["model_config", "evil"], 1), ConfigError, ["evil"]),
+    "routing_not_object": (_set(["model_config", "routing"], 5), ConfigError, ["model_config.routing", "5"]),
+    "routing_unknown": (_set(["model_config", "routing", "evil"], 1), ConfigError, ["model_config.routing", "evil"]),
+    "routing_top_k_zero": (_set(["model_config", "routing", "top_k"], 0), ConfigError, ["model_config.top_k", "0"]),
+    "routing_top_k_missing": (_set(["model_config", "routing", "top_k"], KeyError), ConfigError,
+                              ["model_config", "incomplete", "top_k"]),
+    "routing_top_k_past_experts": (_set(["model_config", "routing", "top_k"], 99), ConfigError, ["top_k", "99"]),
+    "routing_scoring_unknown": (_set(["model_config", "routing", "scoring_func"], "relu"), ConfigError,
+                                ["scoring_func", "relu"]),
+    "routing_flag_not_bool": (_set(["model_config", "routing", "renormalize"], "yes"), ConfigError,
+                              ["renormalize", "yes"]),
     "not_json": (lambda m: "{]", CorruptFileError, ["manifest.json", "JSON"]),
     "a_list": (lambda m: "[]", CorruptFileError, ["manifest.json", "object"]),
 }
@@ -409,6 +419,24 @@ def test_layer_file_with_a_foreign_tensor(tmp_path, converted):
 def test_converted_round_trip_carries_model_config(tmp_path, converted, templates):
     conv = ConvertedCheckpoint(converted)
     assert conv.model_config == Checkpoint(templates["awq"]).model_config
+
+
+def test_a_version_3_manifest_with_flat_routing_is_still_read(tmp_path, converted, templates):
+    """Versions 1-3 wrote the routing fields flat in ``model_config``; version 4 nests them.
+    A manifest rewritten the old way reads to the same config and the same layer."""
+    s = Sandbox(tmp_path, converted)
+
+    def flatten(m):
+        m["version"] = 3
+        m["model_config"].update(m["model_config"].pop("routing"))
+        return m
+    _edit_manifest(s, flatten)
+    s.freeze()
+    old, new = ConvertedCheckpoint(s.dir), ConvertedCheckpoint(converted)
+    assert old.version == 3 and old.model_config == new.model_config == Checkpoint(templates["awq"]).model_config
+    a, b = old.load_layer(0), new.load_layer(0)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.experts), jax.tree.leaves(b.experts)))
+    s.check()
 
 
 # --------------------------------------------------------------------------- config.json vs tensors
