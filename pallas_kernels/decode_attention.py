@@ -288,7 +288,7 @@ def paged_unsupported_reason(q_shape, pool_shape, dtype) -> str | None:
 
 
 def _paged_kernel(layer_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_size,
-                  per_split, scale, window):
+                  per_split, entries, scale, window):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     n = len_ref[b]                                     # slots 0 .. n-1 are valid
@@ -296,7 +296,8 @@ def _paged_kernel(layer_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m
     lo = first
     if window is not None:                             # visible: slot > n - window
         lo = jnp.maximum(first, (n - window + 1) // block_size)
-    hi = jnp.minimum(first + per_split, (n + block_size - 1) // block_size)   # never past the row's blocks
+    hi = jnp.minimum(jnp.minimum(first + per_split, entries),                # never past the table,
+                     (n + block_size - 1) // block_size)                      # nor the row's blocks
 
     def block(ref):                                    # entries below n's blocks are real; -1 never read
         return lambda j: ref[layer, jnp.maximum(table_ref[b, j], 0), h, :, :]
@@ -317,7 +318,8 @@ def paged_partials(q, k_pool, v_pool, layer, block_table, lengths, *, scale: flo
     bs, width = int(k_pool.shape[3]), int(block_table.shape[1])
     per_split = -(-width // (splits or choose_splits(bsz, hk, width)))
     n_splits = -(-width // per_split)
-    kernel = functools.partial(_paged_kernel, block_size=bs, per_split=per_split, scale=float(scale), window=window)
+    kernel = functools.partial(_paged_kernel, block_size=bs, per_split=per_split, entries=width, scale=float(scale),
+                               window=window)
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - the whole array
     out_specs = [pl.BlockSpec((None, None, None, g, d), lambda b, h, s: (b, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, g), lambda b, h, s: (b, h, s, 0)),
@@ -418,9 +420,7 @@ def _latent_kernel(layer_ref, len_ref, table_ref, q_ref, qr_ref, c_ref, r_ref, a
     layer = layer_ref[0]
     n = len_ref[b]                                     # slots 0 .. n-1 are valid
     lo = s * per_split
-    hi = jnp.minimum(lo + per_split, (n + block - 1) // block)
-    if not paged:
-        hi = jnp.minimum(hi, blocks)                   # never past the cache
+    hi = jnp.minimum(jnp.minimum(lo + per_split, blocks), (n + block - 1) // block)   # never past the cache / table
 
     def read(j):
         if paged:                                      # entries below n's blocks are real; -1 never read

@@ -327,6 +327,31 @@ def test_paged_decode_attention_matches_the_gather_path(b, h, g, bs, m, d, windo
     assert np.abs(got[0] - other[0]).max() > 3 * TOL * np.abs(ref[0]).max()    # row 0 reads foreign blocks: far outside the tolerance
 
 
+@gpu                                 # on the CPU too, where it checks less (below)
+def test_paged_lengths_past_the_table_read_only_the_table():
+    """A row whose length runs past its table's ``M × block_size`` slots: both paged kernels read
+    the table's blocks and nothing beyond it, as if the length were the table's capacity. On a GPU
+    an entry past the table is a read out of bounds; Pallas's interpreter clamps such reads, so on
+    the CPU this checks only the result, not the bound (it passes there without the bound too)."""
+    rng = np.random.default_rng()
+    b, h, g, bs, m, d = 2, 2, 4, 16, 3, 32
+    lengths = np.asarray([m * bs + 9, 20])
+    q, kn, vn, kp, vp, table = _paged_case(rng, 2, 12, b, h, g, bs, m, d, lengths)
+    args = (q, kn, vn, kp, vp, jnp.int32(1), jnp.asarray(table))
+    fn = jax.jit(functools.partial(da.paged_decode_attention, scale=0.2, interpret=INTERPRET))
+    got = np.asarray(fn(*args, jnp.asarray(lengths, jnp.int32)).astype(jnp.float32), np.float64)
+    ref = _gather_ref64(q, kn, vn, kp, vp, 1, table, np.minimum(lengths, m * bs), 0.2, None)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=TOL * np.abs(ref).max(), rtol=0)
+    qq, qr, cn, rn, cp, rp = _latent_case(rng, 2, 12, b, 16, 32, 16, bs)
+    lat = jax.jit(functools.partial(da.latent_decode_attention, scale=0.2, interpret=INTERPRET))(
+        qq, qr, cn, rn, cp, rp, jnp.int32(1), jnp.asarray(table), jnp.asarray(lengths, jnp.int32))
+    want = _latent_ref64(qq, qr, cn, rn, cp, rp, 1, table, np.minimum(lengths, m * bs), 0.2)
+    got = np.asarray(lat.astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=TOL * np.abs(want).max(), rtol=0)
+
+
 def test_paged_refused_shapes_name_what_they_got():
     rng = np.random.default_rng()
     q, kn, vn, kp, vp, table = _paged_case(rng, 2, 8, 2, 2, 4, 16, 3, 32, [5, 20])
