@@ -39,12 +39,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.generate import GPTQ_4BIT_G128, LABELS, SHAPES, measure_bandwidth, touched_bytes  # noqa: E402
+from benchmarks.generate import SHAPES, measure_bandwidth, touched_bytes, write_shape_model  # noqa: E402
 from benchmarks.kernel_profile import format_breakdown, traced_breakdown  # noqa: E402
-from wna16_jax.models import load_model, write_random_model  # noqa: E402
-from wna16_jax.models.synthetic import RandomModelSpec  # noqa: E402
+from wna16_jax.models import load_model  # noqa: E402
 from wna16_jax.models import generation as G  # noqa: E402
-from wna16_jax.schemes import QuantScheme  # noqa: E402
 
 #: XLA debug options that extend command buffers (CUDA graphs) to while loops and conditionals;
 #: the default set is FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN (XLA's DebugOptions)
@@ -208,14 +206,8 @@ def main(argv=None) -> int:
     table.append("|" + "---|" * (table[0].count("|") - 1))
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            shape = dict(SHAPES[name])
-            if args.layers:
-                shape["num_layers"] = args.layers
-            label = f"{LABELS[name]}, {shape['num_layers']} layers"
-            path = os.path.join(tmp, name)
             t0 = time.perf_counter()
-            write_random_model(path, RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape),
-                               seed=0)
+            path, label = write_shape_model(tmp, name, args.layers)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = load_model(path, dtype=jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32,

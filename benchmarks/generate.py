@@ -85,6 +85,22 @@ LABELS = {"qwen3": "Qwen3-30B-A3B shape", "mixtral": "Mixtral-8x7B shape", "dsv2
           "tiny": "tiny Qwen3-MoE"}
 
 
+def write_shape_model(folder: str, name: str, layers: int | None = None, *, shape: dict | None = None,
+                      label: str | None = None) -> tuple[str, str]:
+    """``(path, label)``: a random GPTQ int4 g128 checkpoint of model shape ``name``
+    (:data:`SHAPES`, or ``shape`` / ``label`` given) written under ``folder``, cut to ``layers``
+    decoder layers when given; prints how long the write took."""
+    shape = dict(SHAPES[name] if shape is None else shape)
+    if layers:
+        shape["num_layers"] = layers
+    label = f"{label or LABELS[name]}, {shape['num_layers']} layers"
+    path = os.path.join(folder, name)
+    t0 = time.perf_counter()
+    write_random_model(path, RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape), seed=0)
+    print(f"# {label}: wrote the GPTQ int4 g128 checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path, label
+
+
 class _NoMLP(nnx.Module):
     """Stands in for a MoE layer: contributes nothing (the block becomes attention only)."""
 
@@ -392,15 +408,7 @@ def main(argv=None) -> int:
         decoder.DECODE_KERNEL = args.decode_kernel == "on"
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in names:
-            shape = dict(SHAPES[name])
-            if args.layers:
-                shape["num_layers"] = args.layers
-            label = f"{LABELS[name]}, {shape['num_layers']} layers"
-            path = os.path.join(tmp, name)
-            t0 = time.perf_counter()
-            write_random_model(path, RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape),
-                               seed=0)
-            print(f"# {label}: wrote the GPTQ int4 g128 checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+            path, label = write_shape_model(tmp, name, args.layers)
             variants = (([] if args.only_dequantized else ["GPTQ int4"])
                         + ([] if args.no_dequantized else ["bf16 (dequantized, XLA)"]))
             for variant in variants:

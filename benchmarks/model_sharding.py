@@ -36,12 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from benchmarks.generate import GPTQ_4BIT_G128, LABELS, SHAPES, bench_model  # noqa: E402
+from benchmarks.generate import LABELS, SHAPES, bench_model, write_shape_model  # noqa: E402
 from flax import nnx  # noqa: E402
-from wna16_jax.models import load_model, write_random_model  # noqa: E402
+from wna16_jax.models import load_model  # noqa: E402
 from wna16_jax.models.generation import Generator  # noqa: E402
-from wna16_jax.models.synthetic import RandomModelSpec  # noqa: E402
-from wna16_jax.schemes import QuantScheme  # noqa: E402
 
 #: shapes beyond benchmarks/generate.py's, for the bytes-per-device report (real widths and
 #: expert counts; --layers keeps them small)
@@ -162,15 +160,9 @@ def main(argv=None) -> int:
     print("\n".join(table), flush=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for model_name in names:
-            shape = dict(SHAPES.get(model_name) or LARGE[model_name])
-            if args.layers:
-                shape["num_layers"] = args.layers
-            label = f"{LABELS.get(model_name) or LARGE_LABELS[model_name]}, {shape['num_layers']} layers"
-            path = os.path.join(tmp, model_name)
-            t0 = time.perf_counter()
-            write_random_model(path, RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape),
-                               seed=0)
-            print(f"# {label}: wrote the checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
+            shape = SHAPES.get(model_name) or LARGE[model_name]
+            path, label = write_shape_model(tmp, model_name, args.layers, shape=shape,
+                                            label=LABELS.get(model_name) or LARGE_LABELS[model_name])
             base: dict = {}
             tokens: dict = {}
             for name, ep, tp in meshes:

@@ -51,10 +51,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.generate import GPTQ_4BIT_G128, LABELS, SHAPES, measure_bandwidth, touched_bytes  # noqa: E402
-from wna16_jax.models import load_model, write_random_model  # noqa: E402
-from wna16_jax.models.synthetic import RandomModelSpec  # noqa: E402
-from wna16_jax.schemes import QuantScheme  # noqa: E402
+from benchmarks.generate import SHAPES, measure_bandwidth, touched_bytes, write_shape_model  # noqa: E402
+from wna16_jax.models import load_model  # noqa: E402
 from wna16_jax.serving.engine import SamplingParams  # noqa: E402
 from wna16_jax.serving.model_engine import ModelEngine  # noqa: E402
 from wna16_jax.serving.scheduler import Scheduler  # noqa: E402
@@ -280,11 +278,8 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth() if args.measure_bandwidth else args.bandwidth
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; floor at "
           f"{bandwidth:.3g} B/s{' (measured)' if args.measure_bandwidth else ''}", flush=True)
-    shape = dict(SHAPES[args.model], **({"num_layers": args.layers} if args.layers else {}))
-    label = f"{LABELS[args.model]}, {shape['num_layers']} layers"
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        spec = RandomModelSpec(scheme=QuantScheme.from_quant_config(GPTQ_4BIT_G128), **shape)
-        path = write_random_model(os.path.join(tmp, args.model), spec, seed=0)
+        path, label = write_shape_model(tmp, args.model, args.layers)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = load_model(path, dtype=jnp.dtype(args.dtype), scan_layers=False if args.unrolled else None)
