@@ -169,8 +169,15 @@ def test_decoder_decode_steps_on_the_kernel(tmp_path, monkeypatch, model_type, s
     got = _decode_logits(model, prompts)
     # traced once per decode step (scanned: one layer body), per layer and step (unrolled)
     assert len(calls) == (3 if scan else 9) and all(k["window"] == window for k in calls)
+    _mostly_close(got, xla)
+
+
+def _mostly_close(got, ref):
+    """A bf16 decoder's kernel logits against XLA's: finite, and at least three quarters of the
+    rows within 3% of their largest logit (both round in bf16; a router near-tie moves a single
+    row by order one, a wrong slot, layer or row every row)."""
     assert np.isfinite(got).all()
-    err = (np.abs(got - xla).max(axis=-1) / np.abs(xla).max(axis=-1)).ravel()
+    err = (np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)).ravel()
     assert (err <= 3e-2).mean() >= 0.75, err
 
 
@@ -213,9 +220,7 @@ def test_decoder_paged_decode_steps_on_the_kernel(tmp_path, monkeypatch, model_t
     monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     got = _paged_decode_logits(model, prompts, table, blocks, bs)
     assert len(calls) == (3 if scan else 9) and all(k["window"] == window for k in calls)
-    assert np.isfinite(got).all()
-    err = (np.abs(got - xla_paged).max(axis=-1) / np.abs(xla_paged).max(axis=-1)).ravel()
-    assert (err <= 3e-2).mean() >= 0.75, err
+    _mostly_close(got, xla_paged)
 
 
 @gpu
@@ -574,9 +579,7 @@ def test_deepseek_decode_steps_on_the_latent_kernel(tmp_path, monkeypatch, paged
     got = _decode_logits(model, prompts, cache=cache)
     # the dense head layer (unrolled) and the scanned layer body, traced once per decode step
     assert len(calls) == 2 * 3 and all((t is not None) == paged for t in calls)
-    assert np.isfinite(got).all()
-    err = (np.abs(got - xla).max(axis=-1) / np.abs(xla).max(axis=-1)).ravel()
-    assert (err <= 3e-2).mean() >= 0.75, err
+    _mostly_close(got, xla)
 
 
 @gpu

@@ -293,6 +293,24 @@ def test_scanned_deepseek_is_the_same_model():
         Generator(unrolled, batch_size=1, max_len=32).generate([TOKENS], 6)
 
 
+def test_kv_b_proj_is_kept_dequantized_and_frozen():
+    """A quantized ``kv_b_proj`` is dequantized at load into a frozen ``DenseLinear`` (unrolled and
+    scanned), outside the optimizer's ``nnx.Param`` set as the quantized weights are (its values
+    are checked by the logits against transformers, above)."""
+    from wna16_jax.models.linear import DenseLinear, QuantizedWeight
+
+    unrolled, scanned = _model("v2-grouped-awq"), _quiet_load(_path("v2-grouped-awq"), dtype=jnp.float32,
+                                                               scan_layers=True)
+    kv_b = unrolled.layers[0].self_attn.kv_b_proj
+    assert isinstance(kv_b, DenseLinear) and isinstance(kv_b.weight, QuantizedWeight)
+    assert kv_b.weight.get_value().dtype == jnp.float32
+    for model in (unrolled, scanned):
+        params = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+        frozen = jax.tree_util.tree_flatten_with_path(nnx.state(model, QuantizedWeight))[0]
+        assert params and not any("kv_b_proj" in jax.tree_util.keystr(p) for p, _ in params)
+        assert any("kv_b_proj" in jax.tree_util.keystr(p) for p, _ in frozen)
+
+
 def test_leading_dense_layers_run_ahead_of_the_scan():
     """first_k_dense_replace=1: the dense first layer runs unrolled, the MoE layers after it are
     scanned; logits, cache layout and greedy tokens are the unrolled model's."""

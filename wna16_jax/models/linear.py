@@ -29,9 +29,11 @@ from ..weights import CheckpointForm, QuantMatrix, at_layer
 
 
 class QuantizedWeight(nnx.Variable):
-    """Frozen quantized linear weights (a one-expert :class:`~wna16_jax.weights.QuantMatrix`:
-    packed words and 16-bit scales) and their bias. Not an ``nnx.Param``: optimizers built with
-    ``wrt=nnx.Param`` never touch it."""
+    """Frozen weights of a quantized checkpoint: a linear's one-expert
+    :class:`~wna16_jax.weights.QuantMatrix` (packed words and 16-bit scales) and its bias, or a
+    matrix kept dequantized where it is only read whole (``DenseLinear(frozen=True)``). Not an
+    ``nnx.Param``: optimizers built with ``wrt=nnx.Param`` never touch it; a scanned decoder reads
+    it in place at the layer's index of its stack."""
 
 
 def _is_16bit(dtype) -> bool:
