@@ -390,7 +390,7 @@ def paged_reference(q, k_new, v_new, k_pool, v_pool, layer, block_table, lengths
 # --------------------------------------------------------------------------- latent attention
 
 #: slots a latent-attention program reads per loop step (a block of the latent is ``[block, R]``:
-#: at R = 512, 32 rows are 32 KiB of bfloat16, the most that stays out of local memory)
+#: at R = 512, 32 rows are 32 KiB of bfloat16; chosen to bound the block, not tuned on a GPU)
 LATENT_BLOCK_T = (32, 16)
 
 
