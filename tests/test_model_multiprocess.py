@@ -16,8 +16,10 @@ within 1e-5 of their scale; tokens exactly. The processes print to files, not pi
 blocked on a full pipe would hold the other at its next collective); both are killed, and their
 stderr shown, past :data:`TIMEOUT_S`.
 
-Not tested here (not done yet): each process still reads the whole checkpoint; what it places is
-only its shards."""
+Each process reads only the routed experts its devices hold (the tensors every read names, and
+their bytes: the rest of the checkpoint whole, half of the experts' bytes); the attention,
+dense MLP, embedding and head tensors it reads whole (not yet only its tensor-parallel slice of
+them)."""
 
 import json
 import os
@@ -78,12 +80,26 @@ SCRIPT = textwrap.dedent(r'''
     if pid == 1:                         # a mesh of the other process's devices: refused
         res["bad_mesh"] = refused(Mesh(devs[:4], ("ep",)))
 
+    import re
+    from wna16_jax import safetensors_io
+    read_fully = safetensors_io._read_fully
+    seen = []                      # (tensor name, bytes) of every positioned read of tensor data
+
+    def spy(fd, buf, pos, path, name):
+        seen.append((name, len(buf)))
+        return read_fully(fd, buf, pos, path, name)
+
+    safetensors_io._read_fully = spy
+
     CASES = {"qwen3_moe": ("awq-qwen3moe", None, 8, Mesh(devs, ("ep",)), None),
              "mixtral": ("gptq-mixtral", True, 2, Mesh(devs.reshape(4, 2), ("ep", "tp")), None)}
     for family, (folder, scan, batch, mesh, rules) in CASES.items():
         clock = time.perf_counter()
+        seen.clear()
         m = wj.load_model(os.path.join(fixtures, folder), dtype=jnp.float32, scan_layers=scan, mesh=mesh,
                           sharding=rules)
+        experts_read = sorted({int(x[1]) for n, _ in seen for x in [re.search(r"\.experts\.(\d+)\.", n)] if x})
+        reads = {"experts": experts_read, "bytes": sum(b for _, b in seen)}
         gen = wj.Generator(m, batch_size=batch, max_len=MAX_LEN)
         toks, logits = [], []
         for t, lg in gen.stream(PROMPTS, NEW, stop_tokens=(), with_logits=True):
@@ -100,6 +116,7 @@ SCRIPT = textwrap.dedent(r'''
                                            == sorted(d.id for d in jax.local_devices()),
                        "owners": sorted({d.process_index for d in w13.sharding.device_set}),
                        "shard": list(w13.addressable_shards[0].data.shape)}}
+        res["families"][family]["reads"] = reads
         res["seconds"][family] = time.perf_counter() - clock
     print(json.dumps(res))
 ''')
@@ -197,6 +214,37 @@ def test_each_process_holds_only_its_devices_shards(runs):
         # Mixtral (scanned): [L, tp, E, ...], the TP ranks over tp, the 4 experts over ep
         assert m["spec"] == [None, "tp", "ep"] and m["shape"][1] == 2 and m["shard"][1] == 1, m
         assert m["shard"][2] * 4 == m["shape"][2], m
+
+
+#: the routed experts each process's devices hold: Qwen3-MoE's 8 over ep = 8 (process p has
+#: devices 4p .. 4p + 3, one expert each); Mixtral's 4 over ep = 4 x tp = 2 (devices 2e, 2e + 1
+#: hold expert e, one TP rank each)
+OWNED = {"qwen3_moe": ([0, 1, 2, 3], [4, 5, 6, 7]), "mixtral": ([0, 1], [2, 3])}
+
+
+def _file_bytes(folder: str, held) -> tuple[int, int, int]:
+    """``(all tensors, routed-expert tensors, the held experts' g_idx and qzeros)``: bytes of the
+    fixture's tensors, from the headers (a one-device load reads each tensor once: all of them)."""
+    from wna16_jax.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(os.path.join(FIXTURES, folder))
+    size = {n: ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin for n in ckpt.tensor_names()}
+    meta = sum(b for n, b in size.items() if n.endswith((".g_idx", ".qzeros"))
+               and any(f".experts.{e}." in n for e in held))
+    return sum(size.values()), sum(b for n, b in size.items() if ".experts." in n), meta
+
+
+def test_each_process_reads_only_the_experts_it_holds(runs):
+    for family, owned in OWNED.items():
+        for r in runs:
+            total, experts, meta = _file_bytes(FAMILIES[family][0], owned[r["process"]])
+            reads = r["families"][family]["reads"]
+            assert reads["experts"] == owned[r["process"]], (family, r["process"], reads["experts"])
+            # the rest of the model whole and half of the experts' bytes. Mixtral: each of its two
+            # experts read as two TP slices, each slice's bytes alone, except the tensors read only
+            # to be checked (GPTQ's symmetric qzeros, a natural g_idx), read whole for each slice
+            want = total - experts // 2 + (meta if family == "mixtral" else 0)
+            assert reads["bytes"] == want, (family, r["process"], reads["bytes"], want)
 
 
 def test_a_mesh_without_this_process_is_refused_before_any_read(runs):

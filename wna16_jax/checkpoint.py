@@ -45,6 +45,7 @@ from .errors import (
     ValueRangeError,
     check_divisible,
 )
+from .fields import check_expert_ids
 from .model_config import MoEModelConfig
 from .safetensors_io import SafetensorsFile, confined_path, load_json
 from .schemes import QuantConfig, QuantMethod, QuantScheme
@@ -285,9 +286,12 @@ class Checkpoint:
         """``name (in <shard file>)``, for messages."""
         return f"{name} (in {self._weight_map.get(name, '?')})"
 
-    def read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+    def read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str],
+                  slices: Mapping[str, tuple[int, slice]] | None = None) -> dict[str, np.ndarray]:
         """Read each ``(name, destination)`` of ``into`` straight into its destination and each
-        of ``names`` into a new array (returned by name), per shard in file order."""
+        of ``names`` into a new array (returned by name), per shard in file order; a name of
+        ``slices`` (``name: (axis, slice)``) is read as that slice only (its bytes alone)."""
+        slices = slices or {}
         jobs: dict[str, list[tuple[int, str, np.ndarray | None]]] = defaultdict(list)
         for n, dst in [*into, *((n, None) for n in names)]:
             if n not in self._weight_map:
@@ -305,7 +309,7 @@ class Checkpoint:
             try:
                 for _, n, dst in sorted(todo, key=lambda j: j[0]):
                     if dst is None:
-                        out[n] = f.read(n, fd)
+                        out[n] = f.read(n, fd) if n not in slices else f.read_slice(n, *slices[n], fd)
                     else:
                         f.read_into(n, dst, fd)
             finally:
@@ -314,10 +318,10 @@ class Checkpoint:
         return out
 
     @contextlib.contextmanager
-    def _reading(self, names: Sequence[str]):
+    def _reading(self, names: Sequence[str], advise: bool = True):
         """Hold one descriptor per shard while ``names`` are read (one sequential stream per
-        shard rather than one per expert, so the kernel's read-ahead carries over), and ask the
-        kernel to start reading their byte span now (``POSIX_FADV_WILLNEED``)."""
+        shard rather than one per expert, so the kernel's read-ahead carries over), and (with
+        ``advise``) ask the kernel to start reading their byte span now (``POSIX_FADV_WILLNEED``)."""
         spans: dict[str, tuple[int, int]] = {}
         for n in names:
             if n not in self._weight_map:
@@ -331,7 +335,7 @@ class Checkpoint:
             for fname, (lo, hi) in spans.items():
                 f = self._file(fname)
                 fds[fname] = fd = f.open_fd()
-                if hasattr(os, "posix_fadvise") and hi > lo:
+                if advise and hasattr(os, "posix_fadvise") and hi > lo:
                     os.posix_fadvise(fd, f.data_start + lo, hi - lo, os.POSIX_FADV_WILLNEED)
             self._held_fds = fds
             yield
@@ -386,26 +390,52 @@ class Checkpoint:
         return self._layers[layer_index]
 
     # ------------------------------------------------------------------ loading
-    def load_layer(self, layer_index: int, *, tp_size: int = 1, tp_rank: int = 0) -> MoELayer:
+    def load_layer(self, layer_index: int, *, tp_size: int = 1, tp_rank: int = 0,
+                   experts: Sequence[int] | None = None, slice_shared: bool = True) -> MoELayer:
         """Load one MoE layer (routed experts, router, shared experts) into the loader layout.
 
         Every tensor is checked against the scheme (dtype and shape from the file header, before
         any data is read), the sizes against ``config.json``, the scales for NaN / Inf and the
-        group indices for range; errors name the tensor as the file names it.
+        group indices for range; errors name the tensor as the file names it. ``experts``: the
+        routed experts to read (increasing indices; None: all), for a process that holds only
+        some of them on a mesh; the router and shared experts are read whole.
+        ``slice_shared=False``: the shared experts are read whole under ``tp_size`` > 1 too.
         """
+        info, chosen = self._chosen(layer_index, tp_size, tp_rank, experts)
+        with self._reading(info.tensor_names(), advise=tp_size == 1):    # a TP slice: its bytes alone
+            return self._load_layer(layer_index, info, tp_size, tp_rank,
+                                    len(info.experts) if chosen is None else len(self._layers[layer_index].experts),
+                                    bool(slice_shared))
+
+    def _chosen(self, layer_index: int, tp_size: Any, tp_rank: Any, experts: Any):
+        """The arguments of :meth:`load_layer` checked: ``(the layer's names, only the chosen
+        experts' among them, renumbered from 0; the chosen indices or None)``."""
         if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
             raise ConfigError(f"tp_size: expected a positive integer, got {tp_size!r}")
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank!r}")
         info = self._layer_info(layer_index)
-        with self._reading(info.tensor_names()):
-            return self._load_layer(layer_index, info, tp_size, tp_rank)
+        chosen = check_expert_ids(experts, len(info.experts))
+        if chosen is not None:
+            info = dataclasses.replace(info, experts={j: info.experts[e] for j, e in enumerate(chosen)})
+        return info, chosen
 
-    def _load_layer(self, layer_index: int, info: _LayerNames, tp_size: int, tp_rank: int) -> MoELayer:
-        names = NAMINGS[info.naming]
+    def load_routed_experts(self, layer_index: int, *, tp_size: int = 1, tp_rank: int = 0,
+                            experts: Sequence[int] | None = None) -> CheckpointWeights:
+        """The routed experts of :meth:`load_layer` alone (nothing else of the layer is read)."""
+        info, chosen = self._chosen(layer_index, tp_size, tp_rank, experts)
+        names = [n for projs in info.experts.values() for sfx in projs.values() for n in sfx.values()]
+        with self._reading(names, advise=tp_size == 1):
+            return self._routed(layer_index, info, tp_size, tp_rank)
+
+    def _routed(self, layer_index: int, info: _LayerNames, tp_size: int, tp_rank: int) -> CheckpointWeights:
+        return read_experts(self, self.scheme, info.experts, NAMINGS[info.naming], info.prefix + ".experts.{e}",
+                            f"layer {layer_index}", tp_size, tp_rank)
+
+    def _load_layer(self, layer_index: int, info: _LayerNames, tp_size: int, tp_rank: int,
+                    num_experts: int, slice_shared: bool) -> MoELayer:
         layer = f"layer {layer_index}"
-        experts = read_experts(self, self.scheme, info.experts, names, info.prefix + ".experts.{e}", layer,
-                               tp_size, tp_rank)
+        experts = self._routed(layer_index, info, tp_size, tp_rank)
         cfg = self.model_config
         for field, want, got in ((cfg.hidden_size_field, experts.hidden_size, cfg.hidden_size),
                                  (cfg.intermediate_size_field, experts.intermediate_size * tp_size,
@@ -413,14 +443,15 @@ class Checkpoint:
             if want != got:
                 raise ConfigError(f"config.json: {field} is {got}, but the expert tensors of {layer} "
                                   f"have {want} ({info.prefix}.experts.0)")
-        e = len(info.experts)
+        e = num_experts
         if info.router is None:
             raise MissingTensorError(f"{info.prefix}.gate.weight: router weight not found")
         router = self._checked_float(info.router, (e, experts.hidden_size))
         e_bias = None if info.score_bias is None else self._checked_float(info.score_bias, (e,))
         shared = None
         if info.shared:
-            shared = _load_shared(self, info, tp_size, tp_rank, layer=layer, hidden=experts.hidden_size)
+            shared = _load_shared(self, info, *((tp_size, tp_rank) if slice_shared else (1, 0)), layer=layer,
+                                  hidden=experts.hidden_size)
         shared_gate = None
         if info.shared_gate is not None:
             if shared is None:
@@ -508,9 +539,9 @@ def read_matrix(ckpt: "Checkpoint", scheme: QuantScheme, parts: Sequence[MatrixP
                     via[name] = (dst, plan[role])
             direct += [(got[plan[role].spec.suffix], stack[ei]) for role, stack in extra.items()
                        if plan[role].spec.suffix in got]
-        read = ckpt.read_many(direct, list(via))
+        read = ckpt.read_many(direct, list(via), {n: pl.sl for n, (_, pl) in via.items() if pl.sl is not None})
         for name, (dst, pl) in via.items():
-            _place(ckpt, name, read[name], dst, pl)
+            _place(ckpt, name, read[name], dst)             # read as its slice (pl.sl) alone
     for pi, (p, plan, slot) in enumerate(zip(parts, plans, slots)):
         _check_part_values(ckpt, scheme, p, plan, {**{r: stacks[r][(slice(None),) + i] for r, i in slot.items()},
                                                    **checked[pi]}, k, stacks.get("g_idx") if pi else None, parts[0])
@@ -660,15 +691,11 @@ def _part_plan(scheme: QuantScheme, p: MatrixPart, table: dict, tp: tuple[int, i
     return out
 
 
-def _place(ckpt: "Checkpoint", name: str, a: np.ndarray, dst: np.ndarray, pl: _RolePlan) -> None:
-    """Copy tensor ``a`` (read as ``name``), sliced as ``pl`` says, into its place in a stack; a
-    wider integer type is narrowed only when every value fits."""
+def _place(ckpt: "Checkpoint", name: str, a: np.ndarray, dst: np.ndarray) -> None:
+    """Copy tensor ``a`` (read as ``name``, its slice where the plan cuts it) into its place in a
+    stack; a wider integer type is narrowed only when every value fits."""
     if a.dtype != dst.dtype and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
         raise ValueRangeError(f"{ckpt.locate(name)}: group indices must fit int32, got [{a.min()}, {a.max()}]")
-    if pl.sl is not None:
-        idx = [slice(None)] * a.ndim
-        idx[pl.sl[0]] = pl.sl[1]
-        a = a[tuple(idx)]
     dst[...] = a
 
 

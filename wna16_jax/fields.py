@@ -94,6 +94,21 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     return got
 
 
+def check_expert_ids(value: Any, num_experts: int, name: str = "experts") -> tuple[int, ...] | None:
+    """``value`` (None: every expert) as a tuple of distinct expert indices in increasing order,
+    each in ``[0, num_experts)``, or a :class:`ConfigError` naming ``name``. Every expert listed
+    also gives None (nothing is left out)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{name}: expected None or a sequence of expert indices, got {show_value(value)}")
+    ids = tuple(check_int(f"{name}[{j}]", v, low=0, high=num_experts - 1) for j, v in enumerate(value))
+    if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ConfigError(f"{name}: expected distinct expert indices in increasing order (at least one), "
+                          f"got {show_value(list(ids))}")
+    return None if len(ids) == num_experts else ids
+
+
 def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
                  above: float | None = None, below: float | None = None, where: str | None = None) -> float:
     """``value`` as a finite float within the bounds, or a :class:`ConfigError` naming ``name``."""
@@ -217,4 +232,4 @@ class Fields:
         return Fields(v, f"{self.where}: {key}")
 
 
-__all__ = ["Fields", "REQUIRED", "check_flag", "check_int", "check_number", "check_string", "show_value"]
+__all__ = ["Fields", "REQUIRED", "check_expert_ids", "check_flag", "check_int", "check_number", "check_string", "show_value"]

@@ -36,8 +36,8 @@ from flax import nnx
 
 from .backends import TABLE, Backend, select_backend
 from .checkpoint import Checkpoint, DenseWeights, MoELayer
-from .errors import ConfigError, DTypeError, ShapeError, ValueRangeError
-from .fields import show_value
+from .errors import ConfigError, DTypeError, ShapeError, UnsupportedError, ValueRangeError
+from .fields import check_expert_ids, show_value
 from .routing import MoERouting
 from .weights import CheckpointWeights, LayerStack
 
@@ -192,12 +192,17 @@ class QuantizedMoE(nnx.Module):
     layout with the scales as stored instead, so that float32 inputs, which run on the XLA
     executor, see the checkpoint's scales and not their bfloat16 rounding. ``load_model`` passes
     its ``dtype``.
+
+    ``expert_ids``: which of the router's experts ``experts`` holds (increasing indices; None:
+    all). A process of a mesh spread over several processes reads only the experts its devices
+    hold (``load_model(DIR, mesh=...)``); such a layer runs only once it is placed on the mesh,
+    where its experts become global arrays of every expert.
     """
 
     def __init__(self, experts: Any, router: Any, routing: MoERouting, *, e_score_correction_bias: Any = None,
                  shared_experts: Any = None, shared_expert_gate: Any = None, backend: Any = None,
                  param_dtype: Any = jnp.float32, formulation: str | None = None, activation_dtype: Any = None,
-                 rngs: nnx.Rngs | None = None):
+                 expert_ids: Any = None, rngs: nnx.Rngs | None = None):
         del rngs          # nothing is random: the router and experts come from the arguments
         if not isinstance(routing, MoERouting):
             raise ConfigError(f"routing: expected a MoERouting, got {type(routing).__name__} {show_value(routing)}")
@@ -206,6 +211,14 @@ class QuantizedMoE(nnx.Module):
         weights, self.backend = convert_experts(experts, backend, activation=routing.activation,
                                                 activation_dtype=activation_dtype)
         e, h = weights.num_experts, weights.hidden_size
+        if expert_ids is not None:
+            # this process's share of the layer's routed experts (a mesh spread over processes,
+            # wna16_jax.models.mesh): the router holds them all
+            e = int(np.shape(router)[0]) if np.ndim(router) == 2 else e
+            ids = check_expert_ids(expert_ids, e, "expert_ids")
+            if len(ids or range(e)) != weights.num_experts:
+                raise ShapeError(f"expert_ids: names {len(ids or range(e))} of the router's {e} experts, but "
+                                 f"experts holds {weights.num_experts}")
         routing.check_experts(e)
         router = self._checked_float("router", router, (e, h))
         self.routing, self.formulation = routing, formulation
@@ -347,11 +360,16 @@ class QuantizedMoE(nnx.Module):
                              f"got {tuple(getattr(x, 'shape', ()))}")
         if not _is_float(x.dtype):
             raise DTypeError(f"x: expected a float dtype (float16, bfloat16, float32), got {np.dtype(x.dtype)}")
+        experts = self.expert_weights()
+        held = getattr(experts, "num_experts", self.num_experts)
+        if self.mesh_placement is None and held != self.num_experts:
+            raise UnsupportedError(f"this layer holds {held} of its router's {self.num_experts} experts (one "
+                                   "process's share of a mesh, expert_ids=); it runs once placed on the mesh "
+                                   "(wna16_jax.models.mesh.place_model, as load_model(DIR, mesh=...) does)")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.hidden_size)
         tw, ids = self.route(x2d)
         act = self.routing.activation
-        experts = self.expert_weights()
         if self.mesh_placement is not None:          # on a mesh (forward only: no gradient)
             out = self.mesh_placement(x2d, tw, ids, experts, activation=act, formulation=self.formulation)
         else:

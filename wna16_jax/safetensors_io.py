@@ -213,6 +213,68 @@ class SafetensorsFile:
             out.byteswap(inplace=True)
         return out
 
+    def read_slice(self, name: str, axis: int, sl: slice, fd: int | None = None) -> np.ndarray:
+        """``tensor[..., sl, ...]`` (``sl`` a step-1 slice of axis ``axis``) as a new array,
+        reading only its bytes: one positioned read per index of the axes before ``axis``."""
+        t = self.info(name)
+        if not 0 <= axis < len(t.shape):
+            raise ShapeError(f"{self.path}: tensor {name!r} is {t.dtype_name}{list(t.shape)}; it has no axis {axis}")
+        start, stop, step = sl.indices(t.shape[axis])
+        if step != 1 or stop < start:
+            raise ShapeError(f"{self.path}: tensor {name!r}: expected a step-1 slice of axis {axis}, got {sl}")
+        outer, inner = math.prod(t.shape[:axis]), math.prod(t.shape[axis + 1:]) * t.dtype.itemsize
+        shape = t.shape[:axis] + (stop - start,) + t.shape[axis + 1:]
+        out = np.empty(shape, t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
+        flat = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
+        chunk = (stop - start) * inner
+        own = fd is None
+        if own:
+            fd = self.open_fd()
+        try:
+            for o in range(outer if chunk else 0):
+                pos = self.data_start + t.begin + (o * t.shape[axis] + start) * inner
+                _read_fully(fd, memoryview(flat[o * chunk:(o + 1) * chunk]), pos, self.path, name)
+        except OSError as e:
+            raise CorruptFileError(f"{self.path}: tensor {name!r}: read failed ({e.strerror or e})") from None
+        finally:
+            if own:
+                os.close(fd)
+        if t.dtype.byteorder == "<" and not np.little_endian:  # pragma: no cover - big-endian hosts
+            out.byteswap(inplace=True)
+        return out
+
+    def read_rows(self, name: str, rows, fd: int | None = None) -> np.ndarray:
+        """Rows ``rows`` (increasing indices along the first axis) of tensor ``name`` as a new
+        array, reading only their bytes: one positioned read per run of consecutive rows."""
+        t = self.info(name)
+        rows = [int(r) for r in rows]
+        if not t.shape or any(not 0 <= r < t.shape[0] for r in rows) or any(b <= a for a, b in zip(rows, rows[1:])):
+            raise ShapeError(f"{self.path}: tensor {name!r} is {t.dtype_name}{list(t.shape)}; rows {rows} are not "
+                             "increasing indices of its first axis")
+        out = np.empty((len(rows),) + t.shape[1:], t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
+        row_bytes = out[0].nbytes if len(rows) else 0
+        flat = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
+        own = fd is None
+        if own:
+            fd = self.open_fd()
+        try:
+            j = 0
+            while j < len(rows):
+                k = j + 1
+                while k < len(rows) and rows[k] == rows[k - 1] + 1:
+                    k += 1
+                buf = memoryview(flat[j * row_bytes:k * row_bytes])
+                _read_fully(fd, buf, self.data_start + t.begin + rows[j] * row_bytes, self.path, name)
+                j = k
+        except OSError as e:
+            raise CorruptFileError(f"{self.path}: tensor {name!r}: read failed ({e.strerror or e})") from None
+        finally:
+            if own:
+                os.close(fd)
+        if t.dtype.byteorder == "<" and not np.little_endian:  # pragma: no cover - big-endian hosts
+            out.byteswap(inplace=True)
+        return out
+
     def open_fd(self) -> int:
         try:
             return os.open(self.path, os.O_RDONLY)

@@ -49,7 +49,7 @@ from .backends import TABLE, Backend
 from .checkpoint import EXPERT_TENSOR_RE, Checkpoint, DenseWeights, MoELayer, MoEModelConfig, index_by_module
 from .errors import (ConfigError, CorruptFileError, MissingTensorError, OutputPathError, ShapeError,
                      UnexpectedTensorError, UnsafePathError, UnsupportedError, ValueRangeError, WNA16Error)
-from .fields import REQUIRED, Fields, check_int
+from .fields import REQUIRED, Fields, check_expert_ids, check_int
 from .routing import MoERouting
 from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, confined_path, load_json
 from .schemes import QuantConfig, QuantScheme
@@ -168,9 +168,11 @@ def pytree_entry(prefix: str, obj: Any, tensors: dict[str, np.ndarray]) -> dict:
     return {"class": cls.__name__, "meta": meta, "tensors": shapes}
 
 
-def pytree_from_entry(prefix: str, entry: Any, read, *, where: str) -> Any:
+def pytree_from_entry(prefix: str, entry: Any, read, *, where: str, rows: tuple[int, int] | None = None) -> Any:
     """Build the layout pytree an entry describes; ``read(name)`` returns a tensor of the layer
-    file. Every name, shape and dtype is checked against the layout class first."""
+    file. Every name, shape and dtype is checked against the layout class first. ``rows``
+    ``(total, kept)``: ``read`` returns ``kept`` of the ``total`` experts of every tensor whose
+    manifest shape leads with ``total`` (the experts one process holds)."""
     if not isinstance(entry, dict) or not {"class", "meta", "tensors"} <= set(entry):
         raise ConfigError(f"{where}: expected an object with 'class', 'meta' and 'tensors', got "
                           f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
@@ -191,8 +193,11 @@ def pytree_from_entry(prefix: str, entry: Any, read, *, where: str) -> Any:
                 and isinstance(info.get("dtype"), str)):
             raise ConfigError(f"{where}.tensors.{field}: expected {{'shape': [...], 'dtype': '...'}}, got {info!r}")
         arr = read(key)
-        if list(arr.shape) != info["shape"] or arr.dtype.name != info["dtype"]:
-            raise ShapeError(f"{key}: manifest says {info['dtype']}{info['shape']}, "
+        want = list(info["shape"])
+        if rows is not None and want[:1] == [rows[0]]:
+            want[0] = rows[1]
+        if list(arr.shape) != want or arr.dtype.name != info["dtype"]:
+            raise ShapeError(f"{key}: manifest says {info['dtype']}{want}, "
                              f"file holds {arr.dtype.name}{list(arr.shape)}")
         kwargs[field] = arr
     try:
@@ -700,13 +705,17 @@ class ConvertedCheckpoint:
         """The non-expert tensor ``name`` as stored in the source."""
         return self._whole("non-expert tensors").file_of(name).read(name)
 
-    def read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str]) -> dict[str, np.ndarray]:
+    def read_many(self, into: Sequence[tuple[str, np.ndarray]], names: Sequence[str],
+                  slices: Any = None) -> dict[str, np.ndarray]:
         """As :meth:`Checkpoint.read_many`: each ``(name, destination)`` of ``into`` read straight
-        into its destination, each of ``names`` into a new array (returned by name)."""
+        into its destination, each of ``names`` into a new array (returned by name), a name of
+        ``slices`` (``name: (axis, slice)``) as that slice only."""
         files = self._whole("non-expert tensors")
+        slices = slices or {}
         for name, dst in into:
             files.file_of(name).read_into(name, dst)
-        return {name: files.file_of(name).read(name) for name in names}
+        return {name: (files.file_of(name).read(name) if name not in slices
+                       else files.file_of(name).read_slice(name, *slices[name])) for name in names}
 
     def module_tensors(self, module: str) -> dict[str, str]:
         """As :meth:`Checkpoint.module_tensors`, over the non-expert tensors."""
@@ -725,8 +734,10 @@ class ConvertedCheckpoint:
     def moe_layer_indices(self) -> list[int]:
         return sorted(int(k) for k in self.manifest["layers"])
 
-    def load_layer(self, layer_index: int) -> MoELayer:
-        """The layer as a :class:`~wna16_jax.checkpoint.MoELayer` whose experts are in the backend layout."""
+    def load_layer(self, layer_index: int, *, experts: Sequence[int] | None = None) -> MoELayer:
+        """The layer as a :class:`~wna16_jax.checkpoint.MoELayer` whose experts are in the backend
+        layout. ``experts``: the routed experts to read (increasing indices; None: all), reading
+        only their rows of each stacked tensor; the router and shared experts are read whole."""
         entry = self.manifest["layers"].get(str(layer_index)) if isinstance(layer_index, (int, np.integer)) \
             and not isinstance(layer_index, bool) else None
         if entry is None:
@@ -742,12 +753,20 @@ class ConvertedCheckpoint:
             if name not in known and not name.startswith(("experts.", "shared_experts.")):
                 raise UnexpectedTensorError(f"{fpath}: tensor {name!r} is not part of a converted layer")
 
+        if "router" not in f.tensors:
+            raise MissingTensorError(f"router: listed in the manifest but missing from {fpath}")
+        total = int((f.info("router").shape or (0,))[0])      # the layer's experts, from the header
+        chosen = check_expert_ids(experts, total)
+
         def read(name):
             if name not in f.tensors:
                 raise MissingTensorError(f"{name}: listed in the manifest but missing from {fpath}")
+            if chosen is not None and name.startswith("experts.") and f.info(name).shape[:1] == (total,):
+                return f.read_rows(name, chosen)
             return f.read(name)
 
-        experts = pytree_from_entry("experts.", entry["experts"], read, where=f"{where}.experts")
+        experts = pytree_from_entry("experts.", entry["experts"], read, where=f"{where}.experts",
+                                    rows=None if chosen is None else (total, len(chosen)))
         shared = (pytree_from_entry("shared_experts.", entry["shared_experts"], read,
                                     where=f"{where}.shared_experts")
                   if "shared_experts" in entry else None)
@@ -755,7 +774,7 @@ class ConvertedCheckpoint:
         if cfg is not None:
             tp = self.manifest.get("tensor_parallel", {}).get("tp_size", 1) if isinstance(
                 self.manifest.get("tensor_parallel"), dict) else 1
-            for what, want, got in (("experts", cfg.num_experts, experts.num_experts),
+            for what, want, got in (("experts", cfg.num_experts, total),
                                     ("hidden size", cfg.hidden_size, experts.hidden_size),
                                     ("intermediate size", cfg.moe_intermediate_size,
                                      experts.intermediate_size * (tp if isinstance(tp, int) else 1))):
@@ -765,8 +784,8 @@ class ConvertedCheckpoint:
         if shared is not None:
             _check_decodes(shared, f"{where}.shared_experts")
         router = read("router")
-        if router.shape != (experts.num_experts, experts.hidden_size):
-            raise ShapeError(f"{fpath}: router: expected shape {(experts.num_experts, experts.hidden_size)}, "
+        if router.shape != (total, experts.hidden_size):
+            raise ShapeError(f"{fpath}: router: expected shape {(total, experts.hidden_size)}, "
                              f"got {router.shape}")
         bias = read("e_score_correction_bias") if "e_score_correction_bias" in f.tensors else None
         gate = read("shared_expert_gate") if "shared_expert_gate" in f.tensors else None

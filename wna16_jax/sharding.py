@@ -146,10 +146,12 @@ def _without_w2_bias(w):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def stack_tp_shards(shards: Sequence[Any]):
+def stack_tp_shards(shards: Sequence[Any], ranks: Sequence[int] | None = None):
     """Stack one experts pytree per TP rank (any layout, each rank converted on its own) along a
     new leading axis (``[tp, E, ...]``). The w2 bias is zeroed on ranks > 0 so the psum over TP
-    adds it exactly once. Every shard must have shard 0's structure, shapes and dtypes."""
+    adds it exactly once. Every shard must have shard 0's structure, shapes and dtypes.
+    ``ranks``: the TP rank of each shard (default ``0, 1, ...``), where a process stacks only
+    the ranks its devices hold."""
     if isinstance(shards, (str, bytes, Mapping)) or not isinstance(shards, Iterable):
         raise ConfigError(f"stack_tp_shards: shards: expected a sequence of experts pytrees (one per TP rank), "
                           f"got {type(shards).__name__}")
@@ -174,7 +176,11 @@ def stack_tp_shards(shards: Sequence[Any]):
             if np.dtype(a.dtype) != np.dtype(b.dtype):
                 raise DTypeError(f"stack_tp_shards: shard {r}{jax.tree_util.keystr(path)}: expected shard 0's "
                                  f"dtype {np.dtype(b.dtype)}, got {np.dtype(a.dtype)}")
-    fixed = [jax.tree.map(jnp.asarray, w if r == 0 else _without_w2_bias(w)) for r, w in enumerate(shards)]
+    ranks = list(range(len(shards))) if ranks is None else [int(r) for r in ranks]
+    if len(ranks) != len(shards) or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise ConfigError(f"stack_tp_shards: ranks: expected {len(shards)} distinct ranks >= 0 (one per shard), "
+                          f"got {ranks}")
+    fixed = [jax.tree.map(jnp.asarray, w if r == 0 else _without_w2_bias(w)) for r, w in zip(ranks, shards)]
     return jax.tree.map(lambda *a: jnp.stack(a), *fixed)
 
 

@@ -738,19 +738,25 @@ class _Loader:
             self.c, x_proj, q_a_norm, q_b, self.norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
             kv_b, self.linear(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))
 
-    def moe(self, i: int) -> QuantizedMoE:
-        """MoE layer ``i``: its experts in the layout the dispatch table picks (or dequantized)."""
-        layer = self.ckpt.load_layer(i)
+    def moe(self, i: int, *, experts=None, tp_size: int = 1, tp_rank: int = 0) -> QuantizedMoE:
+        """MoE layer ``i``: its experts in the layout the dispatch table picks (or dequantized).
+        ``experts``: only these routed experts are read (a process's share on a mesh); with
+        ``tp_size`` > 1, rank ``tp_rank``'s slice of their intermediate size."""
+        read = {} if experts is None else {"experts": experts}
+        if tp_size > 1:                  # the routed experts' slice; the shared ones whole (replicated)
+            read.update(tp_size=tp_size, tp_rank=tp_rank, slice_shared=False)
+        layer = self.ckpt.load_layer(i, **read)
         if self.c.model_type == "qwen2_moe" and layer.shared_experts is not None and layer.shared_expert_gate is None:
             raise MissingTensorError(f"model.layers.{i}.mlp.shared_expert_gate.weight: required by Qwen2-MoE's "
                                      "shared expert (its sigmoid gate), not found")
         if self.o.dequantized:
             layer = dataclasses.replace(layer, experts=_dense_experts(layer.experts, jnp.bfloat16),
                                         shared_experts=_dense_experts(layer.shared_experts, jnp.bfloat16))
-            return QuantizedMoE.from_layer(layer, self.c.moe)
+            return QuantizedMoE.from_layer(layer, self.c.moe, expert_ids=experts)
         with warnings.catch_warnings(record=True):      # the CLI and load_model say it once, below
             warnings.simplefilter("always")
-            mlp = QuantizedMoE.from_layer(layer, self.c.moe, self.o.backend, activation_dtype=self.o.dtype)
+            mlp = QuantizedMoE.from_layer(layer, self.c.moe, self.o.backend, activation_dtype=self.o.dtype,
+                                          expert_ids=experts)
         if self.o.backend is None and mlp.backend == str(Backend.LOADER) and isinstance(layer.experts,
                                                                                        CheckpointWeights):
             self.fallback.append(i)

@@ -189,6 +189,18 @@ class MeshPlan:
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
+    def local_experts(self, num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """``(ranks, experts)``: the expert-TP ranks and the routed experts (increasing; None:
+        all) whose shards this process's devices hold, all that its load reads of the experts.
+        One process holding every device: every rank and None."""
+        tp = self.size("expert_intermediate")
+        s = self.sharding(_spec(self.axis("expert_intermediate"), self.axis("experts")))
+        ranks, experts = set(), set()
+        for r, e in s.addressable_devices_indices_map((tp, num_experts)).values():
+            ranks.update(range(tp)[r])
+            experts.update(range(num_experts)[e])
+        return tuple(sorted(ranks)), (None if len(experts) == num_experts else tuple(sorted(experts)))
+
     def cache_spec(self) -> P:
         """The KV cache pools' spec (``[L, rows, n, positions, d]``): the KV heads over ``heads``;
         DeepSeek's latent cache (``n = 1``) replicated."""
@@ -355,20 +367,26 @@ def place_moe(mlp: QuantizedMoE, plan: MeshPlan, tp_shards=None) -> QuantizedMoE
 
 def mesh_loader(base, plan: MeshPlan):
     """A loader (a subclass of ``base``, :class:`wna16_jax.models.decoder._Loader`) whose MoE layers
-    are placed by :func:`place_moe`: with expert TP, each rank's slice is read
-    (``Checkpoint.load_layer(i, tp_size=, tp_rank=)``) and converted on its own, then stacked."""
+    are placed by :func:`place_moe`, each process reading only the routed experts (and expert-TP
+    ranks) its devices hold (:meth:`MeshPlan.local_experts`): with expert TP, each such rank's
+    slice is read (``Checkpoint.load_layer(i, tp_size=, tp_rank=)``) and converted on its own,
+    all in the layout the first one's took, then stacked."""
 
     class MeshLoader(base):
         def moe(self, i: int) -> QuantizedMoE:
-            mlp = super().moe(i)
-            return place_moe(mlp, plan, lambda: self.tp_experts(i, mlp))
-
-        def tp_experts(self, i: int, mlp: QuantizedMoE):
+            ranks, experts = plan.local_experts(self.c.moe.num_experts)
             tp = plan.size("expert_intermediate")
-            return stack_tp_shards([               # each slice laid out as the whole layer was
-                convert_experts(self.ckpt.load_layer(i, tp_size=tp, tp_rank=r).experts, mlp.backend,
-                                activation=mlp.routing.activation, activation_dtype=self.o.dtype)[0]
-                for r in range(tp)])
+            if tp == 1:
+                return place_moe(super().moe(i, experts=experts), plan)
+            mlp = super().moe(i, experts=experts, tp_size=tp, tp_rank=ranks[0])
+            return place_moe(mlp, plan, lambda: self.tp_experts(i, mlp, ranks, experts))
+
+        def tp_experts(self, i: int, mlp: QuantizedMoE, ranks, experts):
+            tp = plan.size("expert_intermediate")
+            return stack_tp_shards([mlp.expert_weights()] + [
+                convert_experts(self.ckpt.load_routed_experts(i, tp_size=tp, tp_rank=r, experts=experts), mlp.backend,
+                    activation=mlp.routing.activation, activation_dtype=self.o.dtype)[0]
+                for r in ranks[1:]], ranks)
 
     return MeshLoader
 
@@ -442,23 +460,42 @@ def _linear_specs(plan: MeshPlan, value, lead: tuple, field: str, side: str):
     return _split_spec(value, lead, axis, name) if fits(value, axis) else P()
 
 
-def leaf_specs(plan: MeshPlan, path: tuple, variable):
-    """The ``PartitionSpec`` of every array of the state leaf at ``path`` (``nnx`` state keys),
-    as a pytree like its value: a scanned decoder's stacked leaves keep their leading layer axis
-    unsplit; routed experts over ``experts`` (and a TP stack's rank axis over
-    ``expert_intermediate``); linears as :data:`LINEAR_RULES` say; the rest replicated."""
+def _leaf_where(path: tuple) -> tuple[str, tuple]:
+    """``(path inside a decoder layer or at the top, lead)``: ``lead`` ``(None,)`` for a scanned
+    decoder's stacked leaves (their leading layer axis), else ``()``."""
     keys = [str(k) for k in path]
     lead: tuple = ()
     if keys and keys[0] == "stacked_layers":
         keys, lead = keys[1:], (None,)
     elif keys and keys[0] == "layers":
         keys = keys[2:]
-    where, value = "/".join(keys), variable.get_value()
+    return "/".join(keys), lead
+
+
+def routed_expert_axes(path: tuple, variable) -> tuple[int, int | None] | None:
+    """``(experts axis, TP rank axis or None)`` of the arrays of a routed-experts state leaf
+    (``[..., tp, E, ...]`` for an expert-TP stack); None for any other leaf."""
+    where, lead = _leaf_where(path)
+    if not (isinstance(variable, QuantizedExperts) and where.startswith("mlp/experts/")):
+        return None
+    ax = tuple(variable.get_metadata().get(SHARDING_KEY) or ())
+    if ax[len(lead):len(lead) + 1] == ("tp_ranks",):
+        return len(lead) + 1, len(lead)
+    return len(lead), None
+
+
+def leaf_specs(plan: MeshPlan, path: tuple, variable):
+    """The ``PartitionSpec`` of every array of the state leaf at ``path`` (``nnx`` state keys),
+    as a pytree like its value: a scanned decoder's stacked leaves keep their leading layer axis
+    unsplit; routed experts over ``experts`` (and a TP stack's rank axis over
+    ``expert_intermediate``); linears as :data:`LINEAR_RULES` say; the rest replicated."""
+    where, lead = _leaf_where(path)
+    value = variable.get_value()
     if isinstance(variable, QuantizedExperts):
         spec = P()                                               # shared experts: replicated
-        if where.startswith("mlp/experts/"):
-            ax = tuple(variable.get_metadata().get(SHARDING_KEY) or ())
-            tp_stack = ax[len(lead):len(lead) + 1] == ("tp_ranks",)
+        axes = routed_expert_axes(path, variable)
+        if axes is not None:
+            tp_stack = axes[1] is not None
             spec = _spec(*lead, *((plan.axis("expert_intermediate"),) if tp_stack else ()), plan.axis("experts"))
         return jax.tree.map(lambda _: spec, value)
     for pattern, field, side in LINEAR_RULES:
@@ -489,6 +526,44 @@ def put_global(value, shardings):
     return jax.tree.map(put, shardings, value, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def _from_rows(a, sharding: NamedSharding, rows: dict[int, tuple[int, np.ndarray]]) -> jax.Array:
+    """The global array of ``a``, this process's rows of it: ``rows`` maps an axis to ``(global
+    size, position in a of each global index or -1)``; each shard of this process's devices is
+    cut from ``a`` (a shard outside what the process read is an internal error)."""
+    host = np.asarray(a)
+    shape = list(host.shape)
+    for ax, (n, _) in rows.items():
+        shape[ax] = n
+
+    def shard(index):
+        out, rest = host, list(index)
+        for ax, (n, pos) in rows.items():
+            want = pos[np.arange(n)[index[ax]]]
+            if (want < 0).any():
+                raise ShapeError(f"mesh placement: a shard of this process's devices needs rows "
+                                 f"{np.arange(n)[index[ax]][want < 0].tolist()} of axis {ax}, which its load "
+                                 "did not read (an internal error: please report it)")
+            out, rest[ax] = np.take(out, want, axis=ax), slice(None)
+        return out[tuple(rest)]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def _put_rows(value, shardings, axes: tuple[int, int | None], ranks, experts, tp: int, num_experts: int):
+    """A routed-experts leaf holding only this process's ``experts`` (and TP ``ranks``) put on
+    the mesh as the global arrays of every expert (:func:`_from_rows`)."""
+    def positions(held, n):
+        pos = np.full(n, -1)
+        pos[list(held)] = np.arange(len(held))
+        return pos
+
+    rows = {axes[0]: (num_experts, positions(experts or range(num_experts), num_experts))}
+    if axes[1] is not None:
+        rows[axes[1]] = (tp, positions(ranks, tp))
+    return jax.tree.map(lambda sh, a: _from_rows(a, sh, rows), shardings, value,
+                        is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def place_model(model, plan: MeshPlan):
     """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
     :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
@@ -497,10 +572,16 @@ def place_model(model, plan: MeshPlan):
     if not isinstance(plan.mesh, Mesh):
         raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
                           f"{type(plan.mesh).__name__}")
+    moe = model.config.moe
+    ranks, experts = plan.local_experts(moe.num_experts) if moe is not None else ((0,), None)
+    tp = plan.size("expert_intermediate")
+    partial = experts is not None or len(ranks) < tp          # this process read some of the experts
     state = nnx.state(model)
     for path, v in nnx.to_flat_state(state):
         shardings = jax.tree.map(plan.sharding, leaf_specs(plan, path, v), is_leaf=lambda x: isinstance(x, P))
-        v.set_value(put_global(v.get_value(), shardings))
+        axes = routed_expert_axes(path, v) if partial else None
+        v.set_value(put_global(v.get_value(), shardings) if axes is None else
+                    _put_rows(v.get_value(), shardings, axes, ranks, experts, tp, moe.num_experts))
     nnx.update(model, state)
     model.mesh_plan = plan
     return model
