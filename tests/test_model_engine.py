@@ -75,10 +75,12 @@ def generator(qwen):
 
 
 def _reference(gen: Generator, prompt, sp: SamplingParams) -> list[int]:
-    """The tokens ``Generator`` gives ``prompt`` alone, with the request's seed as its key."""
+    """The tokens ``Generator`` gives ``prompt`` alone, with the request's seed as its key,
+    stopping where the scheduler stops: on the model's eos tokens or the request's own."""
     key = None if sp.temperature == 0 else [seed_key(sp.seed)]
+    stop = tuple(gen.model.config.eos_token_ids or ()) + tuple(sp.stop_token_ids)
     return gen.generate([list(prompt)], sp.max_tokens, key=key, temperature=sp.temperature, top_p=sp.top_p,
-                        top_k=sp.top_k, stop_tokens=sp.stop_token_ids)[0]
+                        top_k=sp.top_k, stop_tokens=stop)[0]
 
 
 def _serve(scheduler: Scheduler, arrivals: dict[int, list]) -> dict[str, object]:
