@@ -401,15 +401,14 @@ class Checkpoint:
         some of them on a mesh; the router and shared experts are read whole.
         ``slice_shared=False``: the shared experts are read whole under ``tp_size`` > 1 too.
         """
-        info, chosen = self._chosen(layer_index, tp_size, tp_rank, experts)
+        info = self._chosen(layer_index, tp_size, tp_rank, experts)
         with self._reading(info.tensor_names(), advise=tp_size == 1):    # a TP slice: its bytes alone
-            return self._load_layer(layer_index, info, tp_size, tp_rank,
-                                    len(info.experts) if chosen is None else len(self._layers[layer_index].experts),
+            return self._load_layer(layer_index, info, tp_size, tp_rank, len(self._layers[layer_index].experts),
                                     bool(slice_shared))
 
     def _chosen(self, layer_index: int, tp_size: Any, tp_rank: Any, experts: Any):
-        """The arguments of :meth:`load_layer` checked: ``(the layer's names, only the chosen
-        experts' among them, renumbered from 0; the chosen indices or None)``."""
+        """The arguments of :meth:`load_layer` checked; the layer's names, of the routed experts
+        only the chosen ones' (renumbered from 0)."""
         if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
             raise ConfigError(f"tp_size: expected a positive integer, got {tp_size!r}")
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
@@ -418,12 +417,12 @@ class Checkpoint:
         chosen = check_expert_ids(experts, len(info.experts))
         if chosen is not None:
             info = dataclasses.replace(info, experts={j: info.experts[e] for j, e in enumerate(chosen)})
-        return info, chosen
+        return info
 
     def load_routed_experts(self, layer_index: int, *, tp_size: int = 1, tp_rank: int = 0,
                             experts: Sequence[int] | None = None) -> CheckpointWeights:
         """The routed experts of :meth:`load_layer` alone (nothing else of the layer is read)."""
-        info, chosen = self._chosen(layer_index, tp_size, tp_rank, experts)
+        info = self._chosen(layer_index, tp_size, tp_rank, experts)
         names = [n for projs in info.experts.values() for sfx in projs.values() for n in sfx.values()]
         with self._reading(names, advise=tp_size == 1):
             return self._routed(layer_index, info, tp_size, tp_rank)

@@ -187,8 +187,7 @@ class SafetensorsFile:
     def read(self, name: str, fd: int | None = None) -> np.ndarray:
         """The tensor ``name`` as a new C-contiguous numpy array (native byte order)."""
         t = self.info(name)
-        out = np.empty(t.shape, t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
-        return self.read_into(name, out, fd)
+        return self.read_into(name, self._empty(t, t.shape), fd)
 
     def read_into(self, name: str, out: np.ndarray, fd: int | None = None) -> np.ndarray:
         """Read the tensor ``name`` straight into ``out``: a C-contiguous array of its shape and
@@ -198,20 +197,7 @@ class SafetensorsFile:
                 or not out.flags.c_contiguous:
             raise ShapeError(f"{self.path}: tensor {name!r} is {t.dtype_name}{list(t.shape)}, the "
                              f"destination {out.dtype}{list(out.shape)} (contiguous: {out.flags.c_contiguous})")
-        buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
-        own = fd is None
-        if own:
-            fd = os.open(self.path, os.O_RDONLY)
-        try:
-            _read_fully(fd, buf, self.data_start + t.begin, self.path, name)
-        except OSError as e:
-            raise CorruptFileError(f"{self.path}: tensor {name!r}: read failed ({e.strerror or e})") from None
-        finally:
-            if own:
-                os.close(fd)
-        if t.dtype.byteorder == "<" and not np.little_endian:  # pragma: no cover - big-endian hosts
-            out.byteswap(inplace=True)
-        return out
+        return self._fill(t, out, [(0, 0, out.nbytes)], fd)
 
     def read_slice(self, name: str, axis: int, sl: slice, fd: int | None = None) -> np.ndarray:
         """``tensor[..., sl, ...]`` (``sl`` a step-1 slice of axis ``axis``) as a new array,
@@ -223,25 +209,10 @@ class SafetensorsFile:
         if step != 1 or stop < start:
             raise ShapeError(f"{self.path}: tensor {name!r}: expected a step-1 slice of axis {axis}, got {sl}")
         outer, inner = math.prod(t.shape[:axis]), math.prod(t.shape[axis + 1:]) * t.dtype.itemsize
-        shape = t.shape[:axis] + (stop - start,) + t.shape[axis + 1:]
-        out = np.empty(shape, t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
-        flat = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
         chunk = (stop - start) * inner
-        own = fd is None
-        if own:
-            fd = self.open_fd()
-        try:
-            for o in range(outer if chunk else 0):
-                pos = self.data_start + t.begin + (o * t.shape[axis] + start) * inner
-                _read_fully(fd, memoryview(flat[o * chunk:(o + 1) * chunk]), pos, self.path, name)
-        except OSError as e:
-            raise CorruptFileError(f"{self.path}: tensor {name!r}: read failed ({e.strerror or e})") from None
-        finally:
-            if own:
-                os.close(fd)
-        if t.dtype.byteorder == "<" and not np.little_endian:  # pragma: no cover - big-endian hosts
-            out.byteswap(inplace=True)
-        return out
+        out = self._empty(t, t.shape[:axis] + (stop - start,) + t.shape[axis + 1:])
+        spans = [((o * t.shape[axis] + start) * inner, o * chunk, chunk) for o in range(outer if chunk else 0)]
+        return self._fill(t, out, spans, fd)
 
     def read_rows(self, name: str, rows, fd: int | None = None) -> np.ndarray:
         """Rows ``rows`` (increasing indices along the first axis) of tensor ``name`` as a new
@@ -251,23 +222,33 @@ class SafetensorsFile:
         if not t.shape or any(not 0 <= r < t.shape[0] for r in rows) or any(b <= a for a, b in zip(rows, rows[1:])):
             raise ShapeError(f"{self.path}: tensor {name!r} is {t.dtype_name}{list(t.shape)}; rows {rows} are not "
                              "increasing indices of its first axis")
-        out = np.empty((len(rows),) + t.shape[1:], t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
-        row_bytes = out[0].nbytes if len(rows) else 0
+        out = self._empty(t, (len(rows),) + t.shape[1:])
+        row = math.prod(t.shape[1:]) * t.dtype.itemsize
+        spans, j = [], 0
+        while j < len(rows):                                 # one span per run of consecutive rows
+            k = j + 1
+            while k < len(rows) and rows[k] == rows[k - 1] + 1:
+                k += 1
+            spans.append((rows[j] * row, j * row, (k - j) * row))
+            j = k
+        return self._fill(t, out, spans, fd)
+
+    @staticmethod
+    def _empty(t: TensorInfo, shape) -> np.ndarray:
+        return np.empty(shape, t.dtype.newbyteorder("=") if t.dtype.byteorder == "<" else t.dtype)
+
+    def _fill(self, t: TensorInfo, out: np.ndarray, spans, fd: int | None) -> np.ndarray:
+        """Fill C-contiguous ``out`` from tensor ``t``'s bytes: each span ``(offset in the
+        tensor, offset in out, bytes)`` one positioned read. Returns ``out``."""
         flat = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
         own = fd is None
         if own:
             fd = self.open_fd()
         try:
-            j = 0
-            while j < len(rows):
-                k = j + 1
-                while k < len(rows) and rows[k] == rows[k - 1] + 1:
-                    k += 1
-                buf = memoryview(flat[j * row_bytes:k * row_bytes])
-                _read_fully(fd, buf, self.data_start + t.begin + rows[j] * row_bytes, self.path, name)
-                j = k
+            for src, dst, n in spans:
+                _read_fully(fd, memoryview(flat[dst:dst + n]), self.data_start + t.begin + src, self.path, t.name)
         except OSError as e:
-            raise CorruptFileError(f"{self.path}: tensor {name!r}: read failed ({e.strerror or e})") from None
+            raise CorruptFileError(f"{self.path}: tensor {t.name!r}: read failed ({e.strerror or e})") from None
         finally:
             if own:
                 os.close(fd)
