@@ -294,16 +294,28 @@ def test_scanned_deepseek_is_the_same_model():
 
 
 def test_kv_b_proj_is_kept_dequantized_and_frozen():
-    """A quantized ``kv_b_proj`` is dequantized at load into a frozen ``DenseLinear`` (unrolled and
-    scanned), outside the optimizer's ``nnx.Param`` set as the quantized weights are (its values
-    are checked by the logits against transformers, above)."""
-    from wna16_jax.models.linear import DenseLinear, QuantizedWeight
+    """A quantized ``kv_b_proj`` is dequantized at load and cut into its key and value parts, each
+    stored apart (``AbsorbedKV``: ``w_uk [heads, nope, rank]``, ``w_uv [heads, v, rank]``, the
+    rows of the dequantized matrix), frozen (unrolled and scanned), outside the optimizer's
+    ``nnx.Param`` set as the quantized weights are (its values are checked by the logits against
+    transformers, above)."""
+    from wna16_jax.models.decoder import AbsorbedKV
+    from wna16_jax.models.linear import QuantizedWeight
 
     unrolled, scanned = _model("v2-grouped-awq"), _quiet_load(_path("v2-grouped-awq"), dtype=jnp.float32,
                                                                scan_layers=True)
+    c = unrolled.config
+    nh, nope, vd, r = c.num_heads, c.mla.qk_nope_head_dim, c.mla.v_head_dim, c.mla.kv_lora_rank
     kv_b = unrolled.layers[0].self_attn.kv_b_proj
-    assert isinstance(kv_b, DenseLinear) and isinstance(kv_b.weight, QuantizedWeight)
-    assert kv_b.weight.get_value().dtype == jnp.float32
+    assert isinstance(kv_b, AbsorbedKV)
+    assert all(isinstance(v, QuantizedWeight) and v.get_value().dtype == jnp.float32 for v in (kv_b.w_uk, kv_b.w_uv))
+    assert kv_b.w_uk.get_value().shape == (nh, nope, r) and kv_b.w_uv.get_value().shape == (nh, vd, r)
+    # the scanned model stacks the same parts (its values are the logits' business, above)
+    stacked = scanned.stacked_layers.self_attn.kv_b_proj
+    first = len(unrolled.layers) - scanned.num_scanned_layers
+    for name in ("w_uk", "w_uv"):
+        np.testing.assert_array_equal(np.asarray(getattr(stacked, name).get_value()[0]),
+                                      np.asarray(getattr(unrolled.layers[first].self_attn.kv_b_proj, name).get_value()))
     for model in (unrolled, scanned):
         params = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
         frozen = jax.tree_util.tree_flatten_with_path(nnx.state(model, QuantizedWeight))[0]

@@ -12,7 +12,7 @@ One decoder class covers the Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V2 / V3 
   ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``);
 * every linear layer the checkpoint quantizes is a :class:`~wna16_jax.models.linear.QuantizedLinear`
   (packed as stored), except latent attention's ``kv_b_proj``, only ever read whole, which is kept
-  dequantized and frozen (:func:`absorb_dtype`); the rest (embeddings, ``lm_head``, norms, routers) stays 16-bit;
+  dequantized and frozen (:func:`absorb_dtype`), cut into its key and value parts (:class:`AbsorbedKV`); the rest (embeddings, ``lm_head``, norms, routers) stays 16-bit;
   ``lm_head`` is the embedding matrix when ``tie_word_embeddings``.
 
 State: ``nnx.Param`` for the 16-bit weights (embeddings, norms, 16-bit linears, routers),
@@ -51,7 +51,7 @@ from .config import DecoderConfig
 from .generation_config import read_generation_config
 from .. import formats
 from ..checkpoint import MatrixPart, read_matrix
-from ..weights import CheckpointForm, CheckpointWeights, LayerStack
+from ..weights import CheckpointForm, CheckpointWeights, LayerStack, at_layer
 from .kv_cache import KVCache
 from .linear import DenseLinear, QuantizedLinear, QuantizedWeight, engine_for, quantized_matmul
 
@@ -246,6 +246,35 @@ def absorb_dtype(dtype):
     return dtype if dtype == jnp.float32 or jax.default_backend() != "cpu" else jnp.dtype(jnp.float32)
 
 
+class AbsorbedKV(nnx.Module):
+    """Latent attention's ``kv_b_proj`` as the two matrices absorption reads, each stored apart in
+    the layout its product reads: ``w_uk [heads, qk_nope_head_dim, kv_lora_rank]`` (each query's
+    plain part into latent space) and ``w_uv [heads, v_head_dim, kv_lora_rank]`` (the attended
+    latent out to each head's value). Cut once at load: cutting them from one ``[heads ·
+    (nope + v), rank]`` matrix at every step was two strided copies a layer. ``frozen``: the two
+    are :class:`~wna16_jax.models.linear.QuantizedWeight` (a quantized checkpoint's matrix kept
+    dequantized: optimizers leave it alone), else trainable ``nnx.Param``."""
+
+    def __init__(self, weight, num_heads: int, nope: int, *, frozen: bool = False):
+        w = jnp.asarray(weight)
+        n, r = (int(d) for d in w.shape)
+        if n % num_heads or not 0 < nope < n // num_heads:
+            raise ShapeError(f"kv_b_proj: {n} rows are not {num_heads} heads of {nope} key and some value rows")
+        var = QuantizedWeight if frozen else nnx.Param
+        w = w.reshape(num_heads, n // num_heads, r)
+        self.w_uk, self.w_uv = var(w[:, :nope]), var(w[:, nope:])
+        self.out_features, self.in_features = n, r
+
+    def matrices(self, dtype):
+        """``(w_uk, w_uv)`` in ``dtype`` (in a scanned decoder, the bound layer's)."""
+        return tuple(at_layer(v.get_value()).astype(dtype) for v in (self.w_uk, self.w_uv))
+
+    def dense(self, dtype):
+        """The ``[heads · (nope + v), rank]`` matrix ``kv_b_proj`` was (as a linear's ``W``)."""
+        uk, uv = self.matrices(dtype)
+        return jnp.concatenate([uk, uv], axis=1).reshape(self.out_features, self.in_features)
+
+
 class LatentAttention(nnx.Module):
     """DeepSeek's multi-head latent attention (MLA). Queries: ``q_proj``, or ``q_a_proj`` →
     RMS norm → ``q_b_proj``; each head's query is ``qk_nope_head_dim`` plain dimensions and
@@ -296,8 +325,7 @@ class LatentAttention(nnx.Module):
         k_rope = jnp.swapaxes(k_rope, 1, 2)                               # [B, 1, S, rope]
         cdt = absorb_dtype(x.dtype)
         prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
-        w = self.kv_b_proj.dense(cdt).reshape(nh, nope + self.v_dim, r)
-        w_uk, w_uv = w[:, :nope], w[:, nope:]
+        w_uk, w_uv = self.kv_b_proj.matrices(cdt)
 
         def dot(spec, a, c):
             return jnp.einsum(spec, a.astype(cdt), c.astype(cdt), precision=prec, preferred_element_type=jnp.float32)
@@ -729,11 +757,13 @@ class _Loader:
             q_a_norm = self.norm(f"{p}.q_a_layernorm.weight", m.q_lora_rank, LATENT_NORM_EPS)
             q_b = self.linear(f"{p}.q_b_proj", nh * m.qk_head_dim, m.q_lora_rank)
         kv_b = self.linear(f"{p}.kv_b_proj", nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
-        if isinstance(kv_b, QuantizedLinear):
-            # absorbed, kv_b is only ever read whole (into the queries and the attended latent), never
-            # multiplied as a linear: dequantizing it at every step was two kernels a layer, so it is
-            # kept dequantized, frozen, in the dtype the absorption computes in (LatentAttention)
-            kv_b = kv_b.dequantized(absorb_dtype(self.o.dtype), frozen=True)
+        # absorbed, kv_b is only ever read whole (into the queries and the attended latent), never
+        # multiplied as a linear: dequantizing it at every step was two kernels a layer, so a
+        # quantized one is kept dequantized, frozen, in the dtype the absorption computes in, cut
+        # into its two parts (AbsorbedKV); a 16-bit one is cut alike and stays trainable
+        frozen = isinstance(kv_b, QuantizedLinear)
+        kv_b = AbsorbedKV(kv_b.dense(absorb_dtype(self.o.dtype)) if frozen else kv_b.weight.get_value(),
+                          nh, m.qk_nope_head_dim, frozen=frozen)
         return LatentAttention(
             self.c, x_proj, q_a_norm, q_b, self.norm(f"{p}.kv_a_layernorm.weight", m.kv_lora_rank, LATENT_NORM_EPS),
             kv_b, self.linear(f"{p}.o_proj", h, nh * m.v_head_dim, m.attention_bias))

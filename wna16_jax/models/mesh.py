@@ -397,6 +397,7 @@ def mesh_loader(base, plan: MeshPlan):
 #: rule field, "n" = the output rows are split (column parallel) | "k" = the input columns are)
 LINEAR_RULES = (
     (r"self_attn/(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)/(weight|bias)", "heads", "n"),
+    (r"self_attn/kv_b_proj/(w_uk|w_uv)", "heads", "n"),
     (r"self_attn/o_proj/weight", "heads", "k"),
     (r"mlp/(gate_proj|up_proj)/(weight|bias)", "mlp", "n"),
     (r"mlp/down_proj/weight", "mlp", "k"),
