@@ -17,9 +17,10 @@ blocked on a full pipe would hold the other at its next collective); both are ki
 stderr shown, past :data:`TIMEOUT_S`.
 
 Each process reads only the routed experts its devices hold (the tensors every read names, and
-their bytes: the rest of the checkpoint whole, half of the experts' bytes); the attention,
-dense MLP, embedding and head tensors it reads whole (not yet only its tensor-parallel slice of
-them)."""
+their bytes: the rest of the checkpoint whole, half of the experts' bytes). With the tp axis
+across the processes (Mixtral over ``ep = 4 x tp = 2``, each process one TP rank), each reads its
+rank's slice of every expert and its half of the embedding and lm_head rows; the attention and
+dense MLP tensors it reads whole (not yet only its tensor-parallel slice of them)."""
 
 import json
 import os
@@ -39,7 +40,8 @@ XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimizatio
              "--xla_cpu_use_fusion_emitters=false")
 PROMPTS, NEW, MAX_LEN = [[1, 2, 3], [7, 5, 9, 11, 4]], 6, 16
 #: family: (fixture folder, scan_layers, batch size)
-FAMILIES = {"qwen3_moe": ("awq-qwen3moe", None, 8), "mixtral": ("gptq-mixtral", True, 2)}
+FAMILIES = {"qwen3_moe": ("awq-qwen3moe", None, 8), "mixtral": ("gptq-mixtral", True, 2),
+            "mixtral_tp": ("gptq-mixtral", True, 2)}
 TIMEOUT_S = 150
 
 SCRIPT = textwrap.dedent(r'''
@@ -92,7 +94,9 @@ SCRIPT = textwrap.dedent(r'''
     safetensors_io._read_fully = spy
 
     CASES = {"qwen3_moe": ("awq-qwen3moe", None, 8, Mesh(devs, ("ep",)), None),
-             "mixtral": ("gptq-mixtral", True, 2, Mesh(devs.reshape(4, 2), ("ep", "tp")), None)}
+             "mixtral": ("gptq-mixtral", True, 2, Mesh(devs.reshape(4, 2), ("ep", "tp")), None),
+             # tp across the processes: each holds every expert, but one TP rank of them and of the vocabulary
+             "mixtral_tp": ("gptq-mixtral", True, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None)}
     for family, (folder, scan, batch, mesh, rules) in CASES.items():
         clock = time.perf_counter()
         seen.clear()
@@ -117,6 +121,12 @@ SCRIPT = textwrap.dedent(r'''
                        "owners": sorted({d.process_index for d in w13.sharding.device_set}),
                        "shard": list(w13.addressable_shards[0].data.shape)}}
         res["families"][family]["reads"] = reads
+        emb = m.embed_tokens.get_value()
+        res["families"][family]["vocab"] = {
+            "spec": [x if x is None or isinstance(x, str) else list(x) for x in emb.sharding.spec],
+            "fully_addressable": emb.is_fully_addressable,
+            "shard": list(emb.addressable_shards[0].data.shape),
+            "rows": sorted({(s.index[0].start or 0, s.index[0].stop or emb.shape[0]) for s in emb.addressable_shards})}
         res["seconds"][family] = time.perf_counter() - clock
     print(json.dumps(res))
 ''')
@@ -245,6 +255,29 @@ def test_each_process_reads_only_the_experts_it_holds(runs):
             # to be checked (GPTQ's symmetric qzeros, a natural g_idx), read whole for each slice
             want = total - experts // 2 + (meta if family == "mixtral" else 0)
             assert reads["bytes"] == want, (family, r["process"], reads["bytes"], want)
+
+
+def test_tp_across_processes_reads_one_rank_of_experts_and_vocabulary(runs):
+    """``ep = 4 x tp = 2`` with the tp axis across the processes: each process reads every
+    expert but only its TP rank's slice of each (the tensors read only to be checked whole), and
+    only its half of the embedding and 16-bit lm_head rows; those leaves are global arrays of the
+    whole vocabulary, split over tp."""
+    from wna16_jax.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(os.path.join(FIXTURES, "gptq-mixtral"))
+    vocab = sum(ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin
+                for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    total, experts, meta = _file_bytes("gptq-mixtral", range(4))
+    for r in runs:
+        f = r["families"]["mixtral_tp"]
+        assert f["reads"]["experts"] == [0, 1, 2, 3], f["reads"]
+        want = total - (experts - meta) // 2 - vocab // 2
+        assert f["reads"]["bytes"] == want, (r["process"], f["reads"]["bytes"], want)
+        v = f["vocab"]
+        assert v["spec"] == ["tp"] and not v["fully_addressable"] and v["shard"][0] == 160, v
+        assert v["rows"] == [[160 * r["process"], 160 * (r["process"] + 1)]], v
+        # the Mixtral case above holds both tp ranks in each process: both halves (read whole)
+        assert r["families"]["mixtral"]["vocab"]["rows"] == [[0, 160], [160, 320]]
 
 
 def test_a_mesh_without_this_process_is_refused_before_any_read(runs):

@@ -71,6 +71,7 @@ from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE, convert_experts
 from ..sharding import EP_METHODS, sharded_fused_moe, stack_tp_shards
 from ..weights import at_layer
 from .config import DecoderConfig
+from .linear import DenseLinear
 
 #: the :class:`MeshRules` fields that name a mesh axis
 AXIS_FIELDS = ("experts", "expert_intermediate", "heads", "mlp", "vocab")
@@ -200,6 +201,18 @@ class MeshPlan:
             ranks.update(range(tp)[r])
             experts.update(range(num_experts)[e])
         return tuple(sorted(ranks)), (None if len(experts) == num_experts else tuple(sorted(experts)))
+
+    def local_range(self, field: str, n: int) -> tuple[int, int] | None:
+        """The rows ``[start, stop)`` of a dimension of size ``n`` split over ``field``'s axis
+        that this process's devices hold (the hull of their shards), all that its load reads of
+        a matrix split there; None where it holds all of them (one process, or a dimension the
+        axis does not split: none, or one it does not divide, which stays replicated)."""
+        name, size = self.axis(field), self.size(field)
+        if name is None or size == 1 or n % size:
+            return None
+        held = [range(n)[i[0]] for i in self.sharding(P(name)).addressable_devices_indices_map((n,)).values()]
+        lo, hi = min(r.start for r in held), max(r.stop for r in held)
+        return None if (lo, hi) == (0, n) else (lo, hi)
 
     def cache_spec(self) -> P:
         """The KV cache pools' spec (``[L, rows, n, positions, d]``): the KV heads over ``heads``;
@@ -373,6 +386,27 @@ def mesh_loader(base, plan: MeshPlan):
     all in the layout the first one's took, then stacked."""
 
     class MeshLoader(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            #: ``{state path: (rule field, global size, (start, stop))}``: leaves read in part, the
+            #: rows of their first axis this process holds (place_model builds their global arrays)
+            self.partial_rows: dict[tuple, tuple[str, int, tuple[int, int]]] = {}
+
+        def embeddings(self):
+            r = plan.local_range("vocab", self.c.vocab_size)
+            if r is not None:
+                self.partial_rows[("embed_tokens",)] = ("vocab", self.c.vocab_size, r)
+            return super().embeddings(r)
+
+        def lm_head(self):
+            r = plan.local_range("vocab", self.c.vocab_size)
+            head = super().lm_head(r)
+            if r is not None and isinstance(head, DenseLinear):     # a quantized one is read whole
+                self.partial_rows[("lm_head", "weight")] = ("vocab", self.c.vocab_size, r)
+                if head.bias is not None:
+                    self.partial_rows[("lm_head", "bias")] = ("vocab", self.c.vocab_size, r)
+            return head
+
         def moe(self, i: int) -> QuantizedMoE:
             ranks, experts = plan.local_experts(self.c.moe.num_experts)
             tp = plan.size("expert_intermediate")
@@ -565,11 +599,12 @@ def _put_rows(value, shardings, axes: tuple[int, int | None], ranks, experts, tp
                         is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def place_model(model, plan: MeshPlan):
+def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
     """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
     :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
     (``model.mesh_plan``: :meth:`~wna16_jax.models.MoEDecoder.init_cache` shards the cache by it).
-    Returns the model."""
+    ``partial_rows`` (``{state path: (axis, global size, (start, stop))}``): leaves that hold only
+    those rows of their global array (read so by the mesh loader). Returns the model."""
     if not isinstance(plan.mesh, Mesh):
         raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
                           f"{type(plan.mesh).__name__}")
@@ -581,8 +616,16 @@ def place_model(model, plan: MeshPlan):
     for path, v in nnx.to_flat_state(state):
         shardings = jax.tree.map(plan.sharding, leaf_specs(plan, path, v), is_leaf=lambda x: isinstance(x, P))
         axes = routed_expert_axes(path, v) if partial else None
-        v.set_value(put_global(v.get_value(), shardings) if axes is None else
-                    _put_rows(v.get_value(), shardings, axes, ranks, experts, tp, moe.num_experts))
+        part = (partial_rows or {}).get(tuple(path))
+        if part is not None:                  # rows [lo, hi) of the first axis (a divided one: split)
+            field, n, (lo, hi) = part
+            pos = np.full(n, -1)
+            pos[lo:hi] = np.arange(hi - lo)
+            v.set_value(_from_rows(v.get_value(), plan.sharding(P(plan.axis(field))), {0: (n, pos)}))
+        elif axes is None:
+            v.set_value(put_global(v.get_value(), shardings))
+        else:
+            v.set_value(_put_rows(v.get_value(), shardings, axes, ranks, experts, tp, moe.num_experts))
     nnx.update(model, state)
     model.mesh_plan = plan
     return model
