@@ -30,7 +30,14 @@ ratio to the static ``Generator`` batch of ``--static-batch`` on prompts and out
 lengths, measured first in the same run), time to first token and time per output token (p50 /
 p99) and the p99 TPOT over the static batch's decode step; the last line says whether the goal at
 ``--static-batch`` streams holds (tokens/s at least 0.8 of the static batch's, p99 TPOT under 2
-static steps). GPU: ``PYTHONPATH=$PWD python3 benchmarks/serve.py --model qwen3 --mix --requests 96``
+static steps). ``--via`` picks what the mix is replayed through, each a row per streams count:
+``scheduler`` (no HTTP: the scheduler stepped in this process) and ``http`` (the
+OpenAI-compatible server of :func:`wna16_jax.serving.server.create_app` on a loopback port,
+driven by the official ``openai`` client from a separate process, streaming completions of token-id
+prompts; time to first token and per output token are measured at the client from the streamed
+chunks, the output token counts from ``usage``). The goal line is the server's where it ran. For
+``http`` the random checkpoint gets a word-level tokenizer of one word per id (every sampled id
+streams as text). GPU: ``PYTHONPATH=$PWD python3 benchmarks/serve.py --model qwen3 --mix --requests 96``
 (and ``--model mixtral``).
 CPU smoke run: ``python3 benchmarks/serve.py --tiny``.
 """
@@ -38,10 +45,12 @@ CPU smoke run: ``python3 benchmarks/serve.py --tiny``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -177,7 +186,8 @@ def run_mix(engine: ModelEngine, requests, *, concurrency: int, temperature: flo
 def static_generator(model, batch: int, prompt: int, new: int, max_len: int, seed: int = 0) -> dict:
     """The static batch the server is compared with: ``Generator(batch_size=batch)`` on ``batch``
     random prompts of ``prompt`` tokens, ``new`` tokens each (no stop token), compiled first;
-    ``step_s``: one decode step, from the difference of a run of ``new`` and one of 2 tokens."""
+    ``step_s``: one decode step, from the difference of the median of 3 runs of ``new`` tokens and
+    that of 3 runs of 2 tokens."""
     from wna16_jax.models.generation import Generator
 
     rng = np.random.default_rng(seed)
@@ -190,22 +200,138 @@ def static_generator(model, batch: int, prompt: int, new: int, max_len: int, see
         return time.perf_counter() - t
 
     timed(2)                                         # compiles the prefill bucket and the decode step
-    short, full = timed(2), timed(new)
+    short = statistics.median(timed(2) for _ in range(3))
+    full = statistics.median(timed(new) for _ in range(3))
     return {"tokens_s": batch * new / full, "step_s": (full - short) / max(1, new - 2)}
 
 
-MIX_HEADER = ("| model | streams | requests | rate /s | tokens/s | vs static | TTFT p50 s | TTFT p99 s "
+def word_tokenizer(folder: str, vocab: int) -> str:
+    """Write a tokenizer of ``vocab`` words ``w0 … w{vocab-1}`` (word-level: one id per word, the
+    text of ids the words joined by spaces) into ``folder`` (made), so that every id a random model
+    samples streams as text; returns ``folder``."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    os.makedirs(folder, exist_ok=True)
+    tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return folder
+
+
+class LoopbackServer:
+    """uvicorn serving ``app`` on a free 127.0.0.1 port in a daemon thread (``with``: started,
+    then stopped; each wait bounded by ``deadline`` seconds)."""
+
+    def __init__(self, app, deadline: float = 60.0):
+        import socket
+
+        import uvicorn
+
+        self.deadline = deadline
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LoopbackServer":
+        self.thread.start()
+        end = time.monotonic() + self.deadline
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise SystemExit("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.deadline)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise SystemExit("the server did not stop")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+async def _client_mix(spec: dict) -> dict:
+    """The client side of :func:`run_http` (in its own process): every request of ``spec`` sent at
+    its arrival time, at most ``concurrency`` in flight, each streamed; per request the times
+    (from the start) it was sent, of its first and last text chunk, and its output token count."""
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=spec["base_url"], api_key="unused", max_retries=0, timeout=spec["timeout"])
+    gate = asyncio.Semaphore(spec["concurrency"])
+    t0 = time.perf_counter()
+    out: dict[int, dict] = {}
+
+    async def one(i: int, prompt: list, new: int, arrival: float) -> None:
+        await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - t0)))
+        async with gate:
+            r = out[i] = {"sent": time.perf_counter() - t0, "first": None, "last": None, "tokens": 0}
+            stream = await client.completions.create(
+                model=spec["model"], prompt=prompt, max_tokens=new, temperature=spec["temperature"], seed=i,
+                stream=True, stream_options={"include_usage": True})
+            async for chunk in stream:
+                t = time.perf_counter() - t0
+                if chunk.choices and chunk.choices[0].text:
+                    r["first"] = r["first"] if r["first"] is not None else t
+                    r["last"] = t
+                if chunk.usage is not None:
+                    r["tokens"] = chunk.usage.completion_tokens
+
+    await asyncio.gather(*(one(i, p, n, a) for i, (p, n, a) in
+                           enumerate(zip(spec["prompts"], spec["news"], spec["arrivals"]))))
+    await client.close()
+    return {"wall": time.perf_counter() - t0, "requests": out}
+
+
+def run_http(base_url: str, model_name: str, requests, *, concurrency: int, temperature: float,
+             timeout: float = 600.0) -> dict:
+    """Replay ``requests`` (:func:`mix_requests`) against the server at ``base_url`` from a client
+    process of its own (its work does not share this process's interpreter with the server's); the
+    measurements of :func:`run_mix`, taken at the client."""
+    import subprocess
+
+    prompts, news, arrivals = requests
+    spec = {"base_url": base_url, "model": model_name, "concurrency": concurrency, "temperature": temperature,
+            "timeout": timeout, "prompts": prompts, "news": news, "arrivals": [float(a) for a in arrivals]}
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "spec.json"), os.path.join(d, "out.json")
+        with open(src, "w") as f:
+            json.dump(spec, f)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--http-client", src, dst], check=True,
+                       timeout=timeout + 60)
+        with open(dst) as f:
+            got = json.load(f)
+    rs = [r for r in got["requests"].values() if r["first"] is not None]
+    ttft = np.asarray([r["first"] - r["sent"] for r in rs] or [np.nan])
+    tpot = np.asarray([(r["last"] - r["first"]) / (r["tokens"] - 1) for r in rs if r["tokens"] > 1] or [np.nan])
+    return {"tokens_s": sum(r["tokens"] for r in got["requests"].values()) / got["wall"],
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
+            "preemptions": None, "finished": len(rs)}
+
+
+MIX_HEADER = ("| model | via | streams | requests | rate /s | tokens/s | vs static | TTFT p50 s | TTFT p99 s "
               "| TPOT p50 ms | TPOT p99 ms | TPOT p99 / static step | preemptions |")
 
 
-def mix_row(label: str, streams: int, args, r: dict, static: dict) -> str:
-    return (f"| {label} | {streams} | {args.requests} | {args.rate:g} | {r['tokens_s']:.1f} | "
+def mix_row(label: str, via: str, streams: int, args, r: dict, static: dict) -> str:
+    pre = "–" if r["preemptions"] is None else r["preemptions"]
+    return (f"| {label} | {via} | {streams} | {args.requests} | {args.rate:g} | {r['tokens_s']:.1f} | "
             f"{r['tokens_s'] / static['tokens_s']:.2f} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | "
             f"{r['tpot_p50'] * 1e3:.2f} | {r['tpot_p99'] * 1e3:.2f} | {r['tpot_p99'] / static['step_s']:.2f} | "
-            f"{r['preemptions']} |")
+            f"{pre} |")
 
 
-def main_mix(args, model, engine: ModelEngine, label: str, max_len: int) -> int:
+def main_mix(args, model, engine: ModelEngine, label: str, max_len: int, tokenizer=None) -> int:
     """``--mix``: the request mix at each ``--streams`` count beside the static Generator batch."""
     prompt = (args.prompt_range[0] + args.prompt_range[1]) // 2
     new = (args.new_range[0] + args.new_range[1]) // 2
@@ -215,17 +341,34 @@ def main_mix(args, model, engine: ModelEngine, label: str, max_len: int) -> int:
     requests = mix_requests(engine.vocab_size, args.requests, args.prompt_range, args.new_range, args.rate, 0)
     lines = [MIX_HEADER, "|" + "|".join("---" for _ in MIX_HEADER.split("|")[1:-1]) + "|"]
     results = {}
-    for streams in args.streams:
-        results[streams] = r = run_mix(engine, requests, concurrency=streams, temperature=args.temperature)
-        if r["finished"] != args.requests:
-            raise SystemExit(f"{r['finished']} of {args.requests} requests finished at {streams} streams")
-        lines.append(mix_row(label, streams, args, r, static))
+    server = None
+    if "http" in args.via:
+        from wna16_jax.serving.server import create_app
+
+        server = LoopbackServer(create_app(engine, tokenizer, "bench", max_queue=max(256, args.requests))).__enter__()
+    try:
+        for streams in args.streams:
+            for via in args.via:
+                if via == "http":
+                    r = run_http(server.base_url, "bench", requests, concurrency=streams, temperature=args.temperature)
+                else:
+                    r = run_mix(engine, requests, concurrency=streams, temperature=args.temperature)
+                if r["finished"] != args.requests:
+                    raise SystemExit(f"{r['finished']} of {args.requests} requests finished at {streams} streams "
+                                     f"({via})")
+                results[via, streams] = r
+                lines.append(mix_row(label, via, streams, args, r, static))
+                print(lines[-1], flush=True)
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
     print("\n".join(lines), flush=True)
-    if args.static_batch in results:
-        r = results[args.static_batch]
+    via = "http" if "http" in args.via else args.via[0]
+    if (via, args.static_batch) in results:
+        r = results[via, args.static_batch]
         ok = r["tokens_s"] >= 0.8 * static["tokens_s"] and r["tpot_p99"] < 2 * static["step_s"]
-        print(f"goal at {args.static_batch} streams (tokens/s >= 0.8 x static, TPOT p99 < 2 x static step): "
-              f"{'met' if ok else 'not met'}", flush=True)
+        print(f"goal at {args.static_batch} streams through the {via} (tokens/s >= 0.8 x static, TPOT p99 < 2 x "
+              f"static step): {'met' if ok else 'not met'}", flush=True)
     return 0
 
 
@@ -264,11 +407,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024], help="--mix: prompt lengths")
     ap.add_argument("--new-range", type=int, nargs=2, default=[32, 256], help="--mix: output lengths")
     ap.add_argument("--static-batch", type=int, default=32, help="--mix: the static Generator's batch")
+    ap.add_argument("--via", nargs="+", default=["scheduler", "http"], choices=["scheduler", "http"],
+                    help="--mix: replay through the scheduler in this process and / or the HTTP server")
+    ap.add_argument("--http-client", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.http_client:                          # run_http's client process
+        import asyncio
+
+        with open(args.http_client[0]) as f:
+            spec = json.load(f)
+        with open(args.http_client[1], "w") as f:
+            json.dump(asyncio.run(_client_mix(spec)), f)
+        return 0
     if args.tiny:
         for k, v in {**TINY, **(TINY_MIX if args.mix else {})}.items():
             setattr(args, k, v)
@@ -283,13 +437,18 @@ def main(argv=None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = load_model(path, dtype=jnp.dtype(args.dtype), scan_layers=False if args.unrolled else None)
+        tokenizer = None
+        if args.mix and "http" in args.via:
+            from wna16_jax.models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(word_tokenizer(os.path.join(tmp, "words"), model.config.vocab_size))
     engine = ModelEngine(model, block_size=bs, num_blocks=args.num_blocks, max_model_len=max_len,
                          batch_sizes=args.batch_sizes, chunk_sizes=args.chunk_sizes)
     print(f"# {label}: {engine!r}", flush=True)
     compile_s = compile_all(engine)
     if args.mix:
         print(f"# compiled the serving programs in {compile_s:.0f} s", flush=True)
-        return main_mix(args, model, engine, label, max_len)
+        return main_mix(args, model, engine, label, max_len, tokenizer)
     r = run(engine, requests=args.requests, prompt=args.prompt, new=args.new, temperature=args.temperature)
     floor_s = touched_bytes(model, r["rows"]) / bandwidth
     print("\n".join([HEADER, "|" + "|".join("---" for _ in HEADER.split("|")[1:-1]) + "|",
