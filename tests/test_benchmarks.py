@@ -318,3 +318,18 @@ def test_serve_mix_through_the_scheduler_and_the_server_on_cpu(capsys):
     for r in rows:
         assert float(r[5]) > 0 and float(r[9]) > 0, r            # tokens/s, TPOT p50 measured
     assert "goal at 2 streams through the http" in out
+
+
+def test_host_memory_benchmark_two_processes_on_cpu(capsys):
+    """``benchmarks/host_memory.py --tiny``: two processes of 2 CPU devices load a tiny model on
+    one ep4 mesh; each reports the bytes it read (fewer than the checkpoint's: half the experts)
+    and its host peak."""
+    from benchmarks import host_memory
+
+    assert host_memory.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| tiny")]
+    assert [r[2] for r in rows] == ["0 of 2", "1 of 2"], out
+    for r in rows:
+        assert 0 < int(r[4].rstrip("%")) < 100 and float(r[8]) > 0, r
