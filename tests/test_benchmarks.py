@@ -333,3 +333,17 @@ def test_host_memory_benchmark_two_processes_on_cpu(capsys):
     assert [r[2] for r in rows] == ["0 of 2", "1 of 2"], out
     for r in rows:
         assert 0 < int(r[4].rstrip("%")) < 100 and float(r[8]) > 0, r
+
+
+def test_latent_parts_benchmark_on_cpu(capsys):
+    """``benchmarks/latent_parts.py --tiny``: a tiny DeepSeek-V2 loaded in both forms of
+    ``kv_b_proj`` (its parts apart, and one matrix cut at every step), a row for each at each
+    batch size, and the two forms' first greedy tokens compared."""
+    from benchmarks import latent_parts
+
+    assert latent_parts.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[1:3] for line in out.splitlines()
+            if line.startswith("| tiny DeepSeek")}
+    assert rows == {(b, f) for b in ("1", "2") for f in ("one matrix", "two parts")}, out
+    assert "the first decode token is the same in 1 of 1 rows" in out, out
