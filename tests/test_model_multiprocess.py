@@ -24,6 +24,7 @@ dense MLP tensors it reads whole (not yet only its tensor-parallel slice of them
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,7 +42,7 @@ XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimizatio
 PROMPTS, NEW, MAX_LEN = [[1, 2, 3], [7, 5, 9, 11, 4]], 6, 16
 #: family: (fixture folder, scan_layers, batch size)
 FAMILIES = {"qwen3_moe": ("awq-qwen3moe", None, 8), "mixtral": ("gptq-mixtral", True, 2),
-            "mixtral_tp": ("gptq-mixtral", True, 2)}
+            "mixtral_tp": ("gptq-mixtral", True, 2), "attn16_tp": (None, None, 2)}   # None: the synthetic folder
 TIMEOUT_S = 150
 
 SCRIPT = textwrap.dedent(r'''
@@ -60,6 +61,7 @@ SCRIPT = textwrap.dedent(r'''
 
     assert (jax.process_count(), len(jax.devices()), len(jax.local_devices())) == (2, 8, 4)
     PROMPTS, NEW, MAX_LEN = json.loads(sys.argv[4])
+    SYNTHETIC = sys.argv[5]                  # a random Qwen3-MoE with 16-bit attention (the test writes it)
     devs = np.array(jax.devices())
     res = {"process": pid, "families": {}, "seconds": {}}
 
@@ -96,7 +98,9 @@ SCRIPT = textwrap.dedent(r'''
     CASES = {"qwen3_moe": ("awq-qwen3moe", None, 8, Mesh(devs, ("ep",)), None),
              "mixtral": ("gptq-mixtral", True, 2, Mesh(devs.reshape(4, 2), ("ep", "tp")), None),
              # tp across the processes: each holds every expert, but one TP rank of them and of the vocabulary
-             "mixtral_tp": ("gptq-mixtral", True, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None)}
+             "mixtral_tp": ("gptq-mixtral", True, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None),
+             # 16-bit attention, heads split over tp across the processes: each reads its heads' slice
+             "attn16_tp": (SYNTHETIC, None, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None)}
     for family, (folder, scan, batch, mesh, rules) in CASES.items():
         clock = time.perf_counter()
         seen.clear()
@@ -121,6 +125,14 @@ SCRIPT = textwrap.dedent(r'''
                        "owners": sorted({d.process_index for d in w13.sharding.device_set}),
                        "shard": list(w13.addressable_shards[0].data.shape)}}
         res["families"][family]["reads"] = reads
+        att = m.layers[0].self_attn if m.layers else None
+        res["families"][family]["attention"] = {} if att is None or not hasattr(att.o_proj, "in_features") else {
+            name: {"spec": [x if x is None or isinstance(x, str) else list(x) for x in w.sharding.spec],
+                   "fully_addressable": w.is_fully_addressable, "shape": list(w.shape),
+                   "global": [lin.out_features, lin.in_features]}
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+            for lin in [getattr(att, name)] if type(lin).__name__ == "DenseLinear"
+            for w in [lin.weight.get_value()]}
         emb = m.embed_tokens.get_value()
         res["families"][family]["vocab"] = {
             "spec": [x if x is None or isinstance(x, str) else list(x) for x in emb.sharding.spec],
@@ -139,7 +151,28 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def synthetic(tmp_path_factory) -> str:
+    """A random Qwen3-MoE checkpoint (GPTQ int4 g128 experts) whose attention linears are 16-bit,
+    as checkpoints that quantize only the experts store them (Kimi-K2's release does)."""
+    from wna16_jax.models.synthetic import RandomModelSpec, write_random_model
+    from wna16_jax.schemes import QuantScheme
+
+    path = str(tmp_path_factory.mktemp("attn16") / "qwen3-attn16")
+    scheme = QuantScheme.from_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                                            "desc_act": False})
+    write_random_model(path, RandomModelSpec(
+        model_type="qwen3_moe", scheme=scheme, vocab_size=256, hidden_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=32, num_experts=8, top_k=2, moe_intermediate_size=256, quantize_attention=False),
+        seed=3)
+    return path
+
+
+def _folder(family: str, synthetic: str) -> str:
+    return FAMILIES[family][0] or synthetic
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, synthetic):
     env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     port, args = str(_free_port()), json.dumps([PROMPTS, NEW, MAX_LEN])
@@ -147,7 +180,7 @@ def runs(tmp_path_factory):
     # output to files, not pipes: a process blocked on a full pipe would hold the other at its
     # next collective (or at the shutdown barrier) while this one waits on the first
     files = [(open(tmp / f"out{i}", "w+"), open(tmp / f"err{i}", "w+")) for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port, FIXTURES, args], stdout=o, stderr=e,
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port, FIXTURES, args, synthetic], stdout=o, stderr=e,
                               text=True, env=env, cwd=ROOT) for i, (o, e) in enumerate(files)]
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -176,14 +209,14 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(synthetic):
     import jax.numpy as jnp
 
     import wna16_jax as wj
 
     res = {}
-    for family, (folder, scan, _) in FAMILIES.items():
-        m = wj.load_model(os.path.join(FIXTURES, folder), dtype=jnp.float32, scan_layers=scan)
+    for family, (_, scan, _) in FAMILIES.items():
+        m = wj.load_model(os.path.join(FIXTURES, _folder(family, synthetic)), dtype=jnp.float32, scan_layers=scan)
         gen = wj.Generator(m, batch_size=2, max_len=MAX_LEN)
         toks, logits = [], []
         for t, lg in gen.stream(PROMPTS, NEW, stop_tokens=(), with_logits=True):
@@ -237,7 +270,7 @@ def _file_bytes(folder: str, held) -> tuple[int, int, int]:
     fixture's tensors, from the headers (a one-device load reads each tensor once: all of them)."""
     from wna16_jax.checkpoint import Checkpoint
 
-    ckpt = Checkpoint(os.path.join(FIXTURES, folder))
+    ckpt = Checkpoint(os.path.join(FIXTURES, folder))       # an absolute folder: itself
     size = {n: ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin for n in ckpt.tensor_names()}
     meta = sum(b for n, b in size.items() if n.endswith((".g_idx", ".qzeros"))
                and any(f".experts.{e}." in n for e in held))
@@ -278,6 +311,29 @@ def test_tp_across_processes_reads_one_rank_of_experts_and_vocabulary(runs):
         assert v["rows"] == [[160 * r["process"], 160 * (r["process"] + 1)]], v
         # the Mixtral case above holds both tp ranks in each process: both halves (read whole)
         assert r["families"]["mixtral"]["vocab"]["rows"] == [[0, 160], [160, 320]]
+
+
+def test_16bit_attention_over_tp_across_processes_reads_one_slice_of_each_head_matrix(runs, synthetic):
+    """16-bit attention linears split over ``heads`` (tp, across the processes): each process
+    reads its half of q / k / v's rows and of o_proj's columns (its bytes alone), beside one TP
+    rank of every expert and half of the vocabulary; those weights are global arrays of the whole
+    matrix split over tp, and the tokens are the single-device model's (the tokens test above)."""
+    from wna16_jax.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(synthetic)
+    size = {n: ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin for n in ckpt.tensor_names()}
+    attn = sum(b for n, b in size.items() if re.search(r"self_attn\.[qkvo]_proj\.weight$", n))
+    vocab = size["model.embed_tokens.weight"] + size["lm_head.weight"]
+    total, experts, meta = _file_bytes(synthetic, range(8))
+    assert attn and all(not n.endswith(".qweight") for n in size if ".self_attn." in n)
+    for r in runs:
+        f = r["families"]["attn16_tp"]
+        want = total - (experts - meta) // 2 - vocab // 2 - attn // 2
+        assert f["reads"]["bytes"] == want, (r["process"], f["reads"]["bytes"], want)
+        for name, spec in f["attention"].items():
+            want_spec = [None, "tp"] if name == "o_proj" else ["tp"]
+            assert spec["spec"] == want_spec and not spec["fully_addressable"], (name, spec)
+            assert spec["shape"] == spec["global"], (name, spec)
 
 
 def test_a_mesh_without_this_process_is_refused_before_any_read(runs):

@@ -38,6 +38,7 @@ BAD = [
     (dict(rope_theta=float("nan")), ["rope_theta", "finite", "nan"]),
     (dict(tie_word_embeddings=1), ["tie_word_embeddings", "true or false", "1"]),
     (dict(quantize_lm_head="yes"), ["quantize_lm_head", "'yes'"]),
+    (dict(quantize_attention=1), ["quantize_attention", "1"]),
     (dict(norm_topk_prob=0), ["norm_topk_prob", "0"]),
     (dict(extra_config=[("a", 1)]), ["extra_config", "mapping", "list"]),
     (dict(routing="noaux_tc"), ["routing", "mapping", "'noaux_tc'"]),

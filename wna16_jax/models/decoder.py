@@ -664,16 +664,17 @@ class _Loader:
     def tensors(self, module: str) -> dict[str, str]:
         return self.ckpt.module_tensors(module)
 
-    def float_tensor(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> np.ndarray:
-        """The 16/32-bit tensor ``name`` of ``shape``, checked finite; ``rows``: only the rows
-        ``[start, stop)`` of its first axis are read (their bytes alone)."""
+    def float_tensor(self, name: str, shape: tuple[int, ...], part: tuple[int, tuple[int, int]] | None = None
+                     ) -> np.ndarray:
+        """The 16/32-bit tensor ``name`` of ``shape``, checked finite; ``part = (axis, (start,
+        stop))``: only that slice of one axis is read (its bytes alone)."""
         t = self.ckpt.tensor_info(name)            # MissingTensorError naming it
         if t.dtype.kind != "f" and t.dtype_name != "BF16":
             raise DTypeError(f"{name}: expected a 16/32-bit float tensor, got {t.dtype_name}")
         if tuple(t.shape) != tuple(shape):
             raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-        a = (self.ckpt.read_tensor(name) if rows is None else
-             self.ckpt.read_many((), [name], {name: (0, slice(*rows))})[name])
+        a = (self.ckpt.read_tensor(name) if part is None else
+             self.ckpt.read_many((), [name], {name: (part[0], slice(*part[1]))})[name])
         if not np.isfinite(a.astype(np.float32)).all():
             raise ValueRangeError(f"{name}: holds NaN or Inf")
         return a
@@ -707,10 +708,11 @@ class _Loader:
         m, bias = read_matrix(self.ckpt, scheme, parts, k=k)
         return QuantizedLinear(m, None if bias is None else bias[0], compute_dtype=self.o.dtype, splits=ns)
 
-    def linear(self, module: str, n: int, k: int, bias: bool = False, rows: tuple[int, int] | None = None):
+    def linear(self, module: str, n: int, k: int, bias: bool = False,
+               part: tuple[int, tuple[int, int]] | None = None):
         """The linear ``module`` (``W [n, k]``): quantized if its tensors are, else 16-bit;
-        ``rows``: of a 16-bit one, only those output rows ``[start, stop)`` are read (a quantized
-        one is read whole)."""
+        ``part = (axis, (start, stop))``: of a 16-bit one, only that slice of ``W``'s rows (axis 0,
+        and of the bias) or columns (axis 1) is read (a quantized one is read whole)."""
         scheme = self.scheme(module, bias)
         if scheme is not None:
             layer = self.quantized([module], [n], k, scheme)
@@ -724,8 +726,8 @@ class _Loader:
             raise UnexpectedTensorError(f"{module}: a 16-bit linear with unexpected tensors "
                                         f"{[f'{module}.{s}' for s in extra]}")
         _check_bias(module, found, bias)
-        w = self.float_tensor(found["weight"], (n, k), rows)
-        b = self.float_tensor(found["bias"], (n,), rows) if bias else None
+        w = self.float_tensor(found["weight"], (n, k), part)
+        b = self.float_tensor(found["bias"], (n,), part if part is not None and part[0] == 0 else None) if bias else None
         return DenseLinear(w, b, compute_dtype=self.o.dtype, param_dtype=self.o.param_dtype)
 
     def linears(self, specs: Sequence[tuple[str, int, bool]], k: int):
@@ -813,14 +815,14 @@ class _Loader:
 
     def embeddings(self, rows: tuple[int, int] | None = None):
         """The embedding matrix (``rows``: only those vocabulary rows, ``[start, stop)``)."""
-        e = self.float_tensor("model.embed_tokens.weight", (self.c.vocab_size, self.c.hidden_size), rows)
+        e = self.float_tensor("model.embed_tokens.weight", (self.c.vocab_size, self.c.hidden_size),
+                              None if rows is None else (0, rows))
         return jnp.asarray(e if self.o.param_dtype is None else e.astype(self.o.param_dtype))
 
-    def lm_head(self, rows: tuple[int, int] | None = None):
-        """``lm_head`` (None: the embeddings, ``tie_word_embeddings``); ``rows``: only those
-        vocabulary rows of a 16-bit one."""
+    def lm_head(self):
+        """``lm_head`` (None: the embeddings, ``tie_word_embeddings``)."""
         if not self.c.tie_word_embeddings:
-            return self.linear("lm_head", self.c.vocab_size, self.c.hidden_size, rows=rows)
+            return self.linear("lm_head", self.c.vocab_size, self.c.hidden_size)
         if self.tensors("lm_head"):
             warnings.warn(f"{self.ckpt.path}: tie_word_embeddings is true, so lm_head is the embedding matrix "
                           "(as transformers ties them); the stored lm_head tensors are not read", stacklevel=3)

@@ -71,7 +71,6 @@ from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE, convert_experts
 from ..sharding import EP_METHODS, sharded_fused_moe, stack_tp_shards
 from ..weights import at_layer
 from .config import DecoderConfig
-from .linear import DenseLinear
 
 #: the :class:`MeshRules` fields that name a mesh axis
 AXIS_FIELDS = ("experts", "expert_intermediate", "heads", "mlp", "vocab")
@@ -388,24 +387,34 @@ def mesh_loader(base, plan: MeshPlan):
     class MeshLoader(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            #: ``{state path: (rule field, global size, (start, stop))}``: leaves read in part, the
-            #: rows of their first axis this process holds (place_model builds their global arrays)
-            self.partial_rows: dict[tuple, tuple[str, int, tuple[int, int]]] = {}
+            #: ``{state path: (rule field, axis, global size, (start, stop))}``: the embedding
+            #: matrix where it is read in part (the linears read in part carry it as metadata,
+            #: :data:`PARTIAL_KEY`)
+            self.partial_rows: dict[tuple, tuple[str, int, int, tuple[int, int]]] = {}
 
         def embeddings(self):
             r = plan.local_range("vocab", self.c.vocab_size)
             if r is not None:
-                self.partial_rows[("embed_tokens",)] = ("vocab", self.c.vocab_size, r)
+                self.partial_rows[("embed_tokens",)] = ("vocab", 0, self.c.vocab_size, r)
             return super().embeddings(r)
 
-        def lm_head(self):
-            r = plan.local_range("vocab", self.c.vocab_size)
-            head = super().lm_head(r)
-            if r is not None and isinstance(head, DenseLinear):     # a quantized one is read whole
-                self.partial_rows[("lm_head", "weight")] = ("vocab", self.c.vocab_size, r)
-                if head.bias is not None:
-                    self.partial_rows[("lm_head", "bias")] = ("vocab", self.c.vocab_size, r)
-            return head
+        def linear(self, module: str, n: int, k: int, bias: bool = False, part=None):
+            """A 16-bit linear that a rule splits over an axis spanning the processes: only this
+            process's slice of it is read, marked for :func:`place_model` (a quantized one, read
+            whole, is placed as it always was)."""
+            rule = _module_rule(module)
+            if part is None and rule is not None and not self.o.dequantized and self.scheme(module, bias) is None:
+                field, side = rule
+                axis, size = (0, n) if side == "n" else (1, k)
+                r = plan.local_range(field, size)
+                if r is not None:
+                    lin = super().linear(module, n, k, bias, (axis, r))
+                    lin.out_features, lin.in_features = n, k          # the global matrix's, as placed
+                    lin.weight.set_metadata(**{PARTIAL_KEY: (field, axis, size, r)})
+                    if lin.bias is not None and axis == 0:
+                        lin.bias.set_metadata(**{PARTIAL_KEY: (field, 0, size, r)})
+                    return lin
+            return super().linear(module, n, k, bias, part)
 
         def moe(self, i: int) -> QuantizedMoE:
             ranks, experts = plan.local_experts(self.c.moe.num_experts)
@@ -430,7 +439,7 @@ def mesh_loader(base, plan: MeshPlan):
 #: linear weights split over a rule's axis: (path pattern inside a decoder layer or at the top,
 #: rule field, "n" = the output rows are split (column parallel) | "k" = the input columns are)
 LINEAR_RULES = (
-    (r"self_attn/(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)/(weight|bias)", "heads", "n"),
+    (r"self_attn/(q_proj|k_proj|v_proj|q_b_proj)/(weight|bias)", "heads", "n"),
     (r"self_attn/kv_b_proj/(w_uk|w_uv)", "heads", "n"),
     (r"self_attn/o_proj/weight", "heads", "k"),
     (r"mlp/(gate_proj|up_proj)/(weight|bias)", "mlp", "n"),
@@ -599,12 +608,25 @@ def _put_rows(value, shardings, axes: tuple[int, int | None], ranks, experts, tp
                         is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+#: the metadata key of a 16-bit weight read in part (``(rule field, axis, global size, (start,
+#: stop))``; the mesh loader sets it, :func:`place_model` builds the global array and drops it)
+PARTIAL_KEY = "wna16_partial"
+
+
+def _module_rule(module: str) -> tuple[str, str] | None:
+    """``(rule field, side)`` of :data:`LINEAR_RULES` for the weight of checkpoint module
+    ``module`` (``model.layers.3.self_attn.o_proj``, ``lm_head``), None where no rule splits it."""
+    where = re.sub(r"^model\.layers\.\d+\.", "", module).replace(".", "/") + "/weight"
+    return next(((field, side) for pattern, field, side in LINEAR_RULES if re.fullmatch(pattern, where)), None)
+
+
 def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
     """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
     :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
     (``model.mesh_plan``: :meth:`~wna16_jax.models.MoEDecoder.init_cache` shards the cache by it).
-    ``partial_rows`` (``{state path: (axis, global size, (start, stop))}``): leaves that hold only
-    those rows of their global array (read so by the mesh loader). Returns the model."""
+    Leaves read in part by the mesh loader (``partial_rows``, ``{state path: (rule field, axis,
+    global size, (start, stop))}``, or their :data:`PARTIAL_KEY` metadata) hold only that slice
+    of their global array, which is built from it. Returns the model."""
     if not isinstance(plan.mesh, Mesh):
         raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
                           f"{type(plan.mesh).__name__}")
@@ -616,12 +638,16 @@ def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
     for path, v in nnx.to_flat_state(state):
         shardings = jax.tree.map(plan.sharding, leaf_specs(plan, path, v), is_leaf=lambda x: isinstance(x, P))
         axes = routed_expert_axes(path, v) if partial else None
-        part = (partial_rows or {}).get(tuple(path))
-        if part is not None:                  # rows [lo, hi) of the first axis (a divided one: split)
-            field, n, (lo, hi) = part
+        part = v.get_metadata().get(PARTIAL_KEY) or (partial_rows or {}).get(tuple(path))
+        if part is not None:                  # a slice [lo, hi) of one axis, read alone: split over its field
+            field, axis, n, (lo, hi) = part
+            lead = _leaf_where(path)[1]
             pos = np.full(n, -1)
             pos[lo:hi] = np.arange(hi - lo)
-            v.set_value(_from_rows(v.get_value(), plan.sharding(P(plan.axis(field))), {0: (n, pos)}))
+            spec = _spec(*lead, *([None] * axis), plan.axis(field))
+            v.set_value(_from_rows(v.get_value(), plan.sharding(spec), {len(lead) + axis: (n, pos)}))
+            if v.has_metadata(PARTIAL_KEY):
+                v.del_metadata(PARTIAL_KEY)
         elif axes is None:
             v.set_value(put_global(v.get_value(), shardings))
         else:

@@ -90,6 +90,8 @@ class RandomModelSpec:
     ``shared_expert_intermediate_size`` gives each MoE layer a shared expert with its sigmoid gate
     (Qwen2-MoE); ``mlp_only_layers`` / ``decoder_sparse_step`` place dense MLPs
     (``intermediate_size``) as Qwen's configs do; ``quantize_lm_head`` quantizes ``lm_head`` too;
+    ``quantize_attention=False`` writes the attention linears 16-bit (as checkpoints that
+    quantize only the experts store them);
     ``extra_config`` is merged into ``config.json`` last. DeepSeek (``deepseek_v2`` /
     ``deepseek_v3``): ``mla`` gives the latent-attention sizes (:data:`MLA_FIELDS`; ``head_dim``
     and ``num_kv_heads`` are then unused), the first ``first_k_dense_replace`` layers are dense,
@@ -121,6 +123,7 @@ class RandomModelSpec:
     rope_theta: float = 10000.0
     max_position_embeddings: int | None = 4096
     quantize_lm_head: bool = False
+    quantize_attention: bool = True
     extra_config: Mapping[str, Any] | None = None
     mla: Mapping[str, int | None] | None = None
     first_k_dense_replace: int = 0
@@ -140,7 +143,8 @@ class RandomModelSpec:
                      rope_theta=check_number("rope_theta", self.rope_theta, above=0),
                      mlp_only_layers=self._layer_list(facts["num_layers"]),
                      **{n: _optional_int(n, getattr(self, n), 1) for n in _OPTIONAL_SIZES},
-                     **{n: check_flag(n, getattr(self, n)) for n in ("tie_word_embeddings", "quantize_lm_head")},
+                     **{n: check_flag(n, getattr(self, n)) for n in ("tie_word_embeddings", "quantize_lm_head",
+                                                                  "quantize_attention")},
                      **{n: _mapping(n, getattr(self, n)) for n in ("extra_config", "mla", "routing")})
         if self.norm_topk_prob is not None:
             facts["norm_topk_prob"] = check_flag("norm_topk_prob", self.norm_topk_prob)
@@ -207,6 +211,12 @@ class _Draws:
             tensors[f"{module}.{suffix}"] = a
         return got.get("g_idx", got.get("weight_g_idx"))
 
+    def lin16(self, tensors, module, n, k, bias=False):
+        """A 16-bit linear ``[n, k]`` (and its bias) into ``tensors``."""
+        tensors[f"{module}.weight"] = self.dense(n, k)
+        if bias:
+            tensors[f"{module}.bias"] = self.dense(n, std=0.1)
+
     def mlp(self, tensors, prefix, names, inter):
         """A gated MLP (gate, up, down) into ``tensors``; gate and up share one act-order g_idx."""
         gi = self.lin(tensors, f"{prefix}.{names[0]}", inter, self.h)
@@ -224,25 +234,26 @@ class _Draws:
 def _attention(d: _Draws, spec: RandomModelSpec, t: dict, p: str) -> None:
     """Layer ``p``'s attention tensors: DeepSeek's latent attention or q/k/v/o (and Qwen3's norms)."""
     h, nh, nkv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    lin = d.lin if spec.quantize_attention else d.lin16
     if spec.deepseek:
         mla, a = spec.mla, f"{p}.self_attn"
         qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         if mla["q_lora_rank"] is None:
-            d.lin(t, f"{a}.q_proj", nh * qk, h)
+            lin(t, f"{a}.q_proj", nh * qk, h)
         else:
-            d.lin(t, f"{a}.q_a_proj", mla["q_lora_rank"], h)
+            lin(t, f"{a}.q_a_proj", mla["q_lora_rank"], h)
             t[f"{a}.q_a_layernorm.weight"] = d.norm(mla["q_lora_rank"])
-            d.lin(t, f"{a}.q_b_proj", nh * qk, mla["q_lora_rank"])
-        d.lin(t, f"{a}.kv_a_proj_with_mqa", mla["kv_lora_rank"] + mla["qk_rope_head_dim"], h)
+            lin(t, f"{a}.q_b_proj", nh * qk, mla["q_lora_rank"])
+        lin(t, f"{a}.kv_a_proj_with_mqa", mla["kv_lora_rank"] + mla["qk_rope_head_dim"], h)
         t[f"{a}.kv_a_layernorm.weight"] = d.norm(mla["kv_lora_rank"])
-        d.lin(t, f"{a}.kv_b_proj", nh * (mla["qk_nope_head_dim"] + mla["v_head_dim"]), mla["kv_lora_rank"])
-        d.lin(t, f"{a}.o_proj", h, nh * mla["v_head_dim"])
+        lin(t, f"{a}.kv_b_proj", nh * (mla["qk_nope_head_dim"] + mla["v_head_dim"]), mla["kv_lora_rank"])
+        lin(t, f"{a}.o_proj", h, nh * mla["v_head_dim"])
     else:
         qkv_bias = spec.model_type == "qwen2_moe"
-        d.lin(t, f"{p}.self_attn.q_proj", nh * hd, h, qkv_bias)
-        d.lin(t, f"{p}.self_attn.k_proj", nkv * hd, h, qkv_bias)
-        d.lin(t, f"{p}.self_attn.v_proj", nkv * hd, h, qkv_bias)
-        d.lin(t, f"{p}.self_attn.o_proj", h, nh * hd)
+        lin(t, f"{p}.self_attn.q_proj", nh * hd, h, qkv_bias)
+        lin(t, f"{p}.self_attn.k_proj", nkv * hd, h, qkv_bias)
+        lin(t, f"{p}.self_attn.v_proj", nkv * hd, h, qkv_bias)
+        lin(t, f"{p}.self_attn.o_proj", h, nh * hd)
     if spec.model_type == "qwen3_moe":
         t[f"{p}.self_attn.q_norm.weight"] = d.norm(hd)
         t[f"{p}.self_attn.k_norm.weight"] = d.norm(hd)
@@ -295,7 +306,8 @@ def _config(spec: RandomModelSpec) -> dict[str, Any]:
     """``config.json`` of the checkpoint (the family's fields, then ``extra_config``)."""
     qc = spec.scheme.to_quant_config()
     if spec.scheme.method is QuantMethod.COMPRESSED_TENSORS:
-        qc["ignore"] = ([] if spec.quantize_lm_head else ["lm_head"]) + ["re:.*\\.gate$", "re:.*shared_expert_gate$"]
+        qc["ignore"] = (([] if spec.quantize_lm_head else ["lm_head"]) + ["re:.*\\.gate$", "re:.*shared_expert_gate$"]
+                        + ([] if spec.quantize_attention else ["re:.*\\.self_attn\\..*"]))
     config: dict[str, Any] = {
         "architectures": [_ARCH[spec.model_type]], "model_type": spec.model_type, "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
