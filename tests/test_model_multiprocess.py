@@ -18,9 +18,10 @@ stderr shown, past :data:`TIMEOUT_S`.
 
 Each process reads only the routed experts its devices hold (the tensors every read names, and
 their bytes: the rest of the checkpoint whole, half of the experts' bytes). With the tp axis
-across the processes (Mixtral over ``ep = 4 x tp = 2``, each process one TP rank), each reads its
-rank's slice of every expert and its half of the embedding and lm_head rows; the attention and
-dense MLP tensors it reads whole (not yet only its tensor-parallel slice of them)."""
+across the processes (``ep = 4 x tp = 2``, each process one TP rank), each reads its rank's
+slice of every expert, its half of the embedding and lm_head rows and its heads' slice of the
+attention: Mixtral's GPTQ attention (packed words and scales; the check-only tensors whole),
+an act-order GPTQ Qwen3-MoE's, and a random Qwen3-MoE's 16-bit attention (rows and columns)."""
 
 import json
 import os
@@ -31,6 +32,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -42,7 +44,8 @@ XLA_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimizatio
 PROMPTS, NEW, MAX_LEN = [[1, 2, 3], [7, 5, 9, 11, 4]], 6, 16
 #: family: (fixture folder, scan_layers, batch size)
 FAMILIES = {"qwen3_moe": ("awq-qwen3moe", None, 8), "mixtral": ("gptq-mixtral", True, 2),
-            "mixtral_tp": ("gptq-mixtral", True, 2), "attn16_tp": (None, None, 2)}   # None: the synthetic folder
+            "mixtral_tp": ("gptq-mixtral", True, 2), "attn16_tp": (None, None, 2),
+            "descact_tp": ("gptq-descact-qwen3moe", False, 2)}   # None: the synthetic folder
 TIMEOUT_S = 150
 
 SCRIPT = textwrap.dedent(r'''
@@ -100,7 +103,9 @@ SCRIPT = textwrap.dedent(r'''
              # tp across the processes: each holds every expert, but one TP rank of them and of the vocabulary
              "mixtral_tp": ("gptq-mixtral", True, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None),
              # 16-bit attention, heads split over tp across the processes: each reads its heads' slice
-             "attn16_tp": (SYNTHETIC, None, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None)}
+             "attn16_tp": (SYNTHETIC, None, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None),
+             # act-order GPTQ (desc_act) attention and experts, their slices over tp across the processes
+             "descact_tp": ("gptq-descact-qwen3moe", False, 2, Mesh(devs.reshape(2, 4).T, ("ep", "tp")), None)}
     for family, (folder, scan, batch, mesh, rules) in CASES.items():
         clock = time.perf_counter()
         seen.clear()
@@ -125,14 +130,18 @@ SCRIPT = textwrap.dedent(r'''
                        "owners": sorted({d.process_index for d in w13.sharding.device_set}),
                        "shard": list(w13.addressable_shards[0].data.shape)}}
         res["families"][family]["reads"] = reads
-        att = m.layers[0].self_attn if m.layers else None
-        res["families"][family]["attention"] = {} if att is None or not hasattr(att.o_proj, "in_features") else {
+        if m.layers:
+            att = {n: getattr(m.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            att = {n: (lin.weight.get_value(), lin) for n, lin in att.items()
+                   if type(lin).__name__ in ("DenseLinear", "QuantizedLinear")}
+        else:                                    # scanned: the stacked state, [L, ...]
+            st = m.stacked_layers["self_attn"]
+            att = {n: (st[n]["weight"].get_value(), None) for n in ("q_proj", "k_proj", "v_proj", "o_proj") if n in st}
+        res["families"][family]["attention"] = {
             name: {"spec": [x if x is None or isinstance(x, str) else list(x) for x in w.sharding.spec],
                    "fully_addressable": w.is_fully_addressable, "shape": list(w.shape),
-                   "global": [lin.out_features, lin.in_features]}
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj")
-            for lin in [getattr(att, name)] if type(lin).__name__ == "DenseLinear"
-            for w in [lin.weight.get_value()]}
+                   "global": None if lin is None else [lin.out_features, lin.in_features]}
+            for name, (v, lin) in att.items() for w in [getattr(v, "qvalue", v)]}
         emb = m.embed_tokens.get_value()
         res["families"][family]["vocab"] = {
             "spec": [x if x is None or isinstance(x, str) else list(x) for x in emb.sharding.spec],
@@ -213,10 +222,14 @@ def reference(synthetic):
     import jax.numpy as jnp
 
     import wna16_jax as wj
+    from wna16_jax.backends import BackendFallbackWarning
 
     res = {}
     for family, (_, scan, _) in FAMILIES.items():
-        m = wj.load_model(os.path.join(FIXTURES, _folder(family, synthetic)), dtype=jnp.float32, scan_layers=scan)
+        with warnings.catch_warnings():          # the act-order experts run on the XLA executor here
+            warnings.simplefilter("ignore", BackendFallbackWarning)
+            m = wj.load_model(os.path.join(FIXTURES, _folder(family, synthetic)), dtype=jnp.float32,
+                              scan_layers=scan)
         gen = wj.Generator(m, batch_size=2, max_len=MAX_LEN)
         toks, logits = [], []
         for t, lg in gen.stream(PROMPTS, NEW, stop_tokens=(), with_logits=True):
@@ -300,12 +313,21 @@ def test_tp_across_processes_reads_one_rank_of_experts_and_vocabulary(runs):
     ckpt = Checkpoint(os.path.join(FIXTURES, "gptq-mixtral"))
     vocab = sum(ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin
                 for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    # the quantized attention (XLA executor, checkpoint form) split over heads: each process reads
+    # half of q / k / v's packed columns and scales and of o_proj's packed rows and groups; the
+    # tensors read only to be checked (symmetric qzeros, a natural g_idx) whole
+    attn = sum(ckpt.tensor_info(n).end - ckpt.tensor_info(n).begin for n in ckpt.tensor_names()
+               if re.search(r"self_attn\.[qkvo]_proj\.(qweight|scales)$", n))
     total, experts, meta = _file_bytes("gptq-mixtral", range(4))
     for r in runs:
         f = r["families"]["mixtral_tp"]
         assert f["reads"]["experts"] == [0, 1, 2, 3], f["reads"]
-        want = total - (experts - meta) // 2 - vocab // 2
+        want = total - (experts - meta) // 2 - vocab // 2 - attn // 2
         assert f["reads"]["bytes"] == want, (r["process"], f["reads"]["bytes"], want)
+        for name, spec in f["attention"].items():    # scanned GPTQ qweight [L, 1, K / 8, N]: N (q, k, v) or K (o) split
+            assert spec["spec"] == ([None, None, "tp"] if name == "o_proj" else [None, None, None, "tp"]), (name, spec)
+            assert not spec["fully_addressable"], (name, spec)
+        assert set(f["attention"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}, f["attention"]
         v = f["vocab"]
         assert v["spec"] == ["tp"] and not v["fully_addressable"] and v["shard"][0] == 160, v
         assert v["rows"] == [[160 * r["process"], 160 * (r["process"] + 1)]], v
@@ -330,10 +352,26 @@ def test_16bit_attention_over_tp_across_processes_reads_one_slice_of_each_head_m
         f = r["families"]["attn16_tp"]
         want = total - (experts - meta) // 2 - vocab // 2 - attn // 2
         assert f["reads"]["bytes"] == want, (r["process"], f["reads"]["bytes"], want)
+        assert set(f["attention"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}, f["attention"]
         for name, spec in f["attention"].items():
             want_spec = [None, "tp"] if name == "o_proj" else ["tp"]
             assert spec["spec"] == want_spec and not spec["fully_addressable"], (name, spec)
             assert spec["shape"] == spec["global"], (name, spec)
+
+
+def test_act_order_attention_over_tp_across_processes(runs):
+    """Act-order GPTQ (the desc_act fixture, unrolled) over ``ep = 4 x tp = 2`` with tp across the
+    processes: q / k / v (N) and o_proj (K: its whole scales, its g_idx cut) are global arrays split
+    over tp, built from each process's slice, form and sizes the whole matrix's; the tokens are
+    the single-device model's (the tokens test above)."""
+    for r in runs:
+        att = r["families"]["descact_tp"]["attention"]
+        assert set(att) == {"q_proj", "k_proj", "v_proj", "o_proj"}, att
+        for name, spec in att.items():                 # GPTQ qweight [1, K / 8, N]
+            assert spec["spec"] == ([None, "tp"] if name == "o_proj" else [None, None, "tp"]), (name, spec)
+            assert not spec["fully_addressable"], (name, spec)
+            out, k = spec["global"]
+            assert spec["shape"] == [1, k // 8, out], (name, spec)
 
 
 def test_a_mesh_without_this_process_is_refused_before_any_read(runs):

@@ -698,15 +698,20 @@ class _Loader:
         _check_bias(module, found, bias)
         return scheme
 
-    def quantized(self, modules: Sequence[str], ns: Sequence[int], k: int, scheme) -> QuantizedLinear:
+    def quantized(self, modules: Sequence[str], ns: Sequence[int], k: int, scheme, *, tp: tuple[int, int] = (1, 0),
+                  tp_axis: str | None = None, engine: bool | None = None) -> QuantizedLinear:
         """One :class:`QuantizedLinear` reading ``modules`` (which read the same input) as one
-        matrix of their parts along N."""
+        matrix of their parts along N; ``tp = (size, rank)`` with ``tp_axis`` ``"n"`` / ``"k"``:
+        only that slice is read (:func:`~wna16_jax.checkpoint.read_matrix`); ``engine`` as
+        :class:`QuantizedLinear` takes it."""
         reason = next((r for r in (formats.size_reason(scheme, n, k) for n in ns) if r), None)
         if reason:
             raise ShapeError(f"{modules[0]}: {reason}")
         parts = [MatrixPart([dict(self.tensors(m))], n, m) for m, n in zip(modules, ns)]
-        m, bias = read_matrix(self.ckpt, scheme, parts, k=k)
-        return QuantizedLinear(m, None if bias is None else bias[0], compute_dtype=self.o.dtype, splits=ns)
+        m, bias = read_matrix(self.ckpt, scheme, parts, k=k, tp=tp, tp_axis=tp_axis)
+        splits = [n // tp[0] if tp_axis == "n" else n for n in ns]
+        return QuantizedLinear(m, None if bias is None else bias[0], compute_dtype=self.o.dtype, splits=splits,
+                               engine=engine)
 
     def linear(self, module: str, n: int, k: int, bias: bool = False,
                part: tuple[int, tuple[int, int]] | None = None):

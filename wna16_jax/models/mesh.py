@@ -70,6 +70,8 @@ from ..fields import show_value
 from ..nn import SHARDING_KEY, QuantizedExperts, QuantizedMoE, convert_experts
 from ..sharding import EP_METHODS, sharded_fused_moe, stack_tp_shards
 from ..weights import at_layer
+from .. import formats
+from .linear import engine_for
 from .config import DecoderConfig
 
 #: the :class:`MeshRules` fields that name a mesh axis
@@ -403,7 +405,15 @@ def mesh_loader(base, plan: MeshPlan):
             process's slice of it is read, marked for :func:`place_model` (a quantized one, read
             whole, is placed as it always was)."""
             rule = _module_rule(module)
-            if part is None and rule is not None and not self.o.dequantized and self.scheme(module, bias) is None:
+            scheme = self.scheme(module, bias) if rule is not None and part is None else None
+            if scheme is not None and not self.o.dequantized:
+                field, side = rule
+                r = plan.local_range(field, n if side == "n" else k)
+                if r is not None:
+                    lin = self.quantized_slice(module, n, k, scheme, field, side, r)
+                    if lin is not None:
+                        return lin
+            elif rule is not None and part is None and not self.o.dequantized:
                 field, side = rule
                 axis, size = (0, n) if side == "n" else (1, k)
                 r = plan.local_range(field, size)
@@ -415,6 +425,44 @@ def mesh_loader(base, plan: MeshPlan):
                         lin.bias.set_metadata(**{PARTIAL_KEY: (field, 0, size, r)})
                     return lin
             return super().linear(module, n, k, bias, part)
+
+        def quantized_slice(self, module: str, n: int, k: int, scheme, field: str, side: str, r):
+            """The quantized linear ``module`` with only its slice ``r`` of N (``side`` "n") or K
+            read, in the checkpoint's form, marked for :func:`place_model`; None where it would
+            not stay in that form (an engine lays it out: placed whole, replicated) or where a
+            slice of it is not the shards the rules give its arrays (read whole instead)."""
+            from ..weights import CheckpointForm
+
+            if engine_for(CheckpointForm(n, k, scheme), self.o.dtype)[0] is not None:
+                return None
+            size, tp = (n if side == "n" else k), plan.size(field)
+            pieces = size // (r[1] - r[0])
+            try:
+                lin = self.quantized([module], [n], k, scheme, tp=(pieces, r[0] // (r[1] - r[0])), tp_axis=side,
+                                     engine=False)
+            except ShapeError:                  # a slice would cut packed words or groups: read whole
+                return None
+            found = self.tensors(module)
+            m, fields = lin.weight.get_value(), []
+            for f, role in (("qvalue", "qweight"), ("scale", "scales"), ("zero_point", "qzeros"), ("g_idx", "g_idx")):
+                a = getattr(m, f)
+                suffix = formats.SUFFIXES[scheme.method].get(role)
+                if a is None:
+                    continue
+                whole = (1,) + tuple(self.ckpt.tensor_info(found[suffix]).shape)
+                if tuple(a.shape) == whole:
+                    continue
+                ax = _matrix_axis(scheme.method, f, side)
+                differ = [i for i, (x, y) in enumerate(zip(a.shape, whole)) if x != y]
+                if differ != [ax] or whole[ax] != a.shape[ax] * pieces or whole[ax] % tp:
+                    return None                 # not the shards the rules give this array
+                lo = a.shape[ax] * (r[0] // (r[1] - r[0]))
+                fields.append((f, ax, whole[ax], (lo, lo + a.shape[ax])))
+            lin.weight.set_metadata(**{PARTIAL_KEY: ("matrix", field, CheckpointForm(n, k, scheme), tuple(fields))})
+            if lin.bias is not None and side == "n":
+                lin.bias.set_metadata(**{PARTIAL_KEY: (field, 0, n, r)})
+            lin.out_features, lin.in_features, lin.splits = n, k, (n,)
+            return lin
 
         def moe(self, i: int) -> QuantizedMoE:
             ranks, experts = plan.local_experts(self.c.moe.num_experts)
@@ -620,6 +668,24 @@ def _module_rule(module: str) -> tuple[str, str] | None:
     return next(((field, side) for pattern, field, side in LINEAR_RULES if re.fullmatch(pattern, where)), None)
 
 
+def _put_matrix_slice(plan: MeshPlan, m, shardings, lead: tuple, field: str, form, fields):
+    """A checkpoint-form matrix read as a slice (``fields``: ``(array field, axis, global size,
+    (start, stop))`` of each array cut) put on the mesh as the global matrix of ``form``: each cut
+    array split over ``field``'s axis there, built from this process's slice; the rest as
+    ``shardings`` say (their values are whole)."""
+    out = {}
+    for f, ax, n, (lo, hi) in fields:
+        pos = np.full(n, -1)
+        pos[lo:hi] = np.arange(hi - lo)
+        spec = _spec(*lead, *([None] * ax), plan.axis(field))
+        out[f] = _from_rows(getattr(m, f), plan.sharding(spec), {len(lead) + ax: (n, pos)})
+    cut = {f for f, *_ in fields}
+    for f in type(m).EXPERT_FIELDS + ("global_scale",):
+        if f not in cut and getattr(m, f, None) is not None:
+            out[f] = put_global(getattr(m, f), getattr(shardings, f))
+    return dataclasses.replace(m, form=form, **out)
+
+
 def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
     """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
     :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
@@ -639,7 +705,10 @@ def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
         shardings = jax.tree.map(plan.sharding, leaf_specs(plan, path, v), is_leaf=lambda x: isinstance(x, P))
         axes = routed_expert_axes(path, v) if partial else None
         part = v.get_metadata().get(PARTIAL_KEY) or (partial_rows or {}).get(tuple(path))
-        if part is not None:                  # a slice [lo, hi) of one axis, read alone: split over its field
+        if part is not None and part[0] == "matrix":       # a quantized matrix's slice
+            v.set_value(_put_matrix_slice(plan, v.get_value(), shardings, _leaf_where(path)[1], *part[1:]))
+            v.del_metadata(PARTIAL_KEY)
+        elif part is not None:                # a slice [lo, hi) of one axis, read alone: split over its field
             field, axis, n, (lo, hi) = part
             lead = _leaf_where(path)[1]
             pos = np.full(n, -1)
