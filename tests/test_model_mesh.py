@@ -94,7 +94,26 @@ SCRIPT = textwrap.dedent(r'''
     # seeded sampling on the EP x TP mesh of three families (grouped-query, scanned, latent attention):
     # the sampler reads only the logits, which every family's runs compare
     SAMPLED = {"qwen3_moe": "ep4xtp2", "mixtral": "ep2xtp2", "deepseek_v3": "ep4xtp2"}
+    # served through the paged ModelEngine and the Scheduler (greedy) on one mesh of two families
+    # (scanned grouped-query attention, latent attention), beside the single-device model served alike
+    SERVED = {"mixtral": "ep2xtp2", "deepseek_v2": "ep4xtp2"}
     PROMPTS, NEW, MAX_LEN = [[1, 2, 3], [7, 5, 9, 11, 4]], 6, 16
+
+    def serve(model):
+        from wna16_jax.serving.engine import SamplingParams
+        from wna16_jax.serving.model_engine import ModelEngine
+        from wna16_jax.serving.scheduler import Scheduler
+
+        engine = ModelEngine(model, block_size=4, num_blocks=16, batch_sizes=(1, 2), chunk_sizes=(8,),
+                             max_model_len=MAX_LEN)
+        scheduler = Scheduler(engine)
+        for i, p in enumerate(PROMPTS):
+            scheduler.add(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=NEW))
+        out = {f"r{i}": [] for i in range(len(PROMPTS))}
+        while scheduler.has_work:
+            for event in scheduler.step():
+                out[event.request_id].append(event.token)
+        return [out[f"r{i}"] for i in range(len(PROMPTS))], engine._k, scheduler.stats().blocks_used
     SAMPLING = dict(key=11, temperature=0.9, top_p=0.95, top_k=40)
 
     def run(gen, **kw):
@@ -144,6 +163,7 @@ SCRIPT = textwrap.dedent(r'''
         want, want_logits = run(g)
         want_s, want_s_logits = run(g, **SAMPLING) if family in SAMPLED else (None, None)
         ref_cache = np.asarray(prefill_cache(g, ref).k)
+        ref_served = serve(ref)[0] if family in SERVED else None
         fam = res["families"][family] = {"scanned": bool(ref.scan_layers), "margin": margin(want_logits),
                                          "ref_plan": ref.mesh_plan is None, "meshes": {}}
         for name, (mesh, rules) in meshes.items():
@@ -170,6 +190,10 @@ SCRIPT = textwrap.dedent(r'''
             cache = prefill_cache(gen, m)
             out["program_cache"] = facts(cache.k)
             out["program_cache_err"] = rel(np.asarray(cache.k), ref_cache)
+            if SERVED.get(family) == name:
+                served, pool, left = serve(m)
+                out["served"] = {"equal": served == ref_served, "tokens": served, "pool": facts(pool), "blocks_left": left,
+                                 "generator": [[int(t[r]) for t in want][:len(served[r])] for r in range(len(served))]}
         res["seconds"][family] = time.perf_counter() - clock
     print(json.dumps(res))
 ''')
@@ -264,6 +288,19 @@ def test_embeddings_and_attention_are_split_over_tp(runs):
         n_axis, k_axis = q["spec"].index("tp"), o["spec"].index("tp")
         assert q["shard"][n_axis] * 2 == q["shape"][n_axis] and o["shard"][k_axis] * 2 == o["shape"][k_axis]
         assert n_axis != k_axis                                     # rows for q, columns for o
+
+
+def test_the_paged_engine_serves_a_mesh_model(runs):
+    """The paged ModelEngine under the Scheduler on a mesh (Mixtral, scanned, over ep2 x tp2;
+    DeepSeek-V2's latent cache over ep4 x tp2) serves the single-device model's greedy tokens (and
+    the Generator's, up to where the scheduler stops at an eos), its pool placed as the mesh's
+    cache spec says (the KV heads over tp; the latent cache replicated), and every block freed."""
+    for family, mesh in (("mixtral", "ep2xtp2"), ("deepseek_v2", "ep4xtp2")):
+        got = runs["families"][family]["meshes"][mesh]["served"]
+        assert got["equal"], (family, got)
+        assert got["tokens"] == got["generator"] and all(got["tokens"]), (family, got)
+        assert got["blocks_left"] == 0 and got["pool"]["devices"] > 1, (family, got)
+        assert got["pool"]["spec"] == ([] if family == "deepseek_v2" else [None, None, "tp"]), (family, got)
 
 
 def test_kv_cache_is_split_with_the_kv_heads(runs):
