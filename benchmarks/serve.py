@@ -233,7 +233,10 @@ class LoopbackServer:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+        # log_config=None: uvicorn leaves logging as it is (its own config would bind its handlers
+        # to the sys.stderr of the moment, which a caller such as pytest may close before the
+        # thread's last message)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", log_config=None,
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
