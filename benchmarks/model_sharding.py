@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import sys
 import tempfile
 import time
@@ -61,17 +60,18 @@ TINY = dict(models="tiny", layers=2, meshes=["1", "ep2", "tp2", "ep2xtp2"], batc
 
 HEADER = ("| model | mesh | devices | batch | prefill ms | decode tok/s | step ms | vs 1 device | tokens "
           "| max MiB / device |")
-_MESH = re.compile(r"^(?:ep(?P<ep>\d+))?(?:x?tp(?P<tp>\d+))?$")
-
-
 def parse_mesh(text: str) -> tuple[int, int]:
-    """``(ep, tp)`` of a ``--meshes`` entry (``1``, ``ep4``, ``tp2``, ``ep2xtp2``)."""
+    """``(ep, tp)`` of a ``--meshes`` entry (``1``, ``ep4``, ``tp2``, ``ep2xtp2``:
+    :func:`wna16_jax.models.mesh.parse_mesh_spec`)."""
+    from wna16_jax.errors import ConfigError
+    from wna16_jax.models.mesh import parse_mesh_spec
+
     if text == "1":
         return 1, 1
-    m = _MESH.match(text)
-    if not m or not (m["ep"] or m["tp"]):
-        raise SystemExit(f"--meshes: {text!r} is not 1, epN, tpN or epNxtpM")
-    return int(m["ep"] or 1), int(m["tp"] or 1)
+    try:
+        return parse_mesh_spec(text, "--meshes")
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
 
 
 def make_mesh(ep: int, tp: int) -> Mesh | None:

@@ -193,6 +193,11 @@ IDS = [*G, "--prompt-ids", "1,2"]
     ([*IDS, "--revision", "../x"], ["ConfigError", "revision", "../x"]),
     ([*IDS, "--revision", "main"], ["ConfigError", "revision='main'", "checkpoint folder"]),
     ([*IDS, "--bogus"], ["ConfigError", "unrecognized arguments", "--bogus"]),
+    # --mesh: the spec, then the devices this process has (one CPU device here), before any weight
+    ([*IDS, "--mesh", "tp2x"], ["ConfigError", "--mesh", "epN, tpN or epNxtpM", "'tp2x'"]),
+    ([*IDS, "--mesh", "ep0"], ["ConfigError", "--mesh", "at least 1", "'ep0'"]),
+    ([*IDS, "--mesh", "ep4xtp2"], ["ConfigError", "--mesh", "needs 8 devices", "has 1"]),
+    (["serve", "{mixtral}", "--mesh", "tp9"], ["ConfigError", "--mesh", "needs 9 devices", "has 1"]),
     # chat
     (["chat", "{mixtral}"], ["ConfigError", "chat", "no chat template", "gptq-mixtral"]),
     (["chat", "{notok}"], ["ConfigError", "chat", "tokenizer.json", "no_tokenizer"]),

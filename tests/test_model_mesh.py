@@ -190,6 +190,17 @@ SCRIPT = textwrap.dedent(r'''
             cache = prefill_cache(gen, m)
             out["program_cache"] = facts(cache.k)
             out["program_cache_err"] = rel(np.asarray(cache.k), ref_cache)
+            if family == "mixtral" and name == "ep2xtp2":      # the command line's --mesh, on the same devices
+                import io
+                from wna16_jax.cli import run_generate
+
+                def cli(spec):
+                    o, e = io.StringIO(), io.StringIO()
+                    run_generate(paths[family], prompt_ids=["1,2,3", "7,5,9,11,4"], max_new_tokens=NEW,
+                                 dtype="float32", mesh=spec, use_stop=False, out=o, err=e)
+                    return o.getvalue(), e.getvalue()
+
+                out["cli"] = {"one": cli(None), "mesh": cli("ep2xtp2")}
             if SERVED.get(family) == name:
                 served, pool, left = serve(m)
                 out["served"] = {"equal": served == ref_served, "tokens": served, "pool": facts(pool), "blocks_left": left,
@@ -301,6 +312,15 @@ def test_the_paged_engine_serves_a_mesh_model(runs):
         assert got["tokens"] == got["generator"] and all(got["tokens"]), (family, got)
         assert got["blocks_left"] == 0 and got["pool"]["devices"] > 1, (family, got)
         assert got["pool"]["spec"] == ([] if family == "deepseek_v2" else [None, None, "tp"]), (family, got)
+
+
+def test_generate_command_line_on_a_mesh(runs):
+    """``wna16-jax generate DIR --mesh ep2xtp2`` (this process's first 4 devices) prints the
+    one-device command's tokens and says where the model was placed."""
+    cli = runs["families"]["mixtral"]["meshes"]["ep2xtp2"]["cli"]
+    (one, _), (mesh, err) = cli["one"], cli["mesh"]
+    assert one and mesh == one, cli
+    assert "on 4 devices as ep2xtp2" in err, err
 
 
 def test_kv_cache_is_split_with_the_kv_heads(runs):

@@ -489,19 +489,24 @@ class _GenerationArgs:
         return as_prng_key(self.seed)
 
 
-def load_cli_model(folder: str, dtype: str | None):
+def load_cli_model(folder: str, dtype: str | None, mesh: str | None = None):
     """``(model, description)``: the model of ``folder`` (already resolved) in ``dtype`` (one of
-    :data:`DTYPES`; None: the library's default) and what was loaded in how long, for the user. The
-    callers print it once the request is accepted, so that a refused one prints one line."""
+    :data:`DTYPES`; None: the library's default), placed on the mesh of spec ``mesh`` (``--mesh``:
+    ``tp2``, ``ep4xtp2``, over this process's first devices; None: one device), and what was
+    loaded in how long, for the user. The callers print it once the request is accepted, so that a
+    refused one prints one line."""
     from .models.decoder import load_model
+    from .models.mesh import local_mesh
 
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype: expected one of {list(DTYPES)}, got {show_value(dtype)}")
+    devices = None if mesh is None else local_mesh(mesh, name="--mesh")
     t0 = time.perf_counter()
-    model = load_model(folder, dtype=dtype)
+    model = load_model(folder, dtype=dtype, mesh=devices)
     c = model.config
     seconds = time.perf_counter() - t0
-    return model, f"loaded {folder} ({c.family}, {c.num_layers} layers, {model.dtype}) in {seconds:.1f} s"
+    where = "" if devices is None else f", on {devices.devices.size} devices as {mesh}"
+    return model, f"loaded {folder} ({c.family}, {c.num_layers} layers, {model.dtype}{where}) in {seconds:.1f} s"
 
 
 class _Printer:
@@ -591,13 +596,15 @@ def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | N
                  prompt_ids: Sequence[str] = (), chat: bool = False, system: str | None = None,
                  max_new_tokens: int = 32, temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int = 0, max_len: int | None = None, dtype: str | None = None,
-                 revision: str | None = None, use_stop: bool = True, out=None, err=None) -> int:
+                 mesh: str | None = None, revision: str | None = None, use_stop: bool = True, out=None,
+                 err=None) -> int:
     """Load the whole model at ``path`` and continue the prompts: text (``prompts`` and the lines
     of ``prompt_file``, through the folder's tokenizer; with ``chat`` each one rendered as a
     user turn, after ``system``, by the chat template) or token ids (``prompt_ids``: strings like
     ``"1,2,3"``). All prompts run as one batch through :func:`wna16_jax.models.generation.generate`;
     one prompt is streamed to ``out`` as it is generated, a batch printed prompt by prompt as each
-    finishes. ``temperature`` / ``top_p`` / ``top_k`` None: the model's generation_config.json
+    finishes. ``mesh``: a ``--mesh`` spec (:func:`load_cli_model`). ``temperature`` / ``top_p`` /
+    ``top_k`` None: the model's generation_config.json
     defaults. What was loaded and the timing go to ``err``, in one line at the end (so that a refused
     request prints only its error). Returns the exit status (0)."""
     from .hub import resolve_model_dir
@@ -620,7 +627,7 @@ def run_generate(path: str, *, prompts: Sequence[str] = (), prompt_file: str | N
     if texts:
         tok = cli_tokenizer(folder, "--prompt", "give token ids with --prompt-ids 1,2,3 instead")
         rows += _text_rows(tok, texts, chat, system)
-    model, loaded = load_cli_model(folder, dtype)
+    model, loaded = load_cli_model(folder, dtype, mesh)
     name = "--prompt" if texts else "--prompt-ids"
     checked = as_prompts(rows[0] if len(rows) == 1 else rows, model.config.vocab_size, name=name)
     stops = as_stop_tokens(None if use_stop else (), model.config.eos_token_ids, model.config.vocab_size)
@@ -656,7 +663,8 @@ def _user_turns(stdin: TextIO, err: TextIO) -> Iterator[str]:
 
 def run_chat(path: str, *, system: str | None = None, max_new_tokens: int = 256, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None, seed: int = 0, max_len: int | None = None,
-             dtype: str | None = None, revision: str | None = None, stdin=None, out=None, err=None) -> int:
+             dtype: str | None = None, mesh: str | None = None, revision: str | None = None, stdin=None, out=None,
+             err=None) -> int:
     """A conversation with the model at ``path``: each line of ``stdin`` is a user turn; the whole
     conversation (after ``system``, when given) is rendered by the folder's chat template with the
     assistant's header, the reply is streamed to ``out`` as it is generated, up to the model's eos
@@ -674,7 +682,7 @@ def run_chat(path: str, *, system: str | None = None, max_new_tokens: int = 256,
     folder = resolve_model_dir(path, revision=revision)
     tok = cli_tokenizer(folder, "chat", "chat needs the folder's tokenizer and chat template")
     _require_chat_template(tok, "chat")
-    model, loaded = load_cli_model(folder, dtype)
+    model, loaded = load_cli_model(folder, dtype, mesh)
     limit = model.config.max_position_embeddings
     gen = Generator(model, batch_size=1, max_len=settings.max_len or min(CHAT_MAX_LEN, limit or CHAT_MAX_LEN))
     print(f"{loaded}; a cache of {gen.max_len} tokens; one user turn per line, {CHAT_EXIT} or the end of the "
@@ -747,6 +755,13 @@ def _add_generation_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int
     p.add_argument("--max-len", type=int, default=None, help=f"KV-cache length in tokens; None: {max_len}")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="activation dtype; None: float32 on the CPU, bfloat16 on GPUs")
+    add_mesh_argument(p)
+
+
+def add_mesh_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=None, help="place the model on this process's first devices: epN (experts "
+                                                "over N), tpN (heads, MLPs, vocabulary and expert slices over "
+                                                "N) or epNxtpM; None: one device")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -819,7 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    gen_args = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "max_len", "dtype", "revision")
+    gen_args = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "max_len", "dtype", "mesh", "revision")
     if args.command == "demo":
         return run_demo(tokens=args.tokens, seed=args.seed, keep=args.out)
     if args.command == "inspect":

@@ -43,12 +43,21 @@ without this process's devices, and one over some of the processes but not all;
 :func:`check_same_in_every_process` compares a digest of the mesh and the rules across the
 processes (:class:`ConfigError` where they differ).
 
-Not yet (this increment): DeepSeek's latent cache is replicated (one latent per token, shared by
-every head); each process reads the whole checkpoint (with expert TP, each MoE layer's experts once
-more, to slice them), though it places only its shards; the quantized dense linears'
-dequantization and the GPU kernels (engine linears, decode attention) are partitioned by XLA, not
-by hand; the sharded MoE layers have no gradient (generation, not training); ``dequantized=True``,
-and expert TP on a folder ``wna16-jax convert`` wrote, are refused.
+What a process reads: the routed experts (and expert-TP slices) its devices hold
+(:meth:`MeshPlan.local_experts`), and of each matrix a rule splits over an axis spanning the
+processes only its slice (:meth:`MeshPlan.local_range`: the embedding rows, the 16-bit linears'
+rows or columns, the checkpoint-form quantized linears' packed slices), marked for
+:func:`place_model`, which builds the global arrays from them; everything else whole.
+
+DeepSeek's latent cache is replicated (one latent per token, shared by every head: each head's
+shard reads all of it). Not yet: a linear laid out for a GPU engine is read whole and replicated;
+the quantized dense linears' dequantization and the GPU kernels (engine linears, decode
+attention) are partitioned by XLA, not by hand; the sharded MoE layers have no gradient
+(generation, not training); ``dequantized=True``, and expert TP on a folder ``wna16-jax
+convert`` wrote, are refused.
+
+:func:`local_mesh` makes a mesh of this process's first devices from a short spec (``tp2``,
+``ep4xtp2``), as the command line's ``--mesh`` takes it.
 """
 
 from __future__ import annotations
@@ -247,6 +256,34 @@ def _check_expert_slices(plan: MeshPlan, config: DecoderConfig, scheme) -> None:
             raise ShapeError(f"mesh axis {plan.rules.expert_intermediate!r} has size {tp}: "
                              f"{config.moe.intermediate_size_field} = {i} splits into slices of {loc}, "
                              f"not a multiple of the {what} {unit} (sharding.expert_intermediate)")
+
+
+_MESH_SPEC = re.compile(r"^(?:ep(?P<ep>\d{1,6})(?:xtp(?P<tp>\d{1,6}))?|tp(?P<tp_only>\d{1,6}))$")
+
+
+def parse_mesh_spec(text: Any, name: str = "mesh") -> tuple[int, int]:
+    """``(ep, tp)`` of a mesh spec: ``epN``, ``tpN`` or ``epNxtpM`` (sizes of at least 1), or a
+    :class:`ConfigError` naming ``name``, the expected form and the value."""
+    m = _MESH_SPEC.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise ConfigError(f"{name}: expected epN, tpN or epNxtpM (e.g. tp2, ep4xtp2), got {show_value(text)}")
+    ep, tp = int(m["ep"] or 1), int(m["tp"] or m["tp_only"] or 1)
+    if ep < 1 or tp < 1:
+        raise ConfigError(f"{name}: axis sizes must be at least 1, got {show_value(text)}")
+    return ep, tp
+
+
+def local_mesh(text: Any, devices=None, name: str = "mesh") -> Mesh:
+    """The mesh of spec ``text`` (:func:`parse_mesh_spec`) over the first ``ep x tp`` of
+    ``devices`` (default this process's, ``jax.local_devices()``): axes ``"ep"`` then ``"tp"``,
+    the ones of size 1 left out (a mesh of one device has one ``"ep"`` axis of size 1)."""
+    ep, tp = parse_mesh_spec(text, name)
+    devices = list(jax.local_devices() if devices is None else devices)
+    if ep * tp > len(devices):
+        raise ConfigError(f"{name}: {text} needs {ep * tp} devices, this process has {len(devices)} "
+                          f"({devices[0].platform if devices else 'none'})")
+    axes = [(a, n) for a, n in (("ep", ep), ("tp", tp)) if n > 1] or [("ep", 1)]
+    return Mesh(np.array(devices[:ep * tp]).reshape([n for _, n in axes]), tuple(a for a, _ in axes))
 
 
 def check_mesh(config: DecoderConfig, mesh, sharding: Any = None, *, scheme=None) -> MeshPlan:
@@ -737,5 +774,5 @@ def describe(model) -> dict[str, str]:
     return out
 
 
-__all__ = ["MeshRules", "MeshPlan", "MoEPlacement", "check_mesh", "check_processes", "check_same_in_every_process",
+__all__ = ["local_mesh", "parse_mesh_spec", "MeshRules", "MeshPlan", "MoEPlacement", "check_mesh", "check_processes", "check_same_in_every_process",
            "put_global", "resolve_rules", "place_model", "place_moe", "leaf_specs", "describe", "AXIS_FIELDS", "LINEAR_RULES"]

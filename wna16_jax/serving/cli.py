@@ -26,7 +26,7 @@ DESCRIPTION = ("Serve the model over HTTP with OpenAI's API (/v1/completions, /v
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``serve`` to ``subparsers`` (the ``add_subparsers()`` of the ``wna16-jax`` parser)."""
-    from ..cli import DTYPES, add_model_arguments, HelpFormatter
+    from ..cli import DTYPES, add_mesh_argument, add_model_arguments, HelpFormatter
 
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server over the paged model engine",
                               description=DESCRIPTION, formatter_class=HelpFormatter)
@@ -47,6 +47,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="activation dtype; None: float32 on the CPU, bfloat16 on GPUs")
     p.add_argument("--model-name", default=None, help="the model id clients name; None: DIR as given")
+    add_mesh_argument(p)
     return p
 
 
@@ -89,7 +90,7 @@ def run_serve(args: argparse.Namespace, *, err=None) -> int:
     opts = _checked_options(args)
     folder = resolve_model_dir(args.path, revision=args.revision)
     tok = cli_tokenizer(folder, "serve", "the server reads and answers text; use a folder with its tokenizer")
-    model, loaded = load_cli_model(folder, args.dtype)
+    model, loaded = load_cli_model(folder, args.dtype, args.mesh)
     engine = ModelEngine(model, block_size=opts["block_size"], num_blocks=opts["num_blocks"],
                          max_model_len=opts["max_model_len"], batch_sizes=opts["batch_sizes"])
     if args.warm_up:
