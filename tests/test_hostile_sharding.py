@@ -464,3 +464,27 @@ def test_serving_accepts_edge_values(ctx):
     assert seen == [(4, H)] and y.shape == (0, H)
     y = layer(ctx.x, ctx.tw, ctx.ids)
     assert seen[-1] == (8, H) and np.array_equal(y, ctx.x * 2)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("tp", ["epN, tpN or epNxtpM", "'tp'"]), ("ep2tp2", ["'ep2tp2'"]), ("tp2xep2", ["'tp2xep2'"]),
+    ("ep2x", ["'ep2x'"]), (" tp2", ["' tp2'"]), ("ep0", ["at least 1", "'ep0'"]), ("tp0", ["at least 1"]),
+    ("ep1234567", ["'ep1234567'"]), (2, ["epN", "2"]), (None, ["epN", "None"]),
+    ("ep4xtp2", ["needs 8 devices", "has 3"]),
+])
+def test_hostile_mesh_specs(spec, words):
+    """``local_mesh`` (the command line's ``--mesh``): a spec outside ``epN`` / ``tpN`` /
+    ``epNxtpM``, a size below 1 or more devices than given is a ConfigError naming the argument and
+    the value; good specs give the axes in order, the size-1 ones left out."""
+    from wna16_jax.models.mesh import local_mesh
+
+    devices = [jax.devices()[0]] * 3
+    with pytest.raises(ConfigError) as e:
+        local_mesh(spec, devices, name="--mesh")
+    assert str(e.value).startswith("--mesh: ") and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_mesh_specs_give_their_axes():
+    from wna16_jax.models.mesh import parse_mesh_spec
+
+    assert [parse_mesh_spec(s) for s in ("tp2", "ep4", "ep4xtp2", "ep1xtp1")] == [(1, 2), (4, 1), (4, 2), (1, 1)]
