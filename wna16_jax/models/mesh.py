@@ -438,9 +438,10 @@ def mesh_loader(base, plan: MeshPlan):
             return super().embeddings(r)
 
         def linear(self, module: str, n: int, k: int, bias: bool = False, part=None):
-            """A 16-bit linear that a rule splits over an axis spanning the processes: only this
-            process's slice of it is read, marked for :func:`place_model` (a quantized one, read
-            whole, is placed as it always was)."""
+            """A linear that a rule splits over an axis spanning the processes: only this
+            process's slice of it is read (a 16-bit one's rows or columns; a quantized one's
+            packed slice, :meth:`quantized_slice`), marked for :func:`place_model`; otherwise
+            (no such axis, or a quantized one an engine lays out) the whole linear."""
             rule = _module_rule(module)
             scheme = self.scheme(module, bias) if rule is not None and part is None else None
             if scheme is not None and not self.o.dequantized:
@@ -693,8 +694,10 @@ def _put_rows(value, shardings, axes: tuple[int, int | None], ranks, experts, tp
                         is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-#: the metadata key of a 16-bit weight read in part (``(rule field, axis, global size, (start,
-#: stop))``; the mesh loader sets it, :func:`place_model` builds the global array and drops it)
+#: the metadata key of a weight read in part: ``(rule field, axis, global size, (start, stop))``
+#: of a 16-bit array, ``("matrix", rule field, global form, ((array field, axis, global size,
+#: (start, stop)), ...))`` of a checkpoint-form quantized matrix; the mesh loader sets it,
+#: :func:`place_model` builds the global array and drops it
 PARTIAL_KEY = "wna16_partial"
 
 
