@@ -302,24 +302,6 @@ def test_model_sharding_benchmark_tiny_on_four_cpu_devices():
     assert all(t < top[0] for t in top[1:]), top
 
 
-def test_serve_mix_through_the_scheduler_and_the_server_on_cpu(capsys):
-    """``benchmarks/serve.py --tiny --mix``: the request mix replayed through the scheduler and
-    through the HTTP server (a client process of the official ``openai`` package streaming
-    completions from a loopback port): a row for each way at each streams count, every request
-    finished (the script exits otherwise), and the goal line for the server."""
-    from benchmarks import serve
-
-    assert serve.main(["--tiny", "--mix"]) == 0
-    out = capsys.readouterr().out
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
-            if line.startswith("| tiny")]
-    got = {(r[1], r[2]) for r in rows}
-    assert {("scheduler", "1"), ("scheduler", "2"), ("http", "1"), ("http", "2")} <= got, out
-    for r in rows:
-        assert float(r[5]) > 0 and float(r[9]) > 0, r            # tokens/s, TPOT p50 measured
-    assert "goal at 2 streams through the http" in out
-
-
 def test_host_memory_benchmark_two_processes_on_cpu(capsys):
     """``benchmarks/host_memory.py --tiny``: two processes of 2 CPU devices load a tiny model on
     one ep4 mesh; each reports the bytes it read (fewer than the checkpoint's: half the experts)

@@ -690,17 +690,22 @@ def test_serve_benchmark_smoke(capsys):
 
 def test_serve_benchmark_mix_smoke(capsys):
     """``benchmarks/serve.py --tiny --mix`` replays its request mix at each stream count beside the
-    static Generator batch: one row per count, every request finished, finite numbers, the goal
-    line printed (timings mean nothing on the CPU and are not checked)."""
+    static Generator batch, through the scheduler and through the HTTP server (a client process of
+    the official ``openai`` package streaming completions from a loopback port): one row per way
+    and count (printed as each ends, then as one table), every request finished (the script exits
+    otherwise), finite numbers, the goal line printed for the server (timings mean nothing on the
+    CPU and are not checked)."""
     from benchmarks import serve as bench
 
     assert bench.main(["--tiny", "--mix"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tiny")]
-    assert [r.split("|")[2].strip() for r in rows] == [str(s) for s in bench.TINY_MIX["streams"]]
+    want = [(via, str(s)) for s in bench.TINY_MIX["streams"] for via in ("scheduler", "http")]
+    assert rows[:len(want)] == rows[len(want):], out                # the live rows, then the table
+    assert [tuple(c.strip() for c in r.split("|")[2:4]) for r in rows[len(want):]] == want, out
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == len(bench.MIX_HEADER.strip("|").split("|"))
-        numbers = [float(c) for c in cells[4:]]
-        assert all(np.isfinite(numbers)) and numbers[0] > 0
-    assert "static Generator, batch 2" in out and "goal at 2 streams" in out
+        numbers = [float(c) for c in cells[5:-1]] + ([] if cells[-1] == "–" else [float(cells[-1])])
+        assert all(np.isfinite(numbers)) and numbers[0] > 0 and numbers[4] > 0, row   # tokens/s, TPOT p50
+    assert "static Generator, batch 2" in out and "goal at 2 streams through the http" in out
