@@ -50,7 +50,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 
@@ -220,47 +219,6 @@ def word_tokenizer(folder: str, vocab: int) -> str:
     return folder
 
 
-class LoopbackServer:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port in a daemon thread (``with``: started,
-    then stopped; each wait bounded by ``deadline`` seconds)."""
-
-    def __init__(self, app, deadline: float = 60.0):
-        import socket
-
-        import uvicorn
-
-        self.deadline = deadline
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        # log_config=None: uvicorn leaves logging as it is (its own config would bind its handlers
-        # to the sys.stderr of the moment, which a caller such as pytest may close before the
-        # thread's last message)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", log_config=None,
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "LoopbackServer":
-        self.thread.start()
-        end = time.monotonic() + self.deadline
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > end:
-                raise SystemExit("the server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(self.deadline)
-        self.sock.close()
-        if self.thread.is_alive():
-            raise SystemExit("the server did not stop")
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-
 async def _client_mix(spec: dict) -> dict:
     """The client side of :func:`run_http` (in its own process): every request of ``spec`` sent at
     its arrival time, at most ``concurrency`` in flight, each streamed; per request the times
@@ -346,9 +304,10 @@ def main_mix(args, model, engine: ModelEngine, label: str, max_len: int, tokeniz
     results = {}
     server = None
     if "http" in args.via:
-        from wna16_jax.serving.server import create_app
+        from wna16_jax.serving.server import BackgroundServer, create_app
 
-        server = LoopbackServer(create_app(engine, tokenizer, "bench", max_queue=max(256, args.requests))).__enter__()
+        server = BackgroundServer(create_app(engine, tokenizer, "bench", max_queue=max(256, args.requests)),
+                                  deadline=60).start()
     try:
         for streams in args.streams:
             for via in args.via:
@@ -364,7 +323,7 @@ def main_mix(args, model, engine: ModelEngine, label: str, max_len: int, tokeniz
                 print(lines[-1], flush=True)
     finally:
         if server is not None:
-            server.__exit__(None, None, None)
+            server.stop()
     print("\n".join(lines), flush=True)
     via = "http" if "http" in args.via else args.via[0]
     if (via, args.static_batch) in results:

@@ -6,45 +6,20 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
-import threading
 import time
 
 import openai
-import uvicorn
+
+from wna16_jax.serving import server
 
 
-class BackgroundServer:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port in a daemon thread (``start`` / ``stop``, or
-    ``with``); ``deadline``: the seconds any one wait (start, stop, a request) may take."""
+class BackgroundServer(server.BackgroundServer):
+    """The library's :class:`~wna16_jax.serving.server.BackgroundServer` on a free 127.0.0.1 port,
+    with the clients the tests drive it by; ``deadline``: the seconds any one wait (start, stop, a
+    request) may take."""
 
     def __init__(self, app, *, deadline: float = 20.0):
-        self.deadline = float(deadline)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> "BackgroundServer":
-        self.thread.start()
-        deadline = time.monotonic() + self.deadline
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(self.deadline)
-        assert not self.thread.is_alive(), "the server did not stop"
-        self.sock.close()
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        super().__init__(app, "127.0.0.1", 0, deadline=deadline)
 
     def client(self, **kw) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=self.deadline, **kw)
@@ -80,10 +55,4 @@ class BackgroundServer:
                 return m
             assert time.monotonic() < deadline, f"{what}: {m}"
             time.sleep(0.02)
-
-    def __enter__(self) -> "BackgroundServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 

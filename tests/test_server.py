@@ -542,3 +542,20 @@ def test_client_sees_typed_errors(server):
 def test_bad_configuration(tok, call, match):
     with pytest.raises(ConfigError, match=match):
         call(tok)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(host=""), ["host", "''"]), (dict(host=None), ["host", "None"]),
+    (dict(port=-1), ["port", "-1"]), (dict(port=70000), ["port", "70000"]), (dict(port="80"), ["port", "'80'"]),
+    (dict(deadline=0), ["deadline", "> 0", "0"]), (dict(deadline=float("nan")), ["deadline", "nan"]),
+])
+def test_background_server_refuses_bad_arguments(tok, eos, kw, words):
+    """``BackgroundServer`` (the server in a thread of this process): a bad host, port or deadline
+    is a ConfigError naming it, before any socket is opened."""
+    from wna16_jax.serving.server import BackgroundServer
+
+    app = create_app(FakeEngine(eos_token_ids=eos, block_size=4, num_blocks=9, batch_sizes=(1,), chunk_sizes=(8,),
+                                max_blocks_per_seq=2), tok, MODEL)
+    with pytest.raises(ConfigError) as e:
+        BackgroundServer(app, **kw)
+    assert all(w in str(e.value) for w in words), str(e.value)

@@ -53,7 +53,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ..errors import ConfigError, WNA16Error
-from ..fields import Fields, check_int
+from ..fields import Fields, check_int, check_number
 from .engine import SEED_RANGE, Engine, SamplingParams
 from .scheduler import QueueFullError, Scheduler, SchedulerStats, TokenEvent
 
@@ -698,14 +698,71 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, max_queue: in
     return app
 
 
+def _checked_address(host: Any, port: Any) -> tuple[str, int]:
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"host: expected a host name or address, got {host!r:.80}")
+    return host, check_int("port", port, low=0, high=65535)
+
+
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
     """Run ``app`` with uvicorn until interrupted (binds the loopback unless ``host`` says otherwise)."""
     import uvicorn
 
-    if not isinstance(host, str) or not host:
-        raise ConfigError(f"host: expected a host name or address, got {host!r:.80}")
-    port = check_int("port", port, low=0, high=65535)
+    host, port = _checked_address(host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-__all__ = ["create_app", "serve", "MAX_BODY_BYTES", "MAX_STOP_STRINGS"]
+class BackgroundServer:
+    """``app`` served by uvicorn in a daemon thread of this process, on ``port`` of ``host``
+    (port 0: a free one, then :attr:`port`), from :meth:`start` to :meth:`stop` (or a ``with``):
+    the server beside other work in one process (a notebook, a test, a benchmark). uvicorn leaves
+    logging as it is: its own configuration would bind its handlers to the ``sys.stderr`` of the
+    moment, which a caller may close before the thread's last message. ``deadline``: the seconds
+    start and stop may each take (:class:`TimeoutError` past it)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, deadline: float = 20.0,
+                 log_level: str = "warning"):
+        import socket
+        import threading
+
+        import uvicorn
+
+        host, port = _checked_address(host, port)
+        self.deadline = check_number("deadline", deadline, above=0)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", log_config=None,
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> "BackgroundServer":
+        self.thread.start()
+        end = time.monotonic() + self.deadline
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise TimeoutError(f"the server on {self.host}:{self.port} did not start within {self.deadline:g} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.deadline)
+        self.sock.close()
+        if self.thread.is_alive():
+            raise TimeoutError(f"the server on {self.host}:{self.port} did not stop within {self.deadline:g} s")
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API's base URL (``http://host:port/v1``)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["create_app", "serve", "BackgroundServer", "MAX_BODY_BYTES", "MAX_STOP_STRINGS"]
