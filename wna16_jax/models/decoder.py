@@ -1002,7 +1002,7 @@ def load_model(path: str | os.PathLike, *, dtype=None, param_dtype=None, backend
     model = MoEDecoder(config, loader.embeddings(), layers, loader.norm("model.norm.weight", config.hidden_size),
                        loader.lm_head(), dtype=opts.dtype, scan_layers=isinstance(layers, _LayerStacker),
                        head_layers=heads)
-    return model if plan is None else _mesh.place_model(model, plan, loader.partial_rows)
+    return model if plan is None else loader.place(model)
 
 
 __all__ = ["MoEDecoder", "LoadOptions", "bind_layer", "DecoderLayer", "Attention", "LatentAttention", "GatedMLP", "yarn_inverse_frequencies",

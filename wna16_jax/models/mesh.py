@@ -424,45 +424,37 @@ def mesh_loader(base, plan: MeshPlan):
     all in the layout the first one's took, then stacked."""
 
     class MeshLoader(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            #: ``{state path: (rule field, axis, global size, (start, stop))}``: the embedding
-            #: matrix where it is read in part (the linears read in part carry it as metadata,
-            #: :data:`PARTIAL_KEY`)
-            self.partial_rows: dict[tuple, tuple[str, int, int, tuple[int, int]]] = {}
-
         def embeddings(self):
-            r = plan.local_range("vocab", self.c.vocab_size)
-            if r is not None:
-                self.partial_rows[("embed_tokens",)] = ("vocab", 0, self.c.vocab_size, r)
-            return super().embeddings(r)
+            self.embed_rows = plan.local_range("vocab", self.c.vocab_size)
+            return super().embeddings(self.embed_rows)
+
+        def place(self, model):
+            """:func:`place_model` of the decoder this loader built (its embedding matrix marked
+            where only its rows were read)."""
+            if getattr(self, "embed_rows", None) is not None:
+                model.embed_tokens.set_metadata(**{PARTIAL_KEY: ("vocab", 0, self.c.vocab_size, self.embed_rows)})
+            return place_model(model, plan)
 
         def linear(self, module: str, n: int, k: int, bias: bool = False, part=None):
             """A linear that a rule splits over an axis spanning the processes: only this
             process's slice of it is read (a 16-bit one's rows or columns; a quantized one's
             packed slice, :meth:`quantized_slice`), marked for :func:`place_model`; otherwise
             (no such axis, or a quantized one an engine lays out) the whole linear."""
-            rule = _module_rule(module)
-            scheme = self.scheme(module, bias) if rule is not None and part is None else None
-            if scheme is not None and not self.o.dequantized:
-                field, side = rule
-                r = plan.local_range(field, n if side == "n" else k)
-                if r is not None:
-                    lin = self.quantized_slice(module, n, k, scheme, field, side, r)
-                    if lin is not None:
-                        return lin
-            elif rule is not None and part is None and not self.o.dequantized:
-                field, side = rule
-                axis, size = (0, n) if side == "n" else (1, k)
-                r = plan.local_range(field, size)
-                if r is not None:
-                    lin = super().linear(module, n, k, bias, (axis, r))
-                    lin.out_features, lin.in_features = n, k          # the global matrix's, as placed
-                    lin.weight.set_metadata(**{PARTIAL_KEY: (field, axis, size, r)})
-                    if lin.bias is not None and axis == 0:
-                        lin.bias.set_metadata(**{PARTIAL_KEY: (field, 0, size, r)})
-                    return lin
-            return super().linear(module, n, k, bias, part)
+            rule = _module_rule(module) if part is None and not self.o.dequantized else None
+            r = None if rule is None else plan.local_range(rule[0], n if rule[1] == "n" else k)
+            if r is None:
+                return super().linear(module, n, k, bias, part)
+            field, side = rule
+            scheme = self.scheme(module, bias)
+            if scheme is not None:
+                return self.quantized_slice(module, n, k, scheme, field, side, r) or super().linear(module, n, k, bias)
+            axis = 0 if side == "n" else 1
+            lin = super().linear(module, n, k, bias, (axis, r))
+            lin.out_features, lin.in_features = n, k              # the global matrix's, as placed
+            lin.weight.set_metadata(**{PARTIAL_KEY: (field, axis, n if axis == 0 else k, r)})
+            if lin.bias is not None and axis == 0:
+                lin.bias.set_metadata(**{PARTIAL_KEY: (field, 0, n, r)})
+            return lin
 
         def quantized_slice(self, module: str, n: int, k: int, scheme, field: str, side: str, r):
             """The quantized linear ``module`` with only its slice ``r`` of N (``side`` "n") or K
@@ -694,7 +686,7 @@ def _put_rows(value, shardings, axes: tuple[int, int | None], ranks, experts, tp
                         is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-#: the metadata key of a weight read in part: ``(rule field, axis, global size, (start, stop))``
+#: the metadata key of an array read in part: ``(rule field, axis, global size, (start, stop))``
 #: of a 16-bit array, ``("matrix", rule field, global form, ((array field, axis, global size,
 #: (start, stop)), ...))`` of a checkpoint-form quantized matrix; the mesh loader sets it,
 #: :func:`place_model` builds the global array and drops it
@@ -708,17 +700,21 @@ def _module_rule(module: str) -> tuple[str, str] | None:
     return next(((field, side) for pattern, field, side in LINEAR_RULES if re.fullmatch(pattern, where)), None)
 
 
+def _from_slice(plan: MeshPlan, a, lead: tuple, field: str, axis: int, n: int, rows: tuple[int, int]) -> jax.Array:
+    """The global array of which ``a`` holds the slice ``rows = [start, stop)`` of ``axis`` (of
+    ``n``; after ``lead``), split there over ``field``'s mesh axis (:func:`_from_rows`)."""
+    pos = np.full(n, -1)
+    pos[rows[0]:rows[1]] = np.arange(rows[1] - rows[0])
+    spec = _spec(*lead, *([None] * axis), plan.axis(field))
+    return _from_rows(a, plan.sharding(spec), {len(lead) + axis: (n, pos)})
+
+
 def _put_matrix_slice(plan: MeshPlan, m, shardings, lead: tuple, field: str, form, fields):
     """A checkpoint-form matrix read as a slice (``fields``: ``(array field, axis, global size,
     (start, stop))`` of each array cut) put on the mesh as the global matrix of ``form``: each cut
     array split over ``field``'s axis there, built from this process's slice; the rest as
     ``shardings`` say (their values are whole)."""
-    out = {}
-    for f, ax, n, (lo, hi) in fields:
-        pos = np.full(n, -1)
-        pos[lo:hi] = np.arange(hi - lo)
-        spec = _spec(*lead, *([None] * ax), plan.axis(field))
-        out[f] = _from_rows(getattr(m, f), plan.sharding(spec), {len(lead) + ax: (n, pos)})
+    out = {f: _from_slice(plan, getattr(m, f), lead, field, ax, n, rows) for f, ax, n, rows in fields}
     cut = {f for f, *_ in fields}
     for f in type(m).EXPERT_FIELDS + ("global_scale",):
         if f not in cut and getattr(m, f, None) is not None:
@@ -726,13 +722,12 @@ def _put_matrix_slice(plan: MeshPlan, m, shardings, lead: tuple, field: str, for
     return dataclasses.replace(m, form=form, **out)
 
 
-def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
+def place_model(model, plan: MeshPlan):
     """Put every array of ``model`` (a :class:`~wna16_jax.models.MoEDecoder` whose MoE layers
     :func:`place_moe` set) on ``plan.mesh`` as :func:`leaf_specs` says, and record the plan
     (``model.mesh_plan``: :meth:`~wna16_jax.models.MoEDecoder.init_cache` shards the cache by it).
-    Leaves read in part by the mesh loader (``partial_rows``, ``{state path: (rule field, axis,
-    global size, (start, stop))}``, or their :data:`PARTIAL_KEY` metadata) hold only that slice
-    of their global array, which is built from it. Returns the model."""
+    Leaves read in part by the mesh loader (their :data:`PARTIAL_KEY` metadata) hold only that
+    slice of their global array, which is built from it. Returns the model."""
     if not isinstance(plan.mesh, Mesh):
         raise ConfigError(f"mesh: expected a jax.sharding.Mesh of devices to place the model on, got "
                           f"{type(plan.mesh).__name__}")
@@ -744,19 +739,12 @@ def place_model(model, plan: MeshPlan, partial_rows: dict | None = None):
     for path, v in nnx.to_flat_state(state):
         shardings = jax.tree.map(plan.sharding, leaf_specs(plan, path, v), is_leaf=lambda x: isinstance(x, P))
         axes = routed_expert_axes(path, v) if partial else None
-        part = v.get_metadata().get(PARTIAL_KEY) or (partial_rows or {}).get(tuple(path))
-        if part is not None and part[0] == "matrix":       # a quantized matrix's slice
-            v.set_value(_put_matrix_slice(plan, v.get_value(), shardings, _leaf_where(path)[1], *part[1:]))
-            v.del_metadata(PARTIAL_KEY)
-        elif part is not None:                # a slice [lo, hi) of one axis, read alone: split over its field
-            field, axis, n, (lo, hi) = part
+        part = v.get_metadata().get(PARTIAL_KEY)
+        if part is not None:                  # read in part: a quantized matrix's slice, or one array's
             lead = _leaf_where(path)[1]
-            pos = np.full(n, -1)
-            pos[lo:hi] = np.arange(hi - lo)
-            spec = _spec(*lead, *([None] * axis), plan.axis(field))
-            v.set_value(_from_rows(v.get_value(), plan.sharding(spec), {len(lead) + axis: (n, pos)}))
-            if v.has_metadata(PARTIAL_KEY):
-                v.del_metadata(PARTIAL_KEY)
+            v.set_value(_put_matrix_slice(plan, v.get_value(), shardings, lead, *part[1:]) if part[0] == "matrix"
+                        else _from_slice(plan, v.get_value(), lead, *part))
+            v.del_metadata(PARTIAL_KEY)
         elif axes is None:
             v.set_value(put_global(v.get_value(), shardings))
         else:
